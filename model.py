@@ -1,0 +1,203 @@
+"""The target model: a small causal transformer with a ragged, preallocated KV cache.
+
+GPT.forward(idx, cache=None) returns (logits, hidden), where `hidden` is the final hidden state
+after the final norm, i.e. exactly the LM head's input. The drafter reads it (EAGLE style).
+
+The KV cache is one static tensor per run, allocated once, with a length pointer per row:
+
+    cache.k, cache.v   (n_layer, B, n_head, max_len, head_dim)
+    cache.lengths      (B,) long
+
+Appending T tokens writes row b's keys at positions lengths[b] .. lengths[b]+T-1 and then adds T
+to every length. Rolling a row back (a rejected draft, or the padding of a short prompt) is just
+assigning a smaller length: the stale entries past it are never read, because a query at position
+p only attends to keys at positions <= p, and they are overwritten by the next append.
+
+Ragged prompts: right padding plus per-row lengths. Prefill the padded (B, T) batch with every
+length at 0, then assign the true prompt lengths; the padding's cache entries are dead. Rows that
+finish leave the batch with `cache.keep(rows)` (compaction), so a shrinking batch really costs less.
+
+Simplifications on purpose: rotary position embeddings (positions are per row, so RoPE is a
+gather, not a slice), RMSNorm without bias, tied embedding and LM head, no dropout. float32 on
+the CPU; on CUDA the caller may wrap forward in bf16 autocast.
+
+Test: python -m pytest tests/test_model.py
+"""
+from dataclasses import dataclass, asdict
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+@dataclass
+class GPTConfig:
+    vocab_size: int = 260
+    block_size: int = 512   # longest prompt + response the model (and its cache) can hold
+    n_layer: int = 6
+    n_head: int = 4
+    n_embd: int = 128
+    rope_base: float = 10000.0
+
+    def __post_init__(self):
+        for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"GPTConfig.{name} must be positive, got {getattr(self, name)}")
+        if self.n_embd % self.n_head or (self.n_embd // self.n_head) % 2:
+            raise ValueError(f"n_embd={self.n_embd} must split into n_head={self.n_head} heads of even size")
+
+    def to_dict(self):
+        return asdict(self)
+
+
+class KVCache:
+    """Preallocated keys and values for every layer, with one length per row."""
+
+    def __init__(self, config, batch_size, max_len, device="cpu", dtype=torch.float32, n_layer=None):
+        n_layer = config.n_layer if n_layer is None else n_layer  # the drafter has one layer
+        hd = config.n_embd // config.n_head
+        shape = (n_layer, batch_size, config.n_head, max_len, hd)
+        self.k = torch.zeros(shape, device=device, dtype=dtype)
+        self.v = torch.zeros(shape, device=device, dtype=dtype)
+        self.lengths = torch.zeros(batch_size, dtype=torch.long, device=device)
+        self.max_len = max_len
+
+    @property
+    def batch_size(self):
+        return self.lengths.shape[0]
+
+    def keep(self, rows):
+        """Compaction: keep only `rows` (a long tensor of row indices), in that order."""
+        self.k = self.k[:, rows]
+        self.v = self.v[:, rows]
+        self.lengths = self.lengths[rows]
+
+
+def rope_tables(head_dim, max_len, base, device):
+    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float64) / head_dim))
+    angles = torch.outer(torch.arange(max_len, device=device, dtype=torch.float64), inv_freq)  # (L, hd/2)
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x, cos, sin):
+    # x (B, H, T, hd); cos, sin (B, 1, T, hd/2): rotate each pair of channels by its position's angle
+    x1, x2 = x[..., 0::2], x[..., 1::2]
+    out = torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
+    return out.flatten(-2)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim, eps=1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+
+
+class Attention(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.n_head = config.n_head
+        self.qkv = nn.Linear(config.n_embd, 3 * config.n_embd, bias=False)
+        self.proj = nn.Linear(config.n_embd, config.n_embd, bias=False)
+
+    def forward(self, x, cos, sin, kv=None, pos=None, n_keys=None):
+        B, T, C = x.shape
+        q, k, v = self.qkv(x).view(B, T, 3, self.n_head, C // self.n_head).permute(2, 0, 3, 1, 4)  # 3 x (B, H, T, hd)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if kv is None:  # plain causal pass, positions 0..T-1
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:
+            k_cache, v_cache = kv  # (B, H, max_len, hd) views into the cache
+            rows = torch.arange(B, device=x.device)[:, None]
+            k_cache[rows, :, pos] = k.transpose(1, 2)  # write row b's T keys at its own positions
+            v_cache[rows, :, pos] = v.transpose(1, 2)
+            # a query at position p sees keys 0..p of its own row; older junk past p is masked
+            keys = torch.arange(n_keys, device=x.device)
+            mask = keys[None, None, None, :] <= pos[:, None, :, None]  # (B, 1, T, n_keys)
+            y = F.scaled_dot_product_attention(q, k_cache[:, :, :n_keys], v_cache[:, :, :n_keys], attn_mask=mask)
+        return self.proj(y.transpose(1, 2).reshape(B, T, C))
+
+
+class Block(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.norm1 = RMSNorm(config.n_embd)
+        self.attn = Attention(config)
+        self.norm2 = RMSNorm(config.n_embd)
+        self.fc = nn.Linear(config.n_embd, 4 * config.n_embd, bias=False)
+        self.out = nn.Linear(4 * config.n_embd, config.n_embd, bias=False)
+
+    def forward(self, x, cos, sin, kv=None, pos=None, n_keys=None):
+        x = x + self.attn(self.norm1(x), cos, sin, kv, pos, n_keys)
+        return x + self.out(F.gelu(self.fc(self.norm2(x))))
+
+
+class RotaryStack(nn.Module):
+    """Transformer blocks plus the bookkeeping shared by the target and the drafter: positions,
+    rotary angles, cache writes and the length update."""
+
+    def __init__(self, config, n_layer):
+        super().__init__()
+        self.config = config
+        self.blocks = nn.ModuleList(Block(config) for _ in range(n_layer))
+        cos, sin = rope_tables(config.n_embd // config.n_head, config.block_size, config.rope_base, "cpu")
+        self.register_buffer("rope_cos", cos.float(), persistent=False)
+        self.register_buffer("rope_sin", sin.float(), persistent=False)
+
+    def forward(self, x, cache=None):
+        B, T, _ = x.shape
+        if cache is None:
+            if T > self.config.block_size:
+                raise ValueError(f"sequence of {T} tokens exceeds block_size {self.config.block_size}")
+            pos = torch.arange(T, device=x.device).expand(B, T)
+        else:
+            pos = cache.lengths[:, None] + torch.arange(T, device=x.device)  # (B, T)
+        # host-device sync: the attention window is the longest row after the append
+        n_keys = int(pos[:, -1].max()) + 1
+        if n_keys > self.config.block_size or (cache is not None and n_keys > cache.max_len):
+            limit = self.config.block_size if cache is None else min(cache.max_len, self.config.block_size)
+            raise ValueError(f"position {n_keys - 1} is past the model's {limit} positions")
+        cos = self.rope_cos.to(x.dtype)[pos][:, None]  # (B, 1, T, hd/2)
+        sin = self.rope_sin.to(x.dtype)[pos][:, None]
+        for i, block in enumerate(self.blocks):
+            kv = None if cache is None else (cache.k[i], cache.v[i])
+            x = block(x, cos, sin, kv, pos, n_keys)
+        if cache is not None:
+            cache.lengths = cache.lengths + T
+        return x
+
+
+class GPT(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.config = config
+        self.wte = nn.Embedding(config.vocab_size, config.n_embd)
+        self.stack = RotaryStack(config, config.n_layer)
+        self.norm = RMSNorm(config.n_embd)
+        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        self.lm_head.weight = self.wte.weight  # tied: the drafter shares both through the target
+        self.apply(self._init_weights)
+        for name, p in self.named_parameters():
+            if name.endswith("proj.weight") or name.endswith("out.weight"):  # GPT-2 residual scaling
+                nn.init.normal_(p, mean=0.0, std=0.02 / (2 * config.n_layer) ** 0.5)
+
+    @staticmethod
+    def _init_weights(module):
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+
+    def forward(self, idx, cache=None):
+        """idx (B, T) -> logits (B, T, V), hidden (B, T, C). See the module docstring for the cache."""
+        hidden = self.norm(self.stack(self.wte(idx), cache))  # (B, T, C)
+        return self.lm_head(hidden), hidden
+
+    def new_cache(self, batch_size, max_len=None, device=None, dtype=None):
+        p = self.wte.weight
+        return KVCache(self.config, batch_size, max_len or self.config.block_size,
+                       device=device or p.device, dtype=dtype or p.dtype)
+
+    def num_params(self):
+        return sum(p.numel() for p in self.parameters())

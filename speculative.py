@@ -1,0 +1,244 @@
+"""Lossless speculative decoding, batched, in plain PyTorch.
+
+The pieces, in the order one speculative step uses them:
+
+1. `probs(logits, temperature)`: softmax at a temperature; temperature 0 is greedy (one-hot).
+2. Drafting: the drafter first catches up on the target hidden states it has not read yet (a
+   ragged number per row), then proposes k tokens, feeding its own predicted hidden state back.
+3. Verification: the target reads [pending token, d_1..d_k] in one forward pass (T = k + 1).
+4. `verify`: exact rejection sampling (Leviathan et al. 2023, Chen et al. 2023). Draft d_i is kept
+   with probability min(1, p(d_i) / q(d_i)); at the first rejection the next token is drawn from
+   normalise(max(p - q, 0)); if all k are kept, from p at position k+1. The emitted tokens are
+   then distributed exactly as the target's own samples, so RL stays on-policy.
+5. Ragged acceptance: every row keeps its own number of tokens. Rolling back is assigning the
+   cache lengths; no row waits for the slowest, no row is cut to the minimum.
+
+`Generation` holds the running batch (tokens, target hidden states, both caches); its
+`plain_step` and `speculative_step` are the two kinds of step, and `compact` drops finished rows
+from every tensor and cache. `autoregressive_generate` and `speculative_generate` are the two pure
+policies; rollout.py mixes them by batch size.
+
+Host-device syncs are marked "sync:". On a CPU they are free; on a GPU there are a few per step
+(finding finished rows and the attention window), which is the price of a truly shrinking batch.
+
+Test: python -m pytest tests/test_speculative.py
+"""
+import torch
+import torch.nn.functional as F
+
+
+def probs(logits, temperature):
+    """(..., V) logits -> (..., V) float32 probabilities; temperature 0 gives one-hot argmax."""
+    if temperature == 0:
+        return F.one_hot(logits.argmax(-1), logits.shape[-1]).float()
+    return F.softmax(logits.float() / temperature, dim=-1)
+
+
+def sample(p, generator=None):
+    """(B, V) probabilities -> (B,) token ids."""
+    return torch.multinomial(p, 1, generator=generator).squeeze(-1)
+
+
+def verify(draft_tokens, q, p, generator=None):
+    """Exact rejection sampling over a batch.
+
+    draft_tokens (B, k) drawn from q (B, k, V); p (B, k+1, V) the target's distributions.
+    Returns n_accepted (B,) and next_token (B,) as DESIGN.md defines them."""
+    B, k = draft_tokens.shape
+    p_d = p[:, :k].gather(-1, draft_tokens[..., None]).squeeze(-1)  # (B, k)
+    q_d = q.gather(-1, draft_tokens[..., None]).squeeze(-1)  # (B, k)
+    u = torch.rand(B, k, generator=generator, device=p.device)
+    accept = u * q_d < p_d  # u < p/q without dividing; p >= q always accepts since u < 1
+    n_accepted = accept.long().cumprod(dim=1).sum(dim=1)  # (B,) length of the accepted prefix
+    # residual at the first rejection; at n_accepted == k, q is zero there so residual = p[:, k]
+    q_pad = torch.cat([q, torch.zeros_like(q[:, :1])], dim=1)  # (B, k+1, V)
+    at = n_accepted[:, None, None].expand(B, 1, p.shape[-1])
+    residual = (p.gather(1, at) - q_pad.gather(1, at)).squeeze(1).clamp(min=0)  # (B, V)
+    mass = residual.sum(-1, keepdim=True)
+    # mass is 0 only where p == q, which rejects with probability 0; guard against rounding
+    residual = torch.where(mass > 0, residual / mass.clamp(min=1e-30), p.gather(1, at).squeeze(1))
+    return n_accepted, sample(residual, generator)
+
+
+class Generation:
+    """The running batch of one generation: rows leave it when they finish.
+
+    Per row: tokens[b, :n_tokens[b]] are prompt + generated tokens, the last one "pending" (sampled
+    but not yet read by the target), so the target cache holds n_tokens - 1 positions and
+    hidden[b, j] is the target's final hidden state after reading tokens[b, j]."""
+
+    def __init__(self, target, prompts, max_new_tokens, *, temperature=1.0, eos_id=None,
+                 generator=None, max_draft=0):
+        if not prompts or any(len(p) == 0 for p in prompts):
+            raise ValueError("prompts must be a non-empty list of non-empty token lists")
+        if max_new_tokens <= 0:
+            raise ValueError(f"max_new_tokens must be positive, got {max_new_tokens}")
+        longest = max(len(p) for p in prompts)
+        need = longest + max_new_tokens + max_draft  # the verify pass writes k positions past the end
+        if need > target.config.block_size:
+            raise ValueError(f"prompt ({longest}) + max_new_tokens ({max_new_tokens}) + draft ({max_draft}) "
+                             f"= {need} exceeds block_size {target.config.block_size}")
+        self.target, self.temperature, self.eos_id, self.generator = target, temperature, eos_id, generator
+        self.max_new_tokens = max_new_tokens
+        dev = target.wte.weight.device
+        B, W = len(prompts), need + 1
+        self.tokens = torch.zeros(B, W, dtype=torch.long, device=dev)
+        for b, p in enumerate(prompts):
+            self.tokens[b, :len(p)] = torch.tensor(p, device=dev)
+        self.prompt_len = torch.tensor([len(p) for p in prompts], device=dev)
+        self.hidden = torch.zeros(B, W, target.config.n_embd, device=dev, dtype=target.wte.weight.dtype)
+        self.row_id = torch.arange(B, device=dev)
+        self.cache = target.new_cache(B, max_len=need)
+        self.dcache = None  # the drafter's cache, made on the first speculative step
+        self.results = [None] * B  # per original row: (generated ids, hidden states of the row)
+        # prefill: the padded prompt batch in one pass, then roll each row back to its true length
+        logits, hidden = target(self.tokens[:, :longest], self.cache)  # (B, T, V), (B, T, C)
+        self.cache.lengths = self.prompt_len.clone()
+        self.hidden[:, :longest] = hidden
+        last = logits[torch.arange(B, device=dev), self.prompt_len - 1]  # (B, V)
+        first = sample(probs(last, temperature), generator)
+        self.n_tokens = self.prompt_len.clone()
+        self.done = torch.zeros(B, dtype=torch.bool, device=dev)
+        self._append(first[:, None], torch.ones_like(first))
+
+    @property
+    def batch_size(self):
+        return self.row_id.shape[0]
+
+    def _append(self, new, n_new):
+        """Write new (B, W) tokens, of which row b keeps its first n_new[b], after each row's end;
+        truncate at <|eos|> and at max_new_tokens and mark those rows done."""
+        B, W = new.shape
+        offs = torch.arange(W, device=new.device)
+        pos = self.n_tokens[:, None] + offs  # (B, W)
+        self.tokens.scatter_(1, pos, new)  # writes past n_new land beyond the row's end: dead
+        keep = offs[None] < n_new[:, None]
+        if self.eos_id is not None:  # cut after the first <|eos|>
+            is_eos = keep & (new == self.eos_id)
+            first_eos = torch.where(is_eos.any(1), is_eos.float().argmax(1), W)
+            keep &= offs[None] <= first_eos[:, None]
+            self.done |= is_eos.any(1)
+        budget = self.prompt_len + self.max_new_tokens - self.n_tokens
+        n_kept = torch.minimum(keep.sum(1), budget)
+        self.n_tokens = self.n_tokens + n_kept
+        self.done |= self.n_tokens >= self.prompt_len + self.max_new_tokens
+        return n_kept
+
+    @torch.no_grad()
+    def plain_step(self):
+        """One token for every running row. Returns the number of tokens emitted."""
+        pending = self.tokens.gather(1, (self.n_tokens - 1)[:, None])  # (B, 1)
+        logits, hidden = self.target(pending, self.cache)  # (B, 1, V), (B, 1, C)
+        self.hidden[torch.arange(self.batch_size), self.n_tokens - 1] = hidden[:, 0]
+        nxt = sample(probs(logits[:, 0], self.temperature), self.generator)
+        return self._append(nxt[:, None], torch.ones_like(nxt))
+
+    @torch.no_grad()
+    def speculative_step(self, drafter, k):
+        """Draft k tokens per row, verify them in one target pass, keep a ragged number per row.
+        Returns (tokens emitted per row, drafts accepted per row)."""
+        B, dev = self.batch_size, self.tokens.device
+        rows = torch.arange(B, device=dev)
+        L = self.n_tokens - 1  # target cache length; tokens[L] is pending
+        if self.dcache is None:  # switch to SD: fill the drafter cache from recorded hidden states
+            self.dcache = drafter.new_cache(B, max_len=self.cache.max_len)
+        # 1. catch up: pairs (h_j, x_{j+1}) for j = dcache.lengths .. L-1, a ragged count per row
+        start = self.dcache.lengths
+        n_new = L - start  # (B,) >= 1
+        T = int(n_new.max())  # sync: the padded width of the catch-up
+        j = start[:, None] + torch.arange(T, device=dev)  # (B, T)
+        j = torch.minimum(j, L[:, None])  # padding repeats a valid index; its cache entries are dead
+        logits, h_pred = drafter(self.hidden[rows[:, None], j], self.tokens.gather(1, j + 1), self.dcache)
+        self.dcache.lengths = L.clone()  # roll the padding back
+        last = (n_new - 1)[:, None, None]
+        q_logits = logits.gather(1, last.expand(B, 1, logits.shape[-1]))[:, 0]  # (B, V)
+        h = h_pred.gather(1, last.expand(B, 1, h_pred.shape[-1]))  # (B, 1, C)
+        # 2. draft k tokens, feeding the drafter its own hidden state
+        drafts, qs = [], []
+        for i in range(k):
+            q = probs(q_logits, self.temperature)
+            d = sample(q, self.generator)
+            drafts.append(d)
+            qs.append(q)
+            if i + 1 < k:
+                q_logits, h = drafter(h, d[:, None], self.dcache)
+                q_logits = q_logits[:, 0]
+        self.dcache.lengths = L.clone()  # entries built on guessed states are redone next step
+        draft = torch.stack(drafts, dim=1)  # (B, k)
+        q = torch.stack(qs, dim=1)  # (B, k, V)
+        # 3. verify: the target reads the pending token and the k drafts in one pass
+        pending = self.tokens.gather(1, L[:, None])  # (B, 1)
+        t_logits, t_hidden = self.target(torch.cat([pending, draft], dim=1), self.cache)  # (B, k+1, .)
+        n_acc, nxt = verify(draft, q, probs(t_logits, self.temperature), self.generator)
+        # 4. keep a ragged number per row: states for pending + accepted, tokens accepted + next
+        self.hidden[rows[:, None], L[:, None] + torch.arange(k + 1, device=dev)] = t_hidden
+        emitted = torch.cat([draft, torch.zeros_like(nxt)[:, None]], dim=1)
+        emitted.scatter_(1, n_acc[:, None], nxt[:, None])
+        n_emitted = self._append(emitted, n_acc + 1)
+        self.cache.lengths = self.n_tokens - 1  # roll the rejected drafts back
+        return n_emitted, n_acc
+
+    def compact(self):
+        """Move finished rows to `results` and drop them from every tensor and cache.
+        Returns the number of rows still running."""
+        if not bool(self.done.any()):  # sync: which rows finished
+            return self.batch_size
+        for b in self.done.nonzero()[:, 0].tolist():
+            n, plen = int(self.n_tokens[b]), int(self.prompt_len[b])
+            self.results[int(self.row_id[b])] = (self.tokens[b, plen:n].tolist(), self.tokens[b, :n].clone(),
+                                                 self.hidden[b, :n - 1].clone(), plen)
+        keep = (~self.done).nonzero()[:, 0]
+        for name in ("tokens", "hidden", "prompt_len", "row_id", "n_tokens", "done"):
+            setattr(self, name, getattr(self, name)[keep])
+        self.cache.keep(keep)
+        if self.dcache is not None:
+            self.dcache.keep(keep)
+        return self.batch_size
+
+    def outputs(self):
+        return [r[0] for r in self.results]
+
+
+def new_stats():
+    return {"steps": 0, "tokens": 0, "sd_steps": 0, "sd_tokens": 0, "accepted": 0, "accept_hist": {}}
+
+
+def record_sd(stats, n_emitted, n_acc):
+    stats["sd_steps"] += int(n_emitted.numel())
+    stats["sd_tokens"] += int(n_emitted.sum())
+    for a in n_acc.tolist():
+        stats["accept_hist"][a] = stats["accept_hist"].get(a, 0) + 1
+
+
+def finish_stats(stats):
+    stats["accept_len"] = stats["sd_tokens"] / stats["sd_steps"] if stats["sd_steps"] else None
+    stats["accept_hist"] = dict(sorted(stats["accept_hist"].items()))
+    return stats
+
+
+@torch.no_grad()
+def autoregressive_generate(target, prompts, max_new_tokens, *, temperature=1.0, eos_id=None, generator=None):
+    """Plain decoding, one token per row per target pass; finished rows leave the batch."""
+    gen = Generation(target, prompts, max_new_tokens, temperature=temperature, eos_id=eos_id, generator=generator)
+    stats = new_stats()
+    while gen.compact() > 0:
+        stats["tokens"] += int(gen.plain_step().sum())
+        stats["steps"] += 1
+    return gen.outputs(), finish_stats(stats)
+
+
+@torch.no_grad()
+def speculative_generate(target, drafter, prompts, max_new_tokens, *, k=4, temperature=1.0, eos_id=None,
+                         generator=None):
+    """Speculative decoding with a fixed k for every row and every step."""
+    if k < 1:
+        raise ValueError(f"k must be >= 1, got {k}")
+    gen = Generation(target, prompts, max_new_tokens, temperature=temperature, eos_id=eos_id,
+                     generator=generator, max_draft=k)
+    stats = new_stats()
+    while gen.compact() > 0:
+        n_emitted, n_acc = gen.speculative_step(drafter, k)
+        stats["tokens"] += int(n_emitted.sum())
+        stats["steps"] += 1
+        record_sd(stats, n_emitted, n_acc)
+    return gen.outputs(), finish_stats(stats)
