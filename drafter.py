@@ -29,9 +29,8 @@ came from, for the last `keep_steps` steps. `train_step` serves the warm-up and 
 
 Test: python -m pytest tests/test_drafter.py
 """
-import random
-
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
@@ -129,13 +128,23 @@ def drafter_loss(drafter, h_in, x_next, h_tgt, mask):
     return total / 2
 
 
-def train_step(drafter, optimizer, buffer, rng, batch_size=16, device="cpu"):
+def train_step(drafter, optimizer, buffer, rng, batch_size=16, device="cpu", sync_grads=False):
     """One optimizer step on a batch from the buffer; returns the loss. Short on purpose: the
-    idle-rank loop checks for preemption between steps."""
+    idle-rank loop checks for preemption between steps. sync_grads averages gradients over ranks
+    (the warm-up, where all ranks train together); idle-rank training is local, then synced."""
     batch = buffer.sample(batch_size, rng, device)
     loss = drafter_loss(drafter, *batch)
     optimizer.zero_grad(set_to_none=True)
     loss.backward()
+    if sync_grads:
+        grads = [p.grad for p in drafter.parameters()]
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat)
+        flat /= dist.get_world_size()
+        i = 0
+        for g in grads:
+            g.copy_(flat[i:i + g.numel()].view_as(g))
+            i += g.numel()
     torch.nn.utils.clip_grad_norm_(drafter.parameters(), 1.0)
     optimizer.step()
     return loss.item()
@@ -154,6 +163,3 @@ def acceptance_proxy(drafter, buffer, rng, batch_size=32, device="cpu"):
 def make_optimizer(drafter, lr=3e-3):
     return torch.optim.AdamW(drafter.parameters(), lr=lr, weight_decay=0.0, betas=(0.9, 0.95))
 
-
-def new_rng(seed):
-    return random.Random(seed)

@@ -1,22 +1,25 @@
-"""Warm up a small GPT on the running-sum task, then improve it with GRPO, with TLT rollouts.
+"""Warm up a small GPT on the running-sum task, then improve it with GRPO and TLT rollouts.
 
-    python train.py                                   # one process, CPU or one GPU
-    torchrun --standalone --nproc_per_node=2 train.py # several ranks (gloo on CPU, nccl on CUDA)
+    python train.py                                    # one process, CPU or one GPU
+    torchrun --standalone --nproc_per_node=2 train.py  # several ranks (gloo on CPU, nccl on CUDA)
 
-Steps: (1) supervised warm-up of the target on reference traces, cached in --out-dir;
-(2) warm-up of the drafter on the target's own samples, cached likewise; (3) --rl-steps of GRPO
-whose rollouts use speculative decoding in the long tail (--tlt on) and whose idle ranks train
-the drafter (--drafter-updates on). See README.md for what each flag buys.
+(1) Supervised warm-up of the target on reference traces; (2) warm-up of the drafter on the
+target's own samples; both cached in --out-dir and reused when their config matches.
+(3) --rl-steps of GRPO. Each step: every rank rolls out its shard (speculative decoding in the
+long tail with --tlt on), ranks that finish early train the drafter until the last one finishes
+(--drafter-updates on), the drafters are synced, then one GRPO update of the target under DDP.
+Rank 0 logs one line per step and appends a record to <out-dir>/metrics.jsonl; a checkpoint with
+everything needed to continue is written atomically every --ckpt-every steps, and rerunning the
+same command resumes from it.
 """
 import argparse
+import datetime
 import json
 import math
 import os
 import random
-import sys
 import time
 import warnings
-from contextlib import nullcontext
 from dataclasses import asdict
 
 import torch
@@ -24,17 +27,31 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+import rl
 import task
+from drafter import Drafter, DrafterBuffer, acceptance_proxy, make_optimizer, train_step
 from model import GPT, GPTConfig
-from speculative import autoregressive_generate
+from rollout import ARMS, Bandit, rollout
+from scheduler import gather_ranks, idle_train, render_timeline, sync_drafter
+from speculative import autoregressive_generate, speculative_generate
+
+# a rank that dies makes its peers fail in a collective after at most this long (seconds)
+COLLECTIVE_TIMEOUT_S = int(os.environ.get("TLT_COLLECTIVE_TIMEOUT", 120))
+
+
+def on_off(v):
+    if v not in ("on", "off"):
+        raise argparse.ArgumentTypeError(f"expected on or off, got {v!r}")
+    return v == "on"
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     # run
     p.add_argument("--out-dir", default="out", help="where checkpoints and metrics.jsonl go")
+    p.add_argument("--warmup-dir", default=None, help="where the warm-up checkpoints are cached (default: --out-dir)")
     p.add_argument("--seed", type=int, default=1337, help="base seed; per-rank, per-step seeds derive from it")
-    p.add_argument("--device", default="auto", help="auto, cpu or cuda")
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="where to run")
     # task
     p.add_argument("--max-n", type=int, default=26, help="largest problem size (digits to sum)")
     p.add_argument("--alpha", type=float, default=1.5, help="tail exponent of the problem-size distribution")
@@ -44,16 +61,55 @@ def parse_args(argv=None):
     p.add_argument("--n-embd", type=int, default=128, help="model width")
     p.add_argument("--block-size", type=int, default=200, help="longest sequence the model holds")
     # target warm-up
-    p.add_argument("--warmup-steps", type=int, default=500, help="supervised optimizer steps for the target")
+    p.add_argument("--warmup-steps", type=int, default=900, help="supervised optimizer steps for the target")
     p.add_argument("--warmup-tokens", type=int, default=4096, help="padded tokens per warm-up batch, all ranks together")
-    p.add_argument("--warmup-lr", type=float, default=3e-3, help="peak learning rate of the warm-up")
-    p.add_argument("--eval-per-bucket", type=int, default=40, help="held-out problems per size bucket")
+    p.add_argument("--warmup-lr", type=float, default=3e-3, help="peak learning rate of the target warm-up")
+    # drafter
+    p.add_argument("--drafter-warmup-seqs", type=int, default=512, help="target samples the drafter warms up on")
+    p.add_argument("--drafter-warmup-steps", type=int, default=600, help="drafter optimizer steps in its warm-up")
+    p.add_argument("--drafter-lr", type=float, default=2e-3, help="drafter learning rate (warm-up and online)")
+    p.add_argument("--drafter-batch", type=int, default=16, help="sequences per drafter training step")
+    p.add_argument("--drafter-keep", type=int, default=2, help="RL steps of hidden states the drafter buffer keeps")
+    # RL
+    p.add_argument("--rl-steps", type=int, default=40, help="GRPO steps")
+    p.add_argument("--prompts-per-step", type=int, default=16, help="prompts per RL step, all ranks together")
+    p.add_argument("--group-size", type=int, default=8, help="responses per prompt (the GRPO group)")
+    p.add_argument("--rl-lr", type=float, default=3e-4, help="learning rate of the GRPO updates")
+    p.add_argument("--rl-epochs", type=int, default=1, help="optimizer passes over each rollout")
+    p.add_argument("--clip-eps", type=float, default=0.2, help="PPO clip range")
+    p.add_argument("--kl-coef", type=float, default=0.0, help="weight of the KL to the warmed-up target (0: off)")
+    p.add_argument("--temperature", type=float, default=1.0, help="rollout sampling temperature")
+    p.add_argument("--update-tokens", type=int, default=4096, help="padded tokens per GRPO micro-batch")
+    # TLT
+    p.add_argument("--tlt", type=on_off, default=True, metavar="on|off", help="speculative decoding in the tail (off: plain baseline)")
+    p.add_argument("--drafter-updates", type=on_off, default=True, metavar="on|off", help="train the drafter on idle ranks (off: frozen)")
+    p.add_argument("--sd-threshold", type=int, default=16, help="speculative steps only when the running batch is at most this")
+    # logging, evaluation, checkpoints
+    p.add_argument("--eval-per-bucket", type=int, default=40, help="held-out problems per size bucket (0: no evaluation)")
+    p.add_argument("--timeline-every", type=int, default=10, help="print the per-rank timeline every N steps (0: never)")
+    p.add_argument("--ckpt-every", type=int, default=10, help="write the RL checkpoint every N steps")
     args = p.parse_args(argv)
-    for name in ("max_n", "n_layer", "n_head", "n_embd", "block_size", "warmup_steps", "warmup_tokens", "eval_per_bucket"):
+    positive = ("max_n", "n_layer", "n_head", "n_embd", "block_size", "warmup_steps", "warmup_tokens",
+                "drafter_warmup_seqs", "drafter_warmup_steps", "drafter_batch", "drafter_keep", "prompts_per_step",
+                "group_size", "rl_epochs", "update_tokens", "ckpt_every")
+    for name in positive:
         if getattr(args, name) <= 0:
             p.error(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
-    if args.warmup_lr <= 0:
-        p.error("--warmup-lr must be positive")
+    for name in ("warmup_lr", "drafter_lr", "rl_lr", "clip_eps"):
+        if not getattr(args, name) > 0:
+            p.error(f"--{name.replace('_', '-')} must be positive")
+    for name in ("rl_steps", "kl_coef", "temperature", "sd_threshold", "timeline_every", "alpha", "eval_per_bucket"):
+        if getattr(args, name) < 0:
+            p.error(f"--{name.replace('_', '-')} must not be negative")
+    if args.max_n > len(task.LABELS):
+        p.error(f"--max-n must be at most {len(task.LABELS)}")
+    need = task.TaskConfig(max_n=args.max_n).max_seq_len + max(ARMS)
+    if args.block_size < need:
+        p.error(f"--block-size {args.block_size} is too small for --max-n {args.max_n}: the longest prompt + "
+                f"response + {max(ARMS)} draft tokens needs {need}")
+    if args.n_embd % args.n_head or (args.n_embd // args.n_head) % 2:
+        p.error(f"--n-embd {args.n_embd} must split into --n-head {args.n_head} heads of even size")
+    args.warmup_dir = args.warmup_dir or args.out_dir
     return args
 
 
@@ -73,14 +129,15 @@ def compute_init(device_arg="auto"):
     device = torch.device(f"cuda:{local_rank}" if use_cuda else "cpu")
     if use_cuda:
         torch.cuda.set_device(device)
-    else:  # ranks sharing a CPU: one thread each, or they fight over cores
+    else:  # ranks sharing a CPU: split the cores, or they fight over them
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
         cores = os.cpu_count() or 1
         torch.set_num_threads(max(1, cores // local_world))
         if local_world > cores and rank == 0:
-            warnings.warn(f"{local_world} ranks share {cores} CPU cores: expect slow, oversubscribed steps")
+            warnings.warn(f"{local_world} ranks share {cores} CPU cores: steps will be slow and timings noisy")
     if ddp:
-        dist.init_process_group("nccl" if use_cuda else "gloo", timeout=COLLECTIVE_TIMEOUT)
+        dist.init_process_group("nccl" if use_cuda else "gloo",
+                                timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
     return ddp, rank, local_rank, world_size, device
 
 
@@ -89,29 +146,41 @@ def print0(*a, **kw):
         print(*a, **kw, flush=True)
 
 
-# a rank that dies makes its peers fail in a collective after at most this long
-import datetime  # noqa: E402
-COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=int(os.environ.get("TLT_COLLECTIVE_TIMEOUT", 120)))
+def all_sum(values, device):
+    """Sum a list of floats over ranks."""
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    if dist.is_initialized():
+        dist.all_reduce(t)
+    return t.tolist()
+
+
+def derive_seed(*parts):
+    """A seed for (base seed, rank, step, purpose): no global reseeding inside loops."""
+    h = 0
+    for x in parts:
+        h = (h * 1_000_003 + int(x)) % (2 ** 61 - 1)
+    return h
 
 
 # -----------------------------------------------------------------------------
 # checkpoints: atomic writes, safe loads, config checked
 
 def save_atomic(obj, path):
-    tmp = f"{path}.tmp.{os.getpid()}"
+    tmp = f"{path}.tmp"
     torch.save(obj, tmp)
-    os.replace(tmp, path)  # a kill before this line leaves the old file intact
+    os.replace(tmp, path)  # a kill before this line leaves the previous file intact
 
 
 def load_checked(path, expected_meta):
     """Load a checkpoint saved with meta=expected_meta; exit with one clear line otherwise."""
     try:
         ckpt = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:  # truncated or not a checkpoint at all
+    except Exception as e:  # truncated, corrupt, or not a checkpoint
         raise SystemExit(f"error: cannot read checkpoint {path} ({type(e).__name__}); delete it or use another --out-dir")
-    if not isinstance(ckpt, dict) or ckpt.get("meta") != expected_meta:
-        got = ckpt.get("meta") if isinstance(ckpt, dict) else None
-        diff = sorted(k for k in set(expected_meta) | set(got or {}) if (got or {}).get(k) != expected_meta.get(k))
+    got = ckpt.get("meta") if isinstance(ckpt, dict) else None
+    if got != expected_meta:
+        keys = set(expected_meta) | set(got or {})
+        diff = sorted(k for k in keys if (got or {}).get(k) != expected_meta.get(k))
         raise SystemExit(f"error: checkpoint {path} was made with a different config (differs in: {', '.join(diff)}); "
                          "delete it or use another --out-dir")
     return ckpt
@@ -136,7 +205,7 @@ def length_grouped_batches(rng, task_cfg, n_batches, token_budget):
     return batches[:n_batches]
 
 
-def collate(examples, device):
+def collate_sft(examples, device):
     """-> input ids (B, T), target ids (B, T) with -100 outside the response, for next-token loss."""
     T = max(len(ids) for ids, _ in examples) - 1
     x = torch.full((len(examples), T), task.PAD_ID, dtype=torch.long)
@@ -160,13 +229,13 @@ def warmup_target(model, args, task_cfg, ddp, rank, world_size, device):
     model.train()
     net = DDP(model) if ddp else model
     opt = torch.optim.AdamW(model.parameters(), lr=args.warmup_lr, betas=(0.9, 0.95), weight_decay=0.1)
-    rng = random.Random(args.seed * 1000 + rank)
+    rng = random.Random(derive_seed(args.seed, rank, 0, 1))
     budget = max(1, args.warmup_tokens // world_size)
     t0, tokens_seen, batches = time.time(), 0, []
     for step in range(args.warmup_steps):
         if not batches:
             batches = length_grouped_batches(rng, task_cfg, 16, budget)
-        x, y = collate(batches.pop(), device)
+        x, y = collate_sft(batches.pop(), device)
         for g in opt.param_groups:
             g["lr"] = lr_at(step, args.warmup_steps, args.warmup_lr)
         logits, _ = net(x)
@@ -176,68 +245,331 @@ def warmup_target(model, args, task_cfg, ddp, rank, world_size, device):
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         tokens_seen += x.numel() * world_size
-        if step % 20 == 0 or step == args.warmup_steps - 1:
+        if step % 50 == 0 or step == args.warmup_steps - 1:
             el = time.time() - t0
             eta = el / (step + 1) * (args.warmup_steps - step - 1)
-            print0(f"warmup {step:05d}/{args.warmup_steps} ({100 * (step + 1) / args.warmup_steps:.1f}%) | "
+            print0(f"target warmup {step:05d}/{args.warmup_steps} ({100 * (step + 1) / args.warmup_steps:.1f}%) | "
                    f"loss {loss.item():.4f} | tok/s {tokens_seen / el:,.0f} | elapsed {el:.0f}s | eta {eta:.0f}s")
     model.eval()
 
 
 # -----------------------------------------------------------------------------
-# evaluation
+# drafter warm-up: the target's own samples, hidden states kept
+
+def warmup_drafter(drafter, model, args, task_cfg, ddp, rank, world_size, device):
+    rng = random.Random(derive_seed(args.seed, rank, 0, 2))
+    gen = torch.Generator(device=device).manual_seed(derive_seed(args.seed, rank, 0, 3))
+    buffer = DrafterBuffer(keep_steps=1)
+    n_local = len(range(rank, args.drafter_warmup_seqs, world_size))
+    t0 = time.time()
+    for i in range(0, n_local, 64):
+        problems = [task.sample_problem(rng, task_cfg) for _ in range(min(64, n_local - i))]
+        results, _ = rollout(model, None, [task.encode(p.prompt()) for p in problems], task_cfg.max_response_len,
+                             temperature=args.temperature, eos_id=task.EOS_ID, generator=gen, tlt=False)
+        for _, tokens, hidden, plen in results:
+            buffer.add(0, tokens, hidden, plen)
+    print0(f"drafter warmup: {buffer.num_tokens():,} tokens of target samples per rank in {time.time() - t0:.1f}s")
+    opt = make_optimizer(drafter, args.drafter_lr)
+    t0 = time.time()
+    for step in range(args.drafter_warmup_steps):
+        for g in opt.param_groups:
+            g["lr"] = lr_at(step, args.drafter_warmup_steps, args.drafter_lr)
+        loss = train_step(drafter, opt, buffer, rng, batch_size=args.drafter_batch, device=device, sync_grads=ddp)
+        if step % 100 == 0 or step == args.drafter_warmup_steps - 1:
+            el = time.time() - t0
+            print0(f"drafter warmup {step:05d}/{args.drafter_warmup_steps} | loss {loss:.4f} | "
+                   f"top-1 agreement {acceptance_proxy(drafter, buffer, rng, device=device):.3f} | elapsed {el:.0f}s | "
+                   f"eta {el / (step + 1) * (args.drafter_warmup_steps - step - 1):.0f}s")
+
+
+# -----------------------------------------------------------------------------
+# evaluation: greedy, sharded over ranks
 
 @torch.no_grad()
-def evaluate(model, problems, temperature=0.0, generator=None, batch_size=64):
-    """Held-out accuracy: generate for every problem, score with the task's reward."""
-    rewards = []
-    for i in range(0, len(problems), batch_size):
-        chunk = problems[i:i + batch_size]
-        prompts = [task.encode(p.prompt()) for p in chunk]
-        max_new = task.TaskConfig(max_n=max(p.size for p in chunk)).max_response_len
-        outs, _ = autoregressive_generate(model, prompts, max_new, temperature=temperature,
-                                          eos_id=task.EOS_ID, generator=generator)
-        rewards += [task.reward(p.prompt(), task.decode(o)) for p, o in zip(chunk, outs)]
-    return task.accuracy_by_size(problems, rewards)
+def evaluate(model, problems, rank=0, world_size=1, drafter=None, batch_size=64):
+    """Held-out greedy accuracy by problem size. With a drafter, decoding is speculative
+    (greedy speculative output is token-identical to plain, so the figures must be equal)."""
+    mine = list(range(rank, len(problems), world_size))
+    rewards = torch.zeros(len(problems), dtype=torch.float64)
+    for i in range(0, len(mine), batch_size):
+        idx = mine[i:i + batch_size]
+        prompts = [task.encode(problems[j].prompt()) for j in idx]
+        max_new = task.TaskConfig(max_n=max(problems[j].size for j in idx)).max_response_len
+        if drafter is None:
+            outs, _ = autoregressive_generate(model, prompts, max_new, temperature=0, eos_id=task.EOS_ID)
+        else:
+            outs, _ = speculative_generate(model, drafter, prompts, max_new, k=4, temperature=0, eos_id=task.EOS_ID)
+        for j, o in zip(idx, outs):
+            rewards[j] = task.reward(problems[j].prompt(), task.decode(o))
+    if dist.is_initialized():
+        dist.all_reduce(rewards)
+    return task.accuracy_by_size(problems, rewards.tolist())
 
 
 def format_accuracy(acc):
     return " | ".join(f"{k} {100 * v:5.1f}%" for k, v in acc.items())
 
 
-def main(argv=None):
-    args = parse_args(argv)
-    task_cfg = task.TaskConfig(max_n=args.max_n, alpha=args.alpha) if args.max_n <= len(task.LABELS) else None
-    if task_cfg is None:
-        raise SystemExit(f"error: --max-n must be at most {len(task.LABELS)}")
-    need = task_cfg.max_seq_len + 8
-    if args.block_size < need:
-        raise SystemExit(f"error: --block-size {args.block_size} is too small for --max-n {args.max_n}: "
-                         f"the longest prompt + response + 8 draft tokens needs {need}")
-    ddp, rank, local_rank, world_size, device = compute_init(args.device)
-    torch.manual_seed(args.seed + rank)
-    os.makedirs(args.out_dir, exist_ok=True)
+# -----------------------------------------------------------------------------
+# one GRPO update on this rank's rollouts
+
+def grpo_update(model, net, opt, sequences, prompt_lens, advantages, args, device):
+    """Length-grouped micro-batches, gradients accumulated, one all-reduce (DDP), one step per
+    epoch. A rank with no rows still takes part with a zero loss, so collectives line up.
+    Returns (loss, clip fraction, skipped) where skipped means a non-finite loss or gradient."""
+    order = sorted(range(len(sequences)), key=lambda i: len(sequences[i]))
+    micro, cur = [], []
+    for i in order:
+        if cur and (len(cur) + 1) * len(sequences[i]) > args.update_tokens:
+            micro.append(cur)
+            cur = []
+        cur.append(i)
+    micro.append(cur)
+    n_tokens = max(1, sum(len(sequences[i]) - prompt_lens[i] for i in order))
+    total_loss, clip, skipped = 0.0, 0.0, False
+    for _ in range(args.rl_epochs):
+        opt.zero_grad(set_to_none=True)
+        for m_i, rows in enumerate(micro):
+            if rows:
+                tokens, mask = rl.collate([sequences[i] for i in rows], [prompt_lens[i] for i in rows], task.PAD_ID, device)
+                adv = advantages[rows].to(device)
+            else:  # no rows on this rank: a one-token dummy with an empty mask
+                tokens, mask = torch.zeros(1, 2, dtype=torch.long, device=device), torch.zeros(1, 1, dtype=torch.bool, device=device)
+                adv = torch.zeros(1, device=device)
+            last = m_i == len(micro) - 1
+            ctx = net.no_sync() if (isinstance(net, DDP) and not last) else _null()
+            with ctx:
+                logp = rl.token_logprobs(net, tokens)
+                logp_old = logp.detach()  # on-policy: the rollout came from these weights
+                logp_ref = None
+                loss, st = rl.grpo_loss(logp, logp_old, adv, mask, args.clip_eps, args.kl_coef, logp_ref)
+                # token-level mean over the rank's whole batch, not per micro-batch
+                (loss * mask.sum() / n_tokens).backward()
+            total_loss += float(loss.detach()) * float(mask.sum()) / n_tokens
+            clip += st["clip_frac"] * float(mask.sum()) / n_tokens
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        ok = torch.tensor([float(torch.isfinite(grad_norm))], device=device)
+        if dist.is_initialized():
+            dist.all_reduce(ok, op=dist.ReduceOp.MIN)  # every rank skips together, or none does
+        if ok.item() < 1:
+            opt.zero_grad(set_to_none=True)
+            skipped = True
+            continue
+        opt.step()
+    return total_loss / args.rl_epochs, clip / args.rl_epochs, skipped
+
+
+class _null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+# -----------------------------------------------------------------------------
+# main
+
+def model_meta(args, config, task_cfg):
+    return {"model": config.to_dict(), "task": asdict(task_cfg), "warmup_steps": args.warmup_steps,
+            "warmup_tokens": args.warmup_tokens, "warmup_lr": args.warmup_lr, "seed": args.seed}
+
+
+def drafter_meta(args, config, task_cfg):
+    return {**model_meta(args, config, task_cfg), "drafter_warmup_seqs": args.drafter_warmup_seqs,
+            "drafter_warmup_steps": args.drafter_warmup_steps, "drafter_lr": args.drafter_lr,
+            "drafter_batch": args.drafter_batch, "temperature": args.temperature}
+
+
+def rl_meta(args, config, task_cfg):
+    keys = ("prompts_per_step", "group_size", "rl_lr", "rl_epochs", "clip_eps", "kl_coef", "tlt", "drafter_updates",
+            "sd_threshold", "drafter_keep", "update_tokens")
+    return {**drafter_meta(args, config, task_cfg), **{k: getattr(args, k) for k in keys}}
+
+
+def prepare_models(args, task_cfg, ddp, rank, world_size, device):
+    """Build target and drafter; warm each up, or reuse its cached warm-up."""
     config = GPTConfig(vocab_size=task.VOCAB_SIZE, block_size=args.block_size, n_layer=args.n_layer,
                        n_head=args.n_head, n_embd=args.n_embd)
+    torch.manual_seed(derive_seed(args.seed, 0, 0, 4))  # same initial weights on every rank
     model = GPT(config).to(device)
-    print0(f"target: {model.num_params():,} parameters, {config}")
-    meta = {"model": config.to_dict(), "task": asdict(task_cfg), "warmup_steps": args.warmup_steps,
-            "warmup_tokens": args.warmup_tokens, "warmup_lr": args.warmup_lr, "seed": args.seed}
-    path = os.path.join(args.out_dir, "target_warmup.pt")
+    drafter = Drafter(model).to(device)
+    print0(f"target: {model.num_params():,} parameters; drafter: {sum(p.numel() for p in drafter.parameters()):,} "
+           f"(+ the target's embedding and head, shared); {config}")
+    path = os.path.join(args.warmup_dir, "target_warmup.pt")
     if os.path.exists(path):
-        model.load_state_dict(load_checked(path, meta)["model"])
-        print0(f"reusing warmed-up target from {path}")
+        model.load_state_dict(load_checked(path, model_meta(args, config, task_cfg))["model"])
+        print0(f"reusing the warmed-up target from {path}")
     else:
         warmup_target(model, args, task_cfg, ddp, rank, world_size, device)
         if rank == 0:
-            save_atomic({"meta": meta, "model": model.state_dict()}, path)
+            save_atomic({"meta": model_meta(args, config, task_cfg), "model": model.state_dict()}, path)
     model.eval()
-    problems = task.eval_set(task_cfg, args.eval_per_bucket)
-    t0 = time.time()
-    acc = evaluate(model, problems)
-    print0(f"held-out greedy accuracy ({len(problems)} problems, {time.time() - t0:.1f}s): {format_accuracy(acc)}")
-    if ddp:
-        dist.destroy_process_group()
+    path = os.path.join(args.warmup_dir, "drafter_warmup.pt")
+    if os.path.exists(path):
+        drafter.load_state_dict(load_checked(path, drafter_meta(args, config, task_cfg))["drafter"])
+        print0(f"reusing the warmed-up drafter from {path}")
+    else:
+        warmup_drafter(drafter, model, args, task_cfg, ddp, rank, world_size, device)
+        if rank == 0:
+            save_atomic({"meta": drafter_meta(args, config, task_cfg), "drafter": drafter.state_dict()}, path)
+    return config, model, drafter
+
+
+def check_out_dir(out_dir):
+    try:
+        os.makedirs(out_dir, exist_ok=True)
+        probe = os.path.join(out_dir, f".write_test.{os.getpid()}")
+        with open(probe, "w") as f:
+            f.write("ok")
+        os.remove(probe)
+    except OSError as e:
+        raise SystemExit(f"error: cannot write to --out-dir {out_dir!r}: {e.strerror}")
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    check_out_dir(args.out_dir)
+    check_out_dir(args.warmup_dir)
+    task_cfg = task.TaskConfig(max_n=args.max_n, alpha=args.alpha)
+    ddp, rank, local_rank, world_size, device = compute_init(args.device)
+    try:
+        run(args, task_cfg, ddp, rank, world_size, device)
+    finally:
+        if ddp and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run(args, task_cfg, ddp, rank, world_size, device):
+    t_run = time.time()
+    config, model, drafter = prepare_models(args, task_cfg, ddp, rank, world_size, device)
+    problems = task.eval_set(task_cfg, args.eval_per_bucket) if args.eval_per_bucket else []
+    acc0 = evaluate(model, problems, rank, world_size) if problems else {}
+    print0(f"held-out greedy accuracy before RL ({len(problems)} problems): {format_accuracy(acc0)}")
+
+    net = DDP(model) if ddp else model
+    opt = torch.optim.AdamW(model.parameters(), lr=args.rl_lr, betas=(0.9, 0.95), weight_decay=0.0)
+    d_opt = make_optimizer(drafter, args.drafter_lr)
+    bandit = Bandit(seed=derive_seed(args.seed, rank, 0, 5))
+    buffer = DrafterBuffer(keep_steps=args.drafter_keep)
+    ckpt_path = os.path.join(args.out_dir, "ckpt.pt")
+    metrics_path = os.path.join(args.out_dir, "metrics.jsonl")
+    meta = rl_meta(args, config, task_cfg)
+    start = 0
+    if os.path.exists(ckpt_path):
+        ck = load_checked(ckpt_path, meta)
+        model.load_state_dict(ck["model"])
+        drafter.load_state_dict(ck["drafter"])
+        opt.load_state_dict(ck["opt"])
+        d_opt.load_state_dict(ck["d_opt"])
+        if rank < len(ck["bandits"]):
+            bandit.load_state_dict(ck["bandits"][rank])
+        start = ck["step"] + 1
+        print0(f"resuming from {ckpt_path} at RL step {start}")
+    if rank == 0:  # every step appears once: drop records past the checkpoint (a crash after logging)
+        keep = []
+        if os.path.exists(metrics_path):
+            with open(metrics_path) as f:
+                keep = [ln for ln in f if ln.strip() and json.loads(ln)["step"] < start]
+        with open(metrics_path, "w") as f:
+            f.writelines(keep)
+
+    local_prompts = len(range(rank, args.prompts_per_step, world_size))
+    print0(f"RL: {args.rl_steps} steps x {args.prompts_per_step} prompts x {args.group_size} samples on {world_size} "
+           f"rank(s) ({local_prompts} prompts on rank 0) | tlt {'on' if args.tlt else 'off'} | drafter updates "
+           f"{'on' if args.drafter_updates and args.tlt else 'off'} | sd threshold {args.sd_threshold}")
+    history = []
+    for step in range(start, args.rl_steps):
+        rec = rl_step(step, args, task_cfg, model, net, drafter, opt, d_opt, bandit, buffer, rank, world_size, device)
+        history.append(rec)
+        if rank == 0:
+            with open(metrics_path, "a") as f:
+                f.write(json.dumps({k: v for k, v in rec.items() if k != "timeline"}) + "\n")
+        print0(f"step {step:04d}/{args.rl_steps} | reward {rec['reward']:.3f} | step {rec['step_time']:.2f}s | "
+               f"rollout {rec['rollout_time']:.2f}s ({100 * rec['rollout_share']:.0f}%) | tok/s {rec['tok_s']:,.0f} | "
+               f"accept {rec['accept_len'] or 0:.2f} | sd tok {100 * rec['sd_token_frac']:.0f}% | "
+               f"idle {rec['idle_time']:.2f}s | drafter steps {rec['drafter_steps']}"
+               + (" | SKIPPED non-finite update" if rec["skipped_update"] else ""))
+        if args.timeline_every and (step % args.timeline_every == 0 or step == args.rl_steps - 1):
+            print0(rec["timeline"])
+        if (step + 1) % args.ckpt_every == 0 or step == args.rl_steps - 1:
+            bandits = gather_ranks(bandit.state_dict())
+            if rank == 0:
+                save_atomic({"meta": meta, "step": step, "model": model.state_dict(), "drafter": drafter.state_dict(),
+                             "opt": opt.state_dict(), "d_opt": d_opt.state_dict(), "bandits": bandits}, ckpt_path)
+
+    acc1 = evaluate(model, problems, rank, world_size, drafter=drafter if args.tlt else None) if problems else {}
+    print0(f"held-out greedy accuracy after RL: {format_accuracy(acc1)}")
+    if history:
+        summary(history, acc0, acc1, time.time() - t_run)
+
+
+def rl_step(step, args, task_cfg, model, net, drafter, opt, d_opt, bandit, buffer, rank, world_size, device):
+    t0 = time.perf_counter()
+    # the step's prompts are the same on every rank; each rank takes every world_size-th one
+    prng = random.Random(derive_seed(args.seed, 0, step, 6))
+    problems = [task.sample_problem(prng, task_cfg) for _ in range(args.prompts_per_step)][rank::world_size]
+    rows = [p for p in problems for _ in range(args.group_size)]
+    gen = torch.Generator(device=device).manual_seed(derive_seed(args.seed, rank, step, 7))
+    results, st = rollout(model, drafter, [task.encode(p.prompt()) for p in rows], task_cfg.max_response_len,
+                          temperature=args.temperature, eos_id=task.EOS_ID, generator=gen, tlt=args.tlt,
+                          sd_threshold=args.sd_threshold, bandit=bandit)
+    rollout_time = time.perf_counter() - t0
+    rewards = torch.tensor([task.reward(p.prompt(), task.decode(r[0])) for p, r in zip(rows, results)])
+    # 3-5: hidden states to the buffer; idle ranks train the drafter until the last rank is done
+    train_drafter = args.tlt and args.drafter_updates
+    if train_drafter:
+        for _, tokens, hidden, plen in results:
+            buffer.add(step, tokens, hidden, plen)
+    drng = random.Random(derive_seed(args.seed, rank, step, 8))
+    d_steps, idle, idle_segs = idle_train(drafter, d_opt, buffer, drng, enabled=train_drafter,
+                                          batch_size=args.drafter_batch, device=device,
+                                          timeout_s=COLLECTIVE_TIMEOUT_S)
+    if train_drafter:
+        sync_drafter(drafter, d_steps)
+    t_roll_end = time.perf_counter()
+    # 6: GRPO update
+    adv = rl.group_advantages(rewards, args.group_size) if len(rows) else torch.zeros(0)
+    model.train()
+    loss, clip, skipped = grpo_update(model, net, opt, [r[1].tolist() for r in results], [r[3] for r in results],
+                                      adv, args, device)
+    model.eval()
+    t1 = time.perf_counter()
+    # 7: per-rank records and the step record
+    checksum = drafter.checksum()
+    mine = {"rank": rank, "rollout_time": rollout_time, "idle_time": idle, "drafter_steps": d_steps,
+            "tokens": st["tokens"], "drafter_checksum": checksum, "rows": len(rows),
+            "segments": st["segments"] + [[k, a + rollout_time, b + rollout_time] for k, a, b in idle_segs]}
+    ranks = gather_ranks(mine)
+    sums = all_sum([float(rewards.sum()), len(rows), st["sd_tokens"], st["sd_steps"], st["tokens"]], device)
+    step_time = t1 - t0
+    rollout_max = max(r["rollout_time"] for r in ranks)
+    return {
+        "step": step, "step_time": step_time, "rollout_time": rollout_max, "update_time": t1 - t_roll_end,
+        "rollout_share": rollout_max / step_time, "reward": sums[0] / max(sums[1], 1),
+        "accept_len": sums[2] / sums[3] if sums[3] else None, "sd_token_frac": sums[2] / max(sums[4], 1),
+        "tok_s": sums[4] / max(rollout_max, 1e-9), "idle_time": max(r["idle_time"] for r in ranks),
+        "drafter_steps": sum(r["drafter_steps"] for r in ranks), "drafter_checksum": checksum,
+        "loss": loss, "clip_frac": clip, "skipped_update": skipped, "bandit_best": bandit.best(),
+        "ranks": [{k: v for k, v in r.items() if k != "segments"} for r in ranks],
+        "timeline": render_timeline(ranks),
+    }
+
+
+def summary(history, acc0, acc1, total_time):
+    def mean(key):
+        vals = [h[key] for h in history if h[key] is not None]
+        return sum(vals) / len(vals) if vals else float("nan")
+    print0("\nsummary")
+    print0(f"  RL steps              {len(history)}")
+    print0(f"  mean step time        {mean('step_time'):.3f}s (rollout {mean('rollout_time'):.3f}s, "
+           f"update {mean('update_time'):.3f}s, rollout share {100 * mean('rollout_share'):.0f}%)")
+    print0(f"  mean accept length    {mean('accept_len'):.2f}   SD token share {100 * mean('sd_token_frac'):.0f}%")
+    print0(f"  reward first/last 5   {sum(h['reward'] for h in history[:5]) / len(history[:5]):.3f} -> "
+           f"{sum(h['reward'] for h in history[-5:]) / len(history[-5:]):.3f}")
+    for name, acc in (("before RL", acc0), ("after RL", acc1)):
+        print0(f"  held-out {name:9s}   {format_accuracy(acc)}")
+    print0(f"  wall time             {total_time:.0f}s")
 
 
 if __name__ == "__main__":

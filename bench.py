@@ -1,0 +1,217 @@
+"""Side-by-side measurements: what speculative decoding and TLT buy, in one run on one machine.
+
+    python bench.py            # decoding: plain vs speculative for batch sizes 1..64 and k in 1..8
+    python bench.py --e2e      # RL steps: --tlt off vs --tlt on vs --tlt on --drafter-updates off
+
+Both load the warmed-up target and drafter from --out-dir (warming them up first if absent, with
+train.py's defaults), print a table, and end with one JSON line holding every figure.
+
+Decoding bench. Held-out prompts whose reference responses are longer than --max-new tokens, so
+every row decodes exactly --max-new tokens (no row leaves early and the batch size is what the
+table says). Temperature 1.0, as in the RL rollouts. Each cell is the median of --repeats runs.
+The cost ratio c is the drafter's time per one-token forward over the target's, at batch 1; the
+predicted speedup is the standard formula accept_len / (1 + k c), which assumes a verify pass
+of k+1 tokens costs what a one-token pass costs (true at small batch, false at large).
+
+End-to-end bench. Three train.py runs from the same warmed-up checkpoints and seed, each as its
+own process group (torchrun with --nproc ranks); the mean step time skips the first step (the
+bandit's exploration and allocator warm-up) and rollout share is rollout time over step time.
+"""
+import argparse
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+
+import task
+import train
+from rollout import Bandit, rollout, tail_share
+from speculative import autoregressive_generate, speculative_generate
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out-dir", default="out", help="where the warmed-up checkpoints are (or will be made)")
+    p.add_argument("--batches", default="1,2,4,8,16,32,64", help="comma-separated batch sizes")
+    p.add_argument("--ks", default="1,2,3,4,6,8", help="comma-separated draft lengths")
+    p.add_argument("--max-new", type=int, default=80, help="tokens decoded per row in the decoding bench")
+    p.add_argument("--repeats", type=int, default=3, help="runs per cell; the median is reported")
+    p.add_argument("--threads", type=int, default=0, help="torch threads (0: all cores)")
+    p.add_argument("--e2e", action="store_true", help="run the end-to-end RL comparison instead")
+    p.add_argument("--e2e-steps", type=int, default=12, help="RL steps per end-to-end run")
+    p.add_argument("--nproc", type=int, default=2, help="ranks per end-to-end run")
+    args = p.parse_args(argv)
+    try:
+        args.batches = [int(x) for x in args.batches.split(",")]
+        args.ks = [int(x) for x in args.ks.split(",")]
+    except ValueError:
+        p.error("--batches and --ks take comma-separated integers")
+    if min(args.batches) <= 0 or min(args.ks) <= 0 or args.max_new <= 0 or args.repeats <= 0:
+        p.error("batch sizes, k, --max-new and --repeats must be positive")
+    return args
+
+
+def load_models(out_dir):
+    targs = train.parse_args(["--out-dir", out_dir])
+    train.check_out_dir(out_dir)
+    task_cfg = task.TaskConfig(max_n=targs.max_n, alpha=targs.alpha)
+    _, model, drafter = train.prepare_models(targs, task_cfg, False, 0, 1, torch.device("cpu"))
+    return targs, task_cfg, model.eval(), drafter.eval()
+
+
+def timed(fn, repeats):
+    times, out = [], None
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        out = fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times), out
+
+
+@torch.no_grad()
+def cost_ratio(model, drafter, repeats=200):
+    """Drafter / target time for a one-token forward with a cache, batch 1."""
+    x = torch.zeros(1, 1, dtype=torch.long)
+    h = torch.zeros(1, 1, model.config.n_embd)
+
+    def run(fn, cache):
+        best = float("inf")
+        for _ in range(5):
+            cache.lengths.fill_(20)
+            t0 = time.perf_counter()
+            for _ in range(repeats):
+                fn(cache)
+                cache.lengths.fill_(20)
+            best = min(best, time.perf_counter() - t0)
+        return best
+    t_target = run(lambda c: model(x, c), model.new_cache(1))
+    t_draft = run(lambda c: drafter(h, x, c), drafter.new_cache(1))
+    return t_draft / t_target
+
+
+def decode_bench(args, task_cfg, model, drafter):
+    rng = random.Random(4321)
+    min_n = (args.max_new + 1) // 5 + 1  # reference response longer than --max-new tokens
+    if min_n > task_cfg.max_n:
+        raise SystemExit(f"error: --max-new {args.max_new} is longer than the task's longest response")
+    pool = [task.encode(task.sample_problem(rng, task_cfg, rng.randint(min_n, task_cfg.max_n)).prompt())
+            for _ in range(max(args.batches))]
+    c = cost_ratio(model, drafter)
+    rows = []
+    print(f"{'batch':>5} {'plain tok/s':>11} " + " ".join(f"{'k=' + str(k):>13}" for k in args.ks) + f" {'best':>6} {'speedup':>7}")
+    for B in args.batches:
+        prompts = pool[:B]
+        gen = torch.Generator().manual_seed(0)
+        t_ar, (outs, _) = timed(lambda: autoregressive_generate(model, prompts, args.max_new, generator=gen), args.repeats)
+        n_tok = sum(len(o) for o in outs)
+        ar = n_tok / t_ar
+        per_k = {}
+        for k in args.ks:
+            t_sd, (outs, st) = timed(lambda: speculative_generate(model, drafter, prompts, args.max_new, k=k, generator=gen),
+                                     args.repeats)
+            per_k[k] = (sum(len(o) for o in outs) / t_sd, st["accept_len"])
+        best = max(per_k, key=lambda k: per_k[k][0])
+        sd, acc = per_k[best]
+        rows.append({"batch": B, "ar_tok_s": ar, "sd_tok_s": sd, "best_k": best, "speedup": sd / ar, "accept_len": acc,
+                     "per_k": {str(k): {"tok_s": v[0], "accept_len": v[1], "speedup": v[0] / ar} for k, v in per_k.items()}})
+        cells = " ".join(f"{v[0]:7.0f} ({v[1]:.2f})" for v in per_k.values())
+        print(f"{B:5d} {ar:11.0f} {cells} {best:6d} {sd / ar:6.2f}x", flush=True)
+    print("cells: speculative tok/s (accept length = tokens per verify step)")
+    b1 = rows[0]
+    k1 = b1["best_k"]
+    predicted = b1["accept_len"] / (1 + k1 * c)
+    print(f"draft/target cost ratio c = {c:.3f}; at batch {b1['batch']}, k = {k1}: predicted speedup "
+          f"accept_len / (1 + k c) = {predicted:.2f}x, measured {b1['speedup']:.2f}x")
+    tail = tail_workload(args, task_cfg, model, drafter)
+    return {"decode": rows, "cost_ratio": c, "predicted_speedup_b1": predicted, "temperature": 1.0,
+            "max_new": args.max_new, "rollout": tail}
+
+
+def tail_workload(args, task_cfg, model, drafter):
+    """One rank's default long-tail rollout, plain vs TLT, same prompts, same machine."""
+    targs = train.parse_args([])
+    prng = random.Random(train.derive_seed(targs.seed, 0, 0, 6))
+    n_prompts = targs.prompts_per_step // 2  # one rank's shard of the default 2-rank run
+    problems = [task.sample_problem(prng, task_cfg) for _ in range(n_prompts)]
+    prompts = [task.encode(p.prompt()) for p in problems for _ in range(targs.group_size)]
+    out = {}
+    bandit = Bandit()
+    for mode in ("plain", "tlt", "tlt"):  # the first TLT pass trains the bandit, the second is measured
+        times = []
+        for r in range(args.repeats):
+            gen = torch.Generator().manual_seed(r)
+            _, st = rollout(model, drafter, prompts, task_cfg.max_response_len, generator=gen, tlt=mode == "tlt",
+                            sd_threshold=targs.sd_threshold, bandit=bandit, eos_id=task.EOS_ID)
+            times.append(st)
+        med = sorted(times, key=lambda s: s["time"])[len(times) // 2]
+        out[mode] = med
+    plain, tlt = out["plain"], out["tlt"]
+    share = tail_share(plain, targs.sd_threshold)
+    print(f"\nlong-tail rollout ({len(prompts)} rows, one rank's shard of the default run): plain {plain['time']:.2f}s, "
+          f"TLT {tlt['time']:.2f}s, speedup {plain['time'] / tlt['time']:.2f}x; accept length {tlt['accept_len'] or 0:.2f}; "
+          f"plain time with running batch <= {targs.sd_threshold}: {100 * share:.0f}%")
+    return {"rows": len(prompts), "plain_time": plain["time"], "tlt_time": tlt["time"],
+            "speedup": plain["time"] / tlt["time"], "accept_len": tlt["accept_len"], "tail_time_share": share,
+            "max_batch_steps": len(plain["batch_sizes"])}
+
+
+def e2e_bench(args):
+    root = os.path.join(args.out_dir, "bench_e2e")
+    variants = {"off": ["--tlt", "off"], "on": ["--tlt", "on"], "frozen": ["--tlt", "on", "--drafter-updates", "off"]}
+    records = {}
+    for name, flags in variants.items():
+        out = os.path.join(root, name)
+        os.makedirs(out, exist_ok=True)
+        for f in ("ckpt.pt", "metrics.jsonl"):  # a fresh RL run every time; the warm-ups are shared
+            if os.path.exists(os.path.join(out, f)):
+                os.remove(os.path.join(out, f))
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}", "train.py",
+               "--out-dir", out, "--warmup-dir", args.out_dir, "--rl-steps", str(args.e2e_steps),
+               "--eval-per-bucket", "0", "--timeline-every", "0", *flags]
+        print(f"$ {' '.join(cmd[2:])}", flush=True)
+        t0 = time.time()
+        subprocess.run(cmd, check=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.DEVNULL)
+        with open(os.path.join(out, "metrics.jsonl")) as f:
+            records[name] = [json.loads(line) for line in f]
+        print(f"  done in {time.time() - t0:.0f}s", flush=True)
+
+    def mean(name, key):
+        vals = [r[key] for r in records[name][1:] if r[key] is not None]
+        return sum(vals) / len(vals) if vals else None
+    off, on, fr = (mean(n, "step_time") for n in ("off", "on", "frozen"))
+    print(f"\n{'':10} {'step s':>8} {'rollout s':>9} {'update s':>8} {'rollout %':>9} {'accept':>7} {'reward':>7}")
+    for n in variants:
+        print(f"{n:10} {mean(n, 'step_time'):8.3f} {mean(n, 'rollout_time'):9.3f} {mean(n, 'update_time'):8.3f} "
+              f"{100 * mean(n, 'rollout_share'):8.0f}% {mean(n, 'accept_len') or 0:7.2f} {mean(n, 'reward'):7.3f}")
+    print(f"\nstep-time speedup: TLT {off / on:.2f}x, TLT with a frozen drafter {off / fr:.2f}x")
+    print("per step:   accept(adaptive)  accept(frozen)  reward(off)  reward(on)")
+    for a, b, c in zip(records["on"], records["frozen"], records["off"]):
+        print(f"  {a['step']:4d}     {a['accept_len'] or 0:8.2f}        {b['accept_len'] or 0:8.2f}      "
+              f"{c['reward']:8.3f}   {a['reward']:8.3f}")
+    return {"e2e": {"off_step_time": off, "on_step_time": on, "frozen_step_time": fr, "speedup": off / on,
+                    "frozen_speedup": off / fr, "off_rollout_share": mean("off", "rollout_share"),
+                    "steps": args.e2e_steps, "nproc": args.nproc,
+                    "accept_len": {n: [r["accept_len"] for r in records[n]] for n in ("on", "frozen")},
+                    "reward": {n: [r["reward"] for r in records[n]] for n in variants}}}
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    print(f"bench on {torch.get_num_threads()} CPU thread(s)" if not torch.cuda.is_available() else "bench on CUDA")
+    targs, task_cfg, model, drafter = load_models(args.out_dir)
+    if args.e2e:
+        result = e2e_bench(args)
+    else:
+        result = decode_bench(args, task_cfg, model, drafter)
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,135 @@
+"""The adaptive rollout engine: plain decoding while the batch is big, speculative in the tail.
+
+One rollout generates every row of a rank's shard in one running batch:
+
+    prefill all rows -> while rows remain:
+        running batch > threshold  -> plain step (one token per row)
+        running batch <= threshold -> the bandit picks k for this batch size; k = 0 is a plain step,
+                                      k > 0 a speculative step with k drafts
+        drop the rows that finished (compaction: the batch and both caches really shrink)
+
+Why a threshold and a bandit. A speculative step verifies k+1 tokens per row, so it multiplies
+the target's work by about k+1 and pays only where decoding is bound by fixed per-step costs
+(kernel launches, weight reads), i.e. when the running batch is small. Where exactly it stops
+paying depends on the hardware, on the drafter's current acceptance and on the batch size, so
+the engine measures instead of guessing: a bucketed epsilon-greedy bandit with arms
+k in {0, 1, 2, 3, 4, 6, 8}, one bucket per power-of-two batch size, reward = tokens emitted per
+second of that step, scored by the median of a sliding window (robust to timing noise), untried
+arms first. Its state persists across RL steps and is saved in checkpoints.
+
+The switch to speculative decoding fills the drafter's cache from the target hidden states that
+Generation has recorded for every token (see speculative.py): no second target pass. Those same
+states, exactly aligned with the tokens in both kinds of step, go to the drafter buffer.
+
+Test: python -m pytest tests/test_rollout.py
+"""
+import random
+import statistics
+import time
+from collections import deque
+
+import torch
+
+from speculative import Generation, finish_stats, new_stats, record_sd
+
+ARMS = (0, 1, 2, 3, 4, 6, 8)
+
+
+class Bandit:
+    """Bucketed epsilon-greedy choice of the draft length k."""
+
+    def __init__(self, arms=ARMS, epsilon=0.1, window=8, seed=0):
+        self.arms, self.epsilon, self.window = tuple(arms), epsilon, window
+        self.rng = random.Random(seed)
+        self.rewards = {}  # (bucket, arm) -> deque of recent rewards
+
+    @staticmethod
+    def bucket(batch_size):
+        return max(batch_size - 1, 0).bit_length()  # 1 -> 0, 2 -> 1, 3..4 -> 2, 5..8 -> 3, ...
+
+    def score(self, bucket, arm):
+        r = self.rewards.get((bucket, arm))
+        return statistics.median(r) if r else None
+
+    def choose(self, batch_size):
+        b = self.bucket(batch_size)
+        untried = [a for a in self.arms if (b, a) not in self.rewards]
+        if untried:
+            return untried[0]
+        if self.rng.random() < self.epsilon:
+            return self.rng.choice(self.arms)
+        return max(self.arms, key=lambda a: self.score(b, a))
+
+    def update(self, batch_size, arm, reward):
+        self.rewards.setdefault((self.bucket(batch_size), arm), deque(maxlen=self.window)).append(float(reward))
+
+    def best(self):
+        """{bucket: best arm} for the log."""
+        buckets = sorted({b for b, _ in self.rewards})
+        return {b: max((a for a in self.arms if (b, a) in self.rewards), key=lambda a: self.score(b, a)) for b in buckets}
+
+    def state_dict(self):
+        return {"rewards": [[b, a, list(r)] for (b, a), r in self.rewards.items()],
+                "rng": list(self.rng.getstate()[1]), "rng_version": self.rng.getstate()[0]}
+
+    def load_state_dict(self, state):
+        self.rewards = {(b, a): deque(r, maxlen=self.window) for b, a, r in state["rewards"]}
+        self.rng.setstate((state["rng_version"], tuple(state["rng"]), None))
+
+
+def _sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize()  # sync: the clock must see the GPU's work
+
+
+@torch.no_grad()
+def rollout(target, drafter, prompts, max_new_tokens, *, temperature=1.0, eos_id=None, generator=None,
+            tlt=True, sd_threshold=8, bandit=None):
+    """Generate for every prompt. Returns (results, stats) where results[i] is
+    (generated ids, all tokens (N,), hidden states (N-1, C), prompt length) and stats has the
+    per-phase times, the running batch size per step, SD figures and a list of timeline
+    segments (kind, t_start, t_end) relative to the call."""
+    device = target.wte.weight.device
+    stats = new_stats()
+    stats.update(prefill_time=0.0, plain_time=0.0, spec_time=0.0, batch_sizes=[], segments=[])
+    if not prompts:
+        return [], finish_stats(stats)
+    use_sd = tlt and drafter is not None
+    bandit = bandit if bandit is not None else Bandit()
+    t_start = time.perf_counter()
+    gen = Generation(target, prompts, max_new_tokens, temperature=temperature, eos_id=eos_id,
+                     generator=generator, max_draft=max(bandit.arms) if use_sd else 0)
+    _sync(device)
+    stats["prefill_time"] = time.perf_counter() - t_start
+    while gen.compact() > 0:
+        B = gen.batch_size
+        k = bandit.choose(B) if use_sd and B <= sd_threshold else 0
+        t0 = time.perf_counter()
+        if k == 0:
+            n_emitted = gen.plain_step()
+        else:
+            n_emitted, n_acc = gen.speculative_step(drafter, k)
+            record_sd(stats, n_emitted, n_acc)
+        _sync(device)
+        t1 = time.perf_counter()
+        n = int(n_emitted.sum())
+        if use_sd and B <= sd_threshold:
+            bandit.update(B, k, n / max(t1 - t0, 1e-9))
+        stats["tokens"] += n
+        stats["steps"] += 1
+        stats["batch_sizes"].append(B)
+        stats["spec_time" if k else "plain_time"] += t1 - t0
+        kind = "spec" if k else "plain"
+        seg = stats["segments"]
+        if seg and seg[-1][0] == kind:
+            seg[-1][2] = t1 - t_start
+        else:
+            seg.append([kind, t0 - t_start, t1 - t_start])
+    stats["time"] = time.perf_counter() - t_start
+    return gen.results, finish_stats(stats)
+
+
+def tail_share(stats, threshold):
+    """Share of decode steps taken with a running batch at or below `threshold`."""
+    sizes = stats["batch_sizes"]
+    return sum(b <= threshold for b in sizes) / len(sizes) if sizes else 0.0

@@ -1,0 +1,96 @@
+"""GRPO pieces: group advantages, masks, the clipped loss, and that an update moves the policy
+towards rewarded responses."""
+import math
+
+import pytest
+import torch
+
+import rl
+from model import GPT, GPTConfig
+
+
+def test_group_advantages_normalise_per_group():
+    r = torch.tensor([1.0, 0.0, 0.0, 1.0, 5.0, 5.0, 5.0, 5.0, 0.0, 0.0, 0.0, 3.0])
+    adv = rl.group_advantages(r, 4)
+    g = adv.view(3, 4)
+    assert torch.allclose(g[0], torch.tensor([1.0, -1.0, -1.0, 1.0]), atol=1e-4)  # mean 0.5, std 0.5
+    assert torch.equal(g[1], torch.zeros(4))  # all-equal group: no signal, no NaN
+    assert torch.allclose(g[2].mean(), torch.tensor(0.0), atol=1e-6)
+    assert torch.allclose(g[2].std(unbiased=False), torch.tensor(1.0), atol=1e-4)
+    assert torch.isfinite(adv).all()
+
+
+def test_group_advantages_reject_ragged_groups():
+    with pytest.raises(ValueError):
+        rl.group_advantages(torch.zeros(5), 4)
+
+
+def test_collate_masks_only_response_tokens():
+    tokens, mask = rl.collate([[1, 2, 3, 4, 5], [6, 7, 8]], [2, 1], pad_id=0)
+    assert tokens.tolist() == [[1, 2, 3, 4, 5], [6, 7, 8, 0, 0]]
+    # mask[b, t] marks token t+1 as a response token
+    assert mask.tolist() == [[False, True, True, True], [True, True, False, False]]
+
+
+def test_token_logprobs_match_manual():
+    torch.manual_seed(0)
+    m = GPT(GPTConfig(vocab_size=11, block_size=16, n_layer=1, n_head=2, n_embd=8)).double()
+    tokens = torch.randint(0, 11, (2, 6))
+    lp = rl.token_logprobs(m, tokens)
+    logits, _ = m(tokens)
+    for b in range(2):
+        for t in range(5):
+            expect = torch.log_softmax(logits[b, t], -1)[tokens[b, t + 1]]
+            assert math.isclose(lp[b, t].item(), expect.item(), rel_tol=1e-9)
+
+
+def test_loss_is_token_mean_and_ignores_masked_positions():
+    logp = torch.zeros(2, 3, requires_grad=True)
+    adv = torch.tensor([1.0, -2.0])
+    mask = torch.tensor([[True, True, False], [True, False, False]])
+    loss, _ = rl.grpo_loss(logp, logp.detach(), adv, mask)
+    assert math.isclose(loss.item(), -(1 + 1 - 2) / 3, abs_tol=1e-7)  # ratio 1: -mean(A) over 3 tokens
+    loss.backward()
+    assert logp.grad[0, 2] == 0 and logp.grad[1, 1] == 0 and logp.grad[1, 2] == 0
+    assert logp.grad[0, 0] == pytest.approx(-1 / 3) and logp.grad[1, 0] == pytest.approx(2 / 3)
+
+
+def test_clipping_stops_gradient_past_the_trust_region():
+    logp_old = torch.zeros(1, 2)
+    logp = torch.tensor([[math.log(1.5), math.log(1.1)]], requires_grad=True)  # ratios 1.5 and 1.1
+    loss, st = rl.grpo_loss(logp, logp_old, torch.tensor([1.0]), torch.ones(1, 2, dtype=torch.bool), clip_eps=0.2)
+    loss.backward()
+    assert logp.grad[0, 0] == 0  # clipped: positive advantage, ratio above 1 + eps
+    assert logp.grad[0, 1] != 0
+    assert st["clip_frac"] == pytest.approx(0.5)
+
+
+def test_kl_penalty_is_zero_at_reference_and_positive_elsewhere():
+    logp = torch.log(torch.tensor([[0.5, 0.2]]))
+    mask = torch.ones(1, 2, dtype=torch.bool)
+    zero, st0 = rl.grpo_loss(logp, logp, torch.zeros(1), mask, kl_coef=1.0, logp_ref=logp)
+    assert zero.item() == pytest.approx(0.0) and st0["kl"] == pytest.approx(0.0)
+    pos, st1 = rl.grpo_loss(logp, logp, torch.zeros(1), mask, kl_coef=1.0, logp_ref=logp - 0.3)
+    assert pos.item() > 0 and st1["kl"] > 0
+
+
+def test_update_raises_probability_of_rewarded_response():
+    """Two responses to the same prompt, one rewarded: a few GRPO steps make it more likely."""
+    torch.manual_seed(0)
+    m = GPT(GPTConfig(vocab_size=7, block_size=16, n_layer=1, n_head=2, n_embd=16))
+    opt = torch.optim.SGD(m.parameters(), lr=0.5)
+    seqs, plens = [[1, 2, 3, 4], [1, 2, 5, 6]], [2, 2]
+    tokens, mask = rl.collate(seqs, plens, pad_id=0)
+    adv = rl.group_advantages(torch.tensor([1.0, 0.0]), 2)
+    with torch.no_grad():
+        before = (rl.token_logprobs(m, tokens) * mask).sum(1)
+    for _ in range(5):
+        logp = rl.token_logprobs(m, tokens)
+        loss, _ = rl.grpo_loss(logp, logp.detach(), adv, mask)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    with torch.no_grad():
+        after = (rl.token_logprobs(m, tokens) * mask).sum(1)
+    assert after[0] > before[0] + 0.1
+    assert after[1] < before[1]

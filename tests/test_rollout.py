@@ -1,0 +1,115 @@
+"""The rollout engine: TLT greedy rollouts equal plain ones, hidden states are aligned with
+tokens, the batch shrinks, and the bandit finds the best k per bucket."""
+import random
+
+import pytest
+import torch
+
+from drafter import Drafter
+from model import GPT, GPTConfig
+from rollout import ARMS, Bandit, rollout, tail_share
+
+EOS = 3
+
+
+def tiny_models(seed=0):
+    torch.manual_seed(seed)
+    target = GPT(GPTConfig(vocab_size=12, block_size=80, n_layer=2, n_head=2, n_embd=16)).double()
+    for p in target.parameters():  # large weights: varied, non-repeating greedy outputs
+        if p.dim() == 2:
+            torch.nn.init.normal_(p, std=0.6)
+    drafter = Drafter(target).double()
+    for p in drafter.parameters():
+        if p.dim() == 2:
+            torch.nn.init.normal_(p, std=0.3)
+    return target.eval(), drafter.eval()
+
+
+def prompts(n, seed=1):
+    rng = random.Random(seed)
+    return [[rng.randrange(4, 12) for _ in range(rng.randint(1, 6))] for _ in range(n)]
+
+
+@pytest.mark.parametrize("threshold", [0, 6, 100])
+def test_tlt_greedy_rollout_equals_plain(threshold):
+    target, drafter = tiny_models()
+    ps = prompts(12)
+    plain, st_plain = rollout(target, drafter, ps, 40, temperature=0, eos_id=EOS, tlt=False)
+    tlt, st_tlt = rollout(target, drafter, ps, 40, temperature=0, eos_id=EOS, tlt=True, sd_threshold=threshold,
+                          bandit=Bandit(seed=3))
+    assert [r[0] for r in tlt] == [r[0] for r in plain]
+    assert len({tuple(r[0]) for r in plain}) > 3  # outputs are not trivial
+    assert any(r[0][-1] == EOS for r in plain) and any(len(r[0]) == 40 for r in plain)
+    if threshold == 100:  # from the first step
+        assert st_tlt["sd_steps"] > 0 and st_tlt["spec_time"] > 0
+    if threshold == 0:
+        assert st_tlt["sd_steps"] == 0
+    assert st_plain["sd_steps"] == 0 and st_plain["accept_len"] is None
+
+
+@pytest.mark.parametrize("tlt", [False, True])
+def test_hidden_states_align_with_tokens(tlt):
+    """hidden[j] must be the target's state after reading tokens[j], in plain and SD steps."""
+    target, drafter = tiny_models(1)
+    ps = prompts(6, seed=2)
+    gen = torch.Generator().manual_seed(0)
+    results, st = rollout(target, drafter, ps, 30, temperature=1.0, eos_id=EOS, generator=gen, tlt=tlt,
+                          sd_threshold=4, bandit=Bandit(seed=0))
+    if tlt:
+        assert st["sd_steps"] > 0
+    for (gen_ids, tokens, hidden, plen), p in zip(results, ps):
+        assert tokens.tolist() == p + gen_ids and plen == len(p)
+        assert hidden.shape[0] == tokens.shape[0] - 1
+        with torch.no_grad():
+            _, full = target(tokens[None, :-1])
+        torch.testing.assert_close(hidden, full[0], atol=1e-9, rtol=0)
+
+
+def test_batch_shrinks_as_rows_finish():
+    target, drafter = tiny_models(2)
+    _, st = rollout(target, drafter, prompts(10, seed=5), 40, temperature=0, eos_id=EOS, tlt=False)
+    sizes = st["batch_sizes"]
+    assert sizes[0] <= 10 and sizes[-1] >= 1
+    assert all(a >= b for a, b in zip(sizes, sizes[1:]))
+    assert sizes[-1] < sizes[0]  # rows really left the batch
+    assert 0 < tail_share(st, sizes[-1]) < 1
+
+
+def test_empty_rollout():
+    target, drafter = tiny_models()
+    results, st = rollout(target, drafter, [], 10)
+    assert results == [] and st["tokens"] == 0
+
+
+def test_bandit_converges_to_best_arm_per_bucket():
+    """Synthetic reward table with noise: the greedy choice after exploration is each bucket's best arm."""
+    table = {0: {0: 100, 1: 150, 2: 190, 3: 230, 4: 260, 6: 240, 8: 200},   # batch 1: long drafts pay
+             3: {0: 800, 1: 900, 2: 1000, 3: 850, 4: 800, 6: 700, 8: 600},    # batch 5..8: short drafts
+             5: {0: 3000, 1: 2500, 2: 2000, 3: 1800, 4: 1500, 6: 1200, 8: 900}}  # batch 17..32: plain
+    batch_of = {0: 1, 3: 7, 5: 20}
+    noise = random.Random(0)
+    bandit = Bandit(epsilon=0.1, seed=0)
+    picks = {b: [] for b in table}
+    for _ in range(400):
+        for b, bs in batch_of.items():
+            k = bandit.choose(bs)
+            picks[b].append(k)
+            bandit.update(bs, k, table[b][k] * (1 + 0.1 * noise.gauss(0, 1)))
+    for b in table:
+        best = max(table[b], key=table[b].get)
+        assert bandit.best()[b] == best
+        late = picks[b][-200:]
+        assert late.count(best) / len(late) > 0.8  # epsilon = 0.1 explores ~10% of the time
+
+
+def test_bandit_tries_every_arm_first_and_round_trips_state():
+    bandit = Bandit(seed=0)
+    first = []
+    for _ in ARMS:
+        k = bandit.choose(4)
+        first.append(k)
+        bandit.update(4, k, 1.0 + k)
+    assert sorted(first) == sorted(ARMS)
+    clone = Bandit(seed=99)
+    clone.load_state_dict(bandit.state_dict())
+    assert [clone.choose(4) for _ in range(50)] == [bandit.choose(4) for _ in range(50)]

@@ -1,0 +1,115 @@
+"""Idle-rank drafter training across gloo processes: skewed loads, preemption by the last rank,
+identical drafters after the sync, no hang for 1, 2 or 4 ranks or a rank without prompts."""
+import json
+import os
+import random
+import socket
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from drafter import Drafter, DrafterBuffer, make_optimizer
+from model import GPT, GPTConfig
+from rollout import rollout
+from scheduler import gather_ranks, idle_train, render_timeline, sync_drafter
+
+DEADLINE_S = 120  # a hang fails the test instead of blocking CI
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _models():
+    torch.manual_seed(0)  # identical initial weights on every rank
+    target = GPT(GPTConfig(vocab_size=10, block_size=48, n_layer=1, n_head=2, n_embd=16)).eval()
+    return target, Drafter(target)
+
+
+def _worker(rank, world, port, loads, out_path):
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    target, drafter = _models()
+    before = drafter.checksum()
+    opt = make_optimizer(drafter)
+    buffer = DrafterBuffer()
+    load = loads[rank]
+    prompts = [[1 + (i + rank) % 9] for i in range(4)] if load is not None else []
+    gen = torch.Generator().manual_seed(rank)
+    results, _ = rollout(target, None, prompts, 20, generator=gen, tlt=False)
+    for _, tokens, hidden, plen in results:
+        buffer.add(0, tokens, hidden, plen)
+    dist.barrier()  # everyone starts the simulated rollout together
+    t0 = time.perf_counter()
+    time.sleep(load or 0.0)  # the rollout of a skewed load
+    rollout_time = time.perf_counter() - t0
+    steps, idle, segments = idle_train(drafter, opt, buffer, random.Random(rank), batch_size=4)
+    sync_drafter(drafter, steps)
+    recs = gather_ranks({"rank": rank, "rollout_time": rollout_time, "idle_time": idle, "drafter_steps": steps,
+                         "checksum": drafter.checksum(), "before": before,
+                         "segments": [["plain", 0.0, rollout_time]] + [[k, a + rollout_time, b + rollout_time]
+                                                                         for k, a, b in segments]})
+    if rank == 0:
+        with open(out_path, "w") as f:
+            json.dump({"records": recs, "timeline": render_timeline(recs)}, f)
+    dist.destroy_process_group()
+
+
+def _run(world, loads, tmp_path):
+    out = str(tmp_path / "records.json")
+    ctx = mp.start_processes(_worker, args=(world, _free_port(), loads, out), nprocs=world, join=False,
+                             start_method="spawn")
+    deadline = time.time() + DEADLINE_S
+    while not ctx.join(timeout=1):
+        if time.time() > deadline:
+            for p in ctx.processes:
+                p.kill()
+            pytest.fail(f"world size {world} hung for {DEADLINE_S}s")
+    with open(out) as f:
+        return json.load(f)
+
+
+def test_skewed_loads_four_ranks(tmp_path):
+    data = _run(4, [0.2, 0.6, 1.0, 1.4], tmp_path)
+    recs = data["records"]
+    print(data["timeline"])
+    slowest = max(r["rollout_time"] for r in recs)
+    for r in recs:
+        expected = slowest - r["rollout_time"]
+        # idle = time from this rank's barrier entry to the last rank's arrival; the tolerance is
+        # 10% of that plus 50 ms for the last drafter step in flight and process scheduling
+        assert abs(r["idle_time"] - expected) <= 0.1 * expected + 0.05, (r, expected)
+        if expected > 0.1:
+            assert r["drafter_steps"] > 0
+    assert len({r["checksum"] for r in recs}) == 1  # identical drafters after the sync
+    assert recs[0]["checksum"] != recs[0]["before"]  # and the training reached them
+    assert "t" in data["timeline"] and "." in data["timeline"]
+
+
+@pytest.mark.parametrize("world,loads", [(1, [0.1]), (2, [0.0, 0.3]), (4, [0.2, None, 0.0, None])])
+def test_no_hang_and_empty_ranks(world, loads, tmp_path):
+    recs = _run(world, loads, tmp_path)["records"]
+    assert [r["rank"] for r in recs] == list(range(world))
+    assert len({r["checksum"] for r in recs}) == 1
+    for r, load in zip(recs, loads):
+        if load is None:
+            assert r["drafter_steps"] == 0  # nothing to train on, so it only waits
+    if world == 1:
+        assert recs[0]["idle_time"] == 0 and recs[0]["drafter_steps"] == 0
+
+
+def test_render_timeline_draws_each_phase():
+    recs = [{"rank": 0, "rollout_time": 1.0, "idle_time": 1.0, "drafter_steps": 3,
+             "segments": [["plain", 0.0, 0.5], ["spec", 0.5, 1.0], ["train", 1.0, 1.8], ["wait", 1.8, 2.0]]},
+            {"rank": 1, "rollout_time": 2.0, "idle_time": 0.0, "drafter_steps": 0,
+             "segments": [["plain", 0.0, 2.0]]}]
+    text = render_timeline(recs, width=20)
+    row0, row1 = text.splitlines()[:2]
+    bar0 = row0.split("|")[1]
+    assert bar0.startswith("#####") and "SSSSS" in bar0 and "tttt" in bar0 and bar0.rstrip().endswith(".")
+    assert row1.split("|")[1] == "#" * 20

@@ -1,0 +1,466 @@
+"""Tests for speculative.py: the verify rule, greedy and sampled losslessness, stats, compaction.
+
+How they can fail, and why they are not weak:
+
+* Greedy tests run in float64, so a token-level disagreement between speculative and plain
+  decoding is a real bug (a near-tie flipped by rounding is astronomically unlikely there).
+  The target's weights are re-drawn with a large std so that greedy outputs are not one
+  repeated token, and the drafter is briefly trained on the target's rollouts so that
+  verify steps both accept and reject drafts (checked through the accept histogram).
+* Statistical tests compare empirical distributions with exact ones by total variation (TV).
+  For K categories and N independent draws, E[TV] <= 0.5 * sqrt(K / N) (Cauchy-Schwarz on
+  sum_i E|p^_i - p_i| <= sum_i sqrt(p_i (1 - p_i) / N)). TV of an empirical distribution changes
+  by at most 1/N when one draw changes, so McDiarmid gives
+  P(TV >= E[TV] + t) <= exp(-2 N t^2). Every TV tolerance below is 4 * 0.5 * sqrt(K / N), i.e.
+  t >= 3 * 0.5 * sqrt(K / N), so a correct implementation fails with probability at most
+  exp(-4.5 K) per check (K >= 4: below 1.6e-8). Rates (fractions of N Bernoulli draws) use
+  Hoeffding: P(|mean - mu| >= t) <= 2 exp(-2 N t^2).
+  Everything is seeded, so a run is deterministic; the odds say how unlucky a seed would
+  have to be for a correct implementation to fail.
+"""
+import itertools
+import math
+import random
+
+import pytest
+import torch
+
+from drafter import Drafter, DrafterBuffer, make_optimizer, train_step
+from model import GPT, GPTConfig
+from speculative import (Generation, autoregressive_generate, probs, speculative_generate,
+                         verify)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """These models are tiny: on a busy 2-core machine, intra-op threads only spin and wait
+    (measured: about 100x slower with 2 threads than with 1). Restored afterwards."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def tv_tolerance(K, N):
+    """4x the bound on the expected TV of N draws over K categories (see the module docstring)."""
+    return 4 * 0.5 * math.sqrt(K / N)
+
+
+def tv(a, b):
+    return 0.5 * float((a.double() - b.double()).abs().sum())
+
+
+def randomize(module, seed, std):
+    """Re-draw every matrix with N(0, std^2) and every vector (norm gains) around 1, so that the
+    model is far from its near-uniform init and greedy outputs vary."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in module.parameters():
+            if p.dim() >= 2:
+                p.copy_(torch.randn(p.shape, generator=g, dtype=p.dtype) * std)
+            else:
+                p.copy_(1.0 + 0.5 * torch.randn(p.shape, generator=g, dtype=p.dtype))
+    return module
+
+
+def tiny(V, seed, std=0.5):
+    torch.manual_seed(seed)
+    return randomize(GPT(GPTConfig(vocab_size=V, block_size=64, n_layer=2, n_head=2, n_embd=16)).eval(),
+                     seed, std)
+
+
+# ----------------------------------------------------------------------------- greedy setup
+
+V_G = 16
+N_NEW = 20
+PROMPT_LENS = [1, 3, 5, 2, 7, 4, 6, 2]
+
+
+@pytest.fixture(scope="module")
+def greedy_setup():
+    """A float64 target, a drafter that agrees with it some of the time, a pool of ragged
+    prompts, and an <|eos|> id chosen so that some rows stop on it and others run to the end."""
+    target = tiny(V_G, seed=1)
+    g = torch.Generator().manual_seed(2)
+    # briefly train the drafter on sampled rollouts: an untrained drafter is almost always rejected
+    torch.manual_seed(3)
+    drafter = Drafter(target)
+    train_prompts = [torch.randint(0, V_G, (n,), generator=g).tolist() for n in PROMPT_LENS * 4]
+    gen = Generation(target, train_prompts, 30, temperature=1.0, generator=g)
+    while gen.compact() > 0:
+        gen.plain_step()
+    buf = DrafterBuffer(keep_steps=1)
+    for _, tokens, hidden, plen in gen.results:
+        buf.add(0, tokens, hidden, plen)
+    opt = make_optimizer(drafter, lr=1e-2)
+    rng = random.Random(0)
+    for _ in range(60):
+        train_step(drafter, opt, buf, rng)
+    target.double()
+    drafter.double()
+
+    pool = [torch.randint(0, V_G, (n,), generator=g).tolist() for n in PROMPT_LENS]
+    free, _ = autoregressive_generate(target, pool, N_NEW, temperature=0)
+    # outputs must not be trivial: several distinct tokens overall and within rows
+    assert len({t for o in free for t in o}) >= 4, free
+    assert sum(len(set(o)) >= 3 for o in free) >= 4, free
+    # eos: a token that ends some rows early (first seen before the last position) and is absent
+    # from other rows (they run to max_new_tokens); the most balanced such token
+    best = None
+    for v in range(V_G):
+        early = [i for i, o in enumerate(free) if v in o[:-1]]
+        absent = [i for i, o in enumerate(free) if v not in o]
+        if early and absent and (best is None or min(len(early), len(absent)) > best[0]):
+            best = (min(len(early), len(absent)), v, early, absent)
+    assert best is not None, "no token ends some rows early and is absent from others"
+    _, eos, early, absent = best
+    # order the pool so that B=1 stops on eos and B=3 has both kinds of row
+    order = [early[0], absent[0]] + [i for i in range(len(pool)) if i not in (early[0], absent[0])]
+    pool = [pool[i] for i in order]
+    free = [free[i] for i in order]
+    return target, drafter, pool, free, eos
+
+
+def truncate_at(o, eos):
+    return o[:o.index(eos) + 1] if eos in o else o
+
+
+# ----------------------------------------------------------------------------- greedy lossless + stats
+
+
+@pytest.mark.parametrize("B", [1, 3, 8])
+@pytest.mark.parametrize("k", [1, 2, 4, 8])
+def test_greedy_speculative_equals_autoregressive(greedy_setup, B, k):
+    target, drafter, pool, free, eos = greedy_setup
+    prompts = pool[:B]
+    ar, ar_stats = autoregressive_generate(target, prompts, N_NEW, temperature=0, eos_id=eos)
+    # the reference itself: greedy with eos is greedy without eos cut after the first eos
+    assert ar == [truncate_at(o, eos) for o in free[:B]]
+    assert any(o[-1] == eos and len(o) < N_NEW for o in ar), "eos never stops a row early"
+    if B > 1:
+        assert any(len(o) == N_NEW and eos not in o for o in ar), "no row runs to max_new_tokens"
+
+    sd, stats = speculative_generate(target, drafter, prompts, N_NEW, k=k, temperature=0, eos_id=eos)
+    assert sd == ar
+
+    # stats: accept_len is tokens emitted per (row, verify step); the first token of every row
+    # comes from the prefill, every other one from a verify step
+    assert stats["sd_steps"] > 0
+    assert stats["accept_len"] == pytest.approx(stats["sd_tokens"] / stats["sd_steps"])
+    assert 1.0 <= stats["accept_len"] <= k + 1
+    assert stats["sd_tokens"] == stats["tokens"] == sum(len(o) for o in sd) - B
+    hist = stats["accept_hist"]
+    assert set(hist) <= set(range(k + 1)), hist
+    assert sum(hist.values()) == stats["sd_steps"]
+    assert stats["sd_tokens"] <= sum((a + 1) * c for a, c in hist.items())  # truncation only removes
+    if B > 1:
+        assert len(hist) > 1, f"drafts were all accepted or all rejected: {hist}"
+    # plain decoding: one token per row per step, no SD stats
+    assert ar_stats["tokens"] == sum(len(o) for o in ar) - B
+    assert ar_stats["accept_len"] is None
+
+
+def test_mixed_plain_and_speculative_steps_are_lossless(greedy_setup):
+    """rollout.py switches from plain to speculative steps mid-generation: the drafter must catch
+    up on every hidden state recorded by plain steps (a ragged, longer-than-k+1 catch-up)."""
+    target, drafter, pool, free, eos = greedy_setup
+    ar, _ = autoregressive_generate(target, pool, N_NEW, temperature=0, eos_id=eos)
+    gen = Generation(target, pool, N_NEW, temperature=0, eos_id=eos, max_draft=3)
+    schedule = itertools.cycle([None, None, 3, None, 1, 2, 2])
+    kinds = set()
+    while gen.compact() > 0:
+        k = next(schedule)
+        kinds.add(k)
+        if k is None:
+            gen.plain_step()
+        else:
+            gen.speculative_step(drafter, k)
+    assert len(kinds) > 2
+    assert gen.outputs() == ar
+
+
+# ----------------------------------------------------------------------------- compaction
+
+
+def test_compact_drops_finished_rows_keeps_original_order(greedy_setup):
+    target, drafter, pool, free, eos = greedy_setup
+    alone = [autoregressive_generate(target, [p], N_NEW, temperature=0, eos_id=eos)[0][0] for p in pool]
+    for k in (0, 2):  # plain steps, then speculative steps
+        gen = Generation(target, pool, N_NEW, temperature=0, eos_id=eos, max_draft=k)
+        sizes = []
+        while True:
+            n = gen.compact()
+            sizes.append(n)
+            running = [i for i, r in enumerate(gen.results) if r is None]
+            assert n == gen.batch_size == len(running)
+            assert sorted(gen.row_id.tolist()) == running
+            assert not bool(gen.done.any())
+            assert gen.tokens.shape[0] == gen.hidden.shape[0] == gen.n_tokens.shape[0] == n
+            assert gen.cache.batch_size == n
+            assert torch.equal(gen.cache.lengths, gen.n_tokens - 1)
+            if gen.dcache is not None:
+                assert gen.dcache.batch_size == n
+            if n == 0:
+                break
+            if k == 0:
+                gen.plain_step()
+            else:
+                gen.speculative_step(drafter, k)
+        assert sizes[-1] == 0
+        assert any(0 < s < len(pool) for s in sizes), f"batch never shrank partially: {sizes}"
+        assert gen.outputs() == alone  # each result in its prompt's slot
+        for i, (ids, tokens, hidden, plen) in enumerate(gen.results):
+            assert plen == len(pool[i])
+            assert tokens.tolist() == pool[i] + ids
+
+
+def test_compact_moves_marked_rows_to_results():
+    target = tiny(V_G, seed=4).double()
+    prompts = [[1, 2, 3], [4], [5, 6], [7, 8, 9, 10]]
+    gen = Generation(target, prompts, 5, temperature=0)
+    before_tokens = gen.tokens.clone()
+    before_k = gen.cache.k.clone()
+    before_len = gen.cache.lengths.clone()
+    gen.done = torch.tensor([True, False, True, False])
+    assert gen.compact() == 2
+    assert gen.row_id.tolist() == [1, 3]
+    assert torch.equal(gen.tokens, before_tokens[[1, 3]])
+    assert torch.equal(gen.cache.k, before_k[:, [1, 3]])
+    assert torch.equal(gen.cache.lengths, before_len[[1, 3]])
+    assert gen.results[1] is None and gen.results[3] is None
+    for b in (0, 2):
+        ids, tokens, hidden, plen = gen.results[b]
+        assert plen == len(prompts[b])
+        assert ids == [int(before_tokens[b, plen])]
+        assert tokens.tolist() == prompts[b] + ids
+        assert hidden.shape == (plen, target.config.n_embd)
+
+
+# ----------------------------------------------------------------------------- recorded hidden states
+
+
+@pytest.mark.parametrize("k", [0, 3])
+def test_recorded_hidden_states_match_a_full_forward(greedy_setup, k):
+    """The drafter buffer trusts results[b] = (ids, tokens, hidden, plen) with hidden[j] the target's
+    state after reading tokens[j]; check it against one plain forward over the row."""
+    target, drafter, pool, free, eos = greedy_setup
+    g = torch.Generator().manual_seed(5)
+    gen = Generation(target, pool, N_NEW, temperature=1.0, eos_id=eos, generator=g, max_draft=k)
+    while gen.compact() > 0:
+        gen.plain_step() if k == 0 else gen.speculative_step(drafter, k)
+    for ids, tokens, hidden, plen in gen.results:
+        assert hidden.shape[0] == tokens.shape[0] - 1
+        with torch.no_grad():
+            _, ref = target(tokens[None, :-1])
+        assert (hidden - ref[0]).abs().max().item() < 1e-9
+
+
+# ----------------------------------------------------------------------------- verify, statistically
+
+N_VERIFY = 40000
+V_V = 5
+
+
+def random_dists(g, shape, scale=1.5):
+    return torch.softmax(torch.randn(shape, generator=g) * scale, dim=-1)
+
+
+def make_pq(case, k, g):
+    p = random_dists(g, (k + 1, V_V))
+    q = random_dists(g, (k, V_V))
+    if case == "q_zero":  # the drafter never proposes tokens 0 and 1, the target likes them
+        q[:, :2] = 0
+        p[:, :2] += 0.3
+    elif case == "p_zero":  # the target never emits token 4 (nor 3 at even positions)
+        p[:, 4] = 0
+        p[0::2, 3] = 0
+        q[:, 3:] += 0.3
+    p = p / p.sum(-1, keepdim=True)
+    q = q / q.sum(-1, keepdim=True)
+    return p, q
+
+
+def run_verify(p, q, N, g):
+    """N independent verify calls on the same (p, q): draft from q, then verify."""
+    k = q.shape[0]
+    P = p[None].expand(N, -1, -1).contiguous()
+    Q = q[None].expand(N, -1, -1).contiguous()
+    drafts = torch.multinomial(Q.reshape(N * k, -1), 1, replacement=True, generator=g).view(N, k)
+    n_acc, nxt = verify(drafts, Q, P, generator=g)
+    return drafts, n_acc, nxt
+
+
+def first_emitted(drafts, n_acc, nxt):
+    return torch.where(n_acc >= 1, drafts[:, 0], nxt)
+
+
+@pytest.mark.parametrize("k", [1, 2, 3])
+@pytest.mark.parametrize("case", ["random", "q_zero", "p_zero"])
+def test_verify_first_token_is_distributed_as_target(case, k):
+    g = torch.Generator().manual_seed(100 * k + len(case))
+    p, q = make_pq(case, k, g)
+    drafts, n_acc, nxt = run_verify(p, q, N_VERIFY, g)
+    assert n_acc.shape == nxt.shape == (N_VERIFY,)
+    assert int(n_acc.min()) >= 0 and int(n_acc.max()) <= k
+    first = first_emitted(drafts, n_acc, nxt)
+    emp = torch.bincount(first, minlength=V_V).double() / N_VERIFY
+    # K = 5, N = 40000: tolerance 0.0224; false failure <= exp(-22.5) ~ 1.7e-10
+    tol = tv_tolerance(V_V, N_VERIFY)
+    assert tv(emp, p[0]) <= tol, (emp, p[0])
+    # tokens the target gives zero mass never come out, at any position
+    zero = p[0] == 0
+    assert not bool(zero[first].any())
+    # acceptance is exactly as efficient as rejection sampling allows: the drafts are independent
+    # here (p does not depend on them), so P(n_acc >= i) = prod_{j < i} sum_x min(p_j, q_j).
+    # Hoeffding with t = 0.02, N = 40000: false failure <= 2 exp(-32) ~ 2.5e-14 per rate.
+    # (This rules out a "lossless" verify that always rejects and resamples from p.)
+    alpha = torch.minimum(p[:k], q).sum(-1)
+    for i in range(1, k + 1):
+        expected = float(alpha[:i].prod())
+        got = float((n_acc >= i).double().mean())
+        assert abs(got - expected) <= 0.02, (i, got, expected)
+    # every accepted draft has positive target probability
+    accepted = torch.arange(k)[None] < n_acc[:, None]
+    p_of_draft = p[:k].gather(-1, drafts.T).T  # (N, k)
+    assert bool((p_of_draft[accepted] > 0).all())
+
+
+@pytest.mark.parametrize("k", [2, 3])
+@pytest.mark.parametrize("case", ["random", "q_zero", "p_zero"])
+def test_verify_first_two_tokens_jointly_distributed_as_target(case, k):
+    """The first two emitted tokens have joint p_0 x p_1. A row that emits only one token this
+    step (n_accepted = 0) gets its second token from the next verify step, which drafts from
+    q_1.. and verifies against p_1.., exactly what speculative decoding would do next."""
+    g = torch.Generator().manual_seed(7 + 10 * k + len(case))
+    p, q = make_pq(case, k, g)
+    assert tv(p[0], p[1]) > 0.1  # the two positions differ, so a swapped position would show
+    drafts, n_acc, nxt = run_verify(p, q, N_VERIFY, g)
+    first = first_emitted(drafts, n_acc, nxt)
+    d2, n2, x2 = run_verify(p[1:], q[1:], N_VERIFY, g)
+    second = torch.where(n_acc >= 2, drafts[:, 1], torch.where(n_acc == 1, nxt, first_emitted(d2, n2, x2)))
+    emp = torch.bincount(first * V_V + second, minlength=V_V * V_V).double() / N_VERIFY
+    exact = (p[0][:, None] * p[1][None, :]).reshape(-1)
+    # K = 25, N = 40000: tolerance 0.05; false failure <= exp(-112.5)
+    assert tv(emp, exact) <= tv_tolerance(V_V * V_V, N_VERIFY), (emp, exact)
+    # rows that rejected at position 1 drew from the residual there, rows that accepted all
+    # drew from p_k: check the latter's marginal separately (it is the bonus-token path)
+    if k == 2:
+        full = n_acc == 2
+        n_full = int(full.sum())
+        assert n_full > 2000
+        bonus = torch.bincount(nxt[full], minlength=V_V).double() / n_full
+        assert tv(bonus, p[2]) <= tv_tolerance(V_V, n_full)
+
+
+def test_verify_identical_p_q_accepts_everything_and_disjoint_rejects_everything():
+    g = torch.Generator().manual_seed(11)
+    k, N = 3, 20000
+    p = random_dists(g, (k + 1, V_V))
+    drafts, n_acc, nxt = run_verify(p, p[:k].clone(), N, g)
+    assert bool((n_acc == k).all())
+    emp = torch.bincount(nxt, minlength=V_V).double() / N
+    assert tv(emp, p[k]) <= tv_tolerance(V_V, N)  # the bonus token comes from p_k
+    # disjoint supports: q only on {0, 1}, p only on {2, 3, 4}
+    q = torch.zeros(k, V_V)
+    q[:, :2] = 0.5
+    p2 = torch.zeros(k + 1, V_V)
+    p2[:, 2:] = random_dists(g, (k + 1, 3))
+    drafts, n_acc, nxt = run_verify(p2, q, N, g)
+    assert bool((n_acc == 0).all())
+    emp = torch.bincount(nxt, minlength=V_V).double() / N
+    assert tv(emp, p2[0]) <= tv_tolerance(V_V, N)
+
+
+def test_verify_greedy_one_hot():
+    """Greedy: accept iff the draft is the target's argmax; the next token is the target's argmax
+    at the first mismatch (or at position k when every draft matched)."""
+    g = torch.Generator().manual_seed(12)
+    B, k, V = 3000, 4, 3
+    p = probs(torch.randn(B, k + 1, V, generator=g), 0)
+    q = probs(torch.randn(B, k, V, generator=g), 0)
+    assert bool((p.sum(-1) == 1).all()) and bool((p.max(-1).values == 1).all())
+    drafts = q.argmax(-1)
+    n_acc, nxt = verify(drafts, q, p, generator=g)
+    match = drafts == p[:, :k].argmax(-1)
+    expected_n = match.long().cumprod(1).sum(1)
+    assert torch.equal(n_acc, expected_n)
+    assert torch.equal(nxt, p.argmax(-1).gather(1, expected_n[:, None])[:, 0])
+    assert set(n_acc.tolist()) == set(range(k + 1))  # every outcome occurred: the check is not vacuous
+    # no generator: same answer, greedy is deterministic
+    n_acc2, nxt2 = verify(drafts, q, p)
+    assert torch.equal(n_acc2, n_acc) and torch.equal(nxt2, nxt)
+
+
+# ----------------------------------------------------------------------------- sequence-level lossless
+
+V_S = 4
+LEN_S = 3
+PROMPT_S = [1]
+
+
+@pytest.fixture(scope="module")
+def sampling_setup():
+    target = tiny(V_S, seed=21, std=1.0)
+    drafter = randomize(Drafter(target), seed=22, std=1.0)
+    return target, drafter
+
+
+def exact_sequence_dist(target, temperature):
+    """P(x_1 x_2 x_3 | prompt) for all V^3 sequences, by enumeration; index = base-V code."""
+    seqs = torch.tensor(list(itertools.product(range(V_S), repeat=LEN_S)))  # (V^3, 3), code order
+    idx = torch.cat([torch.tensor(PROMPT_S).expand(len(seqs), -1), seqs[:, :-1]], dim=1)
+    with torch.no_grad():
+        logits, _ = target(idx)
+    logp = torch.log_softmax(logits.double()[:, len(PROMPT_S) - 1:] / temperature, dim=-1)
+    return logp.gather(-1, seqs[..., None])[..., 0].sum(-1).exp()
+
+
+def empirical(outputs):
+    codes = torch.tensor([sum(t * V_S ** (LEN_S - 1 - i) for i, t in enumerate(o)) for o in outputs])
+    assert all(len(o) == LEN_S for o in outputs)
+    return torch.bincount(codes, minlength=V_S ** LEN_S).double() / len(outputs)
+
+
+ROWS, CALLS = 8000, 4  # N = 32000 sequences per method
+
+
+@pytest.mark.parametrize("method,k,temperature", [
+    ("speculative", 2, 1.0),
+    ("speculative", 1, 1.0),
+    ("speculative", 3, 0.7),
+    ("autoregressive", 0, 1.0),
+])
+def test_sequence_distribution_is_the_targets(sampling_setup, method, k, temperature):
+    target, drafter = sampling_setup
+    exact = exact_sequence_dist(target, temperature)
+    assert float(exact.sum()) == pytest.approx(1.0)
+    assert float(exact.max()) < 0.5  # a spread-out target: the test has something to detect
+    g = torch.Generator().manual_seed(1000 + k)
+    outputs, hist = [], {}
+    for _ in range(CALLS):
+        if method == "speculative":
+            out, stats = speculative_generate(target, drafter, [PROMPT_S] * ROWS, LEN_S, k=k,
+                                              temperature=temperature, generator=g)
+            for a, c in stats["accept_hist"].items():
+                hist[a] = hist.get(a, 0) + c
+        else:
+            out, _ = autoregressive_generate(target, [PROMPT_S] * ROWS, LEN_S, temperature=temperature,
+                                             generator=g)
+        outputs += out
+    N = len(outputs)
+    if method == "speculative":
+        assert len(hist) > 1, hist  # drafts were both accepted and rejected
+    emp = empirical(outputs)
+    # K = 64, N = 32000: tolerance 0.0894; false failure <= exp(-288)
+    assert tv(emp, exact) <= tv_tolerance(V_S ** LEN_S, N), tv(emp, exact)
+    # the per-position marginals are a sharper test of a bias at one position:
+    # K = 4, N = 32000: tolerance 0.0224 each; false failure <= exp(-18) ~ 1.5e-8 each
+    e3 = emp.view(V_S, V_S, V_S)
+    x3 = exact.view(V_S, V_S, V_S)
+    for dims in [(1, 2), (0, 2), (0, 1)]:
+        assert tv(e3.sum(dims), x3.sum(dims)) <= tv_tolerance(V_S, N), dims
+    # and the conditional of x_3 given the most likely (x_1, x_2), where SD's verify acts last
+    a, b = divmod(int(x3.sum(2).argmax()), V_S)
+    n_ab = int(round(float(e3[a, b].sum()) * N))
+    assert n_ab > 3000
+    assert tv(e3[a, b] / e3[a, b].sum(), x3[a, b] / x3[a, b].sum()) <= tv_tolerance(V_S, n_ab)
