@@ -94,9 +94,13 @@ class DrafterBuffer:
 
     def sample(self, batch_size, rng, device="cpu"):
         """A padded batch of whole sequences: inputs (h_t, x_{t+1}), targets h_{t+1}, loss mask."""
-        chosen = [self.items[rng.randrange(len(self.items))] for _ in range(batch_size)]
+        # similar lengths together (a random window of the length-sorted buffer): on long-tailed
+        # lengths, a uniform batch would be mostly padding
+        by_len = sorted(self.items, key=lambda it: it[1].shape[0])
+        start = rng.randrange(max(1, len(by_len) - batch_size + 1))
+        chosen = by_len[start:start + batch_size]
         T = max(h.shape[0] for _, _, h, _ in chosen) - 1  # pairs per sequence: one fewer than states
-        C = chosen[0][2].shape[1]
+        C, batch_size = chosen[0][2].shape[1], len(chosen)
         h_in = torch.zeros(batch_size, T, C)
         x_next = torch.zeros(batch_size, T, dtype=torch.long)
         h_tgt = torch.zeros(batch_size, T, C)

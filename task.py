@@ -77,7 +77,6 @@ def decode(ids):
 @dataclass(frozen=True)
 class Problem:
     digits: tuple
-    modulus: int = 10
 
     @property
     def size(self):
@@ -85,7 +84,7 @@ class Problem:
 
     @property
     def answer(self):
-        return sum(self.digits) % self.modulus
+        return sum(self.digits) % 10
 
     def prompt(self):
         return " ".join(f"{LABELS[i]}{d}" for i, d in enumerate(self.digits)) + ":"
@@ -93,7 +92,7 @@ class Problem:
     def response(self):
         steps, s = [], 0
         for i, d in enumerate(self.digits):
-            s = (s + d) % self.modulus
+            s = (s + d) % 10
             steps.append(f"{LABELS[i]}{d}={s}")
         return " ".join(steps) + f" >{s}"
 
@@ -102,7 +101,6 @@ class Problem:
 class TaskConfig:
     max_n: int = 26       # largest problem; at most len(LABELS)
     alpha: float = 1.5    # tail exponent of P(n) ~ n^-alpha (smaller: heavier tail)
-    modulus: int = 10     # digits are 0..modulus-1 and the answer is their sum modulo this
 
     def __post_init__(self):
         if not 1 <= self.max_n <= len(LABELS):
@@ -130,15 +128,15 @@ def sample_size(rng, cfg):
 
 def sample_problem(rng, cfg, size=None):
     n = sample_size(rng, cfg) if size is None else size
-    return Problem(tuple(rng.randrange(cfg.modulus) for _ in range(n)), cfg.modulus)
+    return Problem(tuple(rng.randrange(10) for _ in range(n)))
 
 
 def parse_prompt(prompt):
     """Prompt text -> Problem, or None when it is not a well-formed prompt."""
-    m = re.fullmatch(r"((?:[a-zA-Z]\d ?)+):", prompt)
+    m = re.fullmatch(r"((?:[a-zA-Z][0-9] ?)+):", prompt)  # [0-9], not \d: ASCII digits only
     if m is None:
         return None
-    return Problem(tuple(int(d) for d in re.findall(r"[a-zA-Z](\d)", m.group(1))))
+    return Problem(tuple(int(d) for d in re.findall(r"[a-zA-Z]([0-9])", m.group(1))))
 
 
 def reward(prompt, response):
@@ -148,7 +146,7 @@ def reward(prompt, response):
     scratchpad with a lucky answer still scores. Garbage of any kind scores 0, never raises."""
     try:
         problem = parse_prompt(prompt)
-        m = re.search(r">(\d+)\s*$", response)
+        m = re.search(r">([0-9]+)\s*$", response)
         return float(problem is not None and m is not None and int(m.group(1)) == problem.answer)
     except Exception:  # the contract is "never raises"; a broken input is simply wrong
         return 0.0

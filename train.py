@@ -13,6 +13,7 @@ everything needed to continue is written atomically every --ckpt-every steps, an
 same command resumes from it.
 """
 import argparse
+import copy
 import datetime
 import json
 import math
@@ -20,6 +21,7 @@ import os
 import random
 import time
 import warnings
+from contextlib import nullcontext
 from dataclasses import asdict
 
 import torch
@@ -65,10 +67,10 @@ def parse_args(argv=None):
     p.add_argument("--warmup-tokens", type=int, default=4096, help="padded tokens per warm-up batch, all ranks together")
     p.add_argument("--warmup-lr", type=float, default=3e-3, help="peak learning rate of the target warm-up")
     # drafter
-    p.add_argument("--drafter-warmup-seqs", type=int, default=512, help="target samples the drafter warms up on")
-    p.add_argument("--drafter-warmup-steps", type=int, default=600, help="drafter optimizer steps in its warm-up")
+    p.add_argument("--drafter-warmup-seqs", type=int, default=2048, help="target samples the drafter warms up on")
+    p.add_argument("--drafter-warmup-steps", type=int, default=1200, help="drafter optimizer steps in its warm-up")
     p.add_argument("--drafter-lr", type=float, default=2e-3, help="drafter learning rate (warm-up and online)")
-    p.add_argument("--drafter-batch", type=int, default=16, help="sequences per drafter training step")
+    p.add_argument("--drafter-batch", type=int, default=8, help="sequences per drafter training step")
     p.add_argument("--drafter-keep", type=int, default=2, help="RL steps of hidden states the drafter buffer keeps")
     # RL
     p.add_argument("--rl-steps", type=int, default=40, help="GRPO steps")
@@ -313,11 +315,15 @@ def format_accuracy(acc):
 # -----------------------------------------------------------------------------
 # one GRPO update on this rank's rollouts
 
-def grpo_update(model, net, opt, sequences, prompt_lens, advantages, args, device):
+def grpo_update(model, net, opt, sequences, prompt_lens, advantages, args, device, ref_model=None):
     """Length-grouped micro-batches, gradients accumulated, one all-reduce (DDP), one step per
     epoch. A rank with no rows still takes part with a zero loss, so collectives line up.
     Returns (loss, clip fraction, skipped) where skipped means a non-finite loss or gradient."""
-    order = sorted(range(len(sequences)), key=lambda i: len(sequences[i]))
+    n_tokens = max(1, sum(len(s) - p for s, p in zip(sequences, prompt_lens)))
+    # rows with advantage 0 (groups whose rewards are all equal) add exactly 0 to the loss and its
+    # gradient, so skipping them changes nothing but the time (not so with a KL term)
+    active = [i for i in range(len(sequences)) if args.kl_coef > 0 or advantages[i] != 0]
+    order = sorted(active, key=lambda i: len(sequences[i]))
     micro, cur = [], []
     for i in order:
         if cur and (len(cur) + 1) * len(sequences[i]) > args.update_tokens:
@@ -325,9 +331,8 @@ def grpo_update(model, net, opt, sequences, prompt_lens, advantages, args, devic
             cur = []
         cur.append(i)
     micro.append(cur)
-    n_tokens = max(1, sum(len(sequences[i]) - prompt_lens[i] for i in order))
-    total_loss, clip, skipped = 0.0, 0.0, False
-    for _ in range(args.rl_epochs):
+    total_loss, clip, skipped, old = 0.0, 0.0, False, {}
+    for epoch in range(args.rl_epochs):
         opt.zero_grad(set_to_none=True)
         for m_i, rows in enumerate(micro):
             if rows:
@@ -337,11 +342,15 @@ def grpo_update(model, net, opt, sequences, prompt_lens, advantages, args, devic
                 tokens, mask = torch.zeros(1, 2, dtype=torch.long, device=device), torch.zeros(1, 1, dtype=torch.bool, device=device)
                 adv = torch.zeros(1, device=device)
             last = m_i == len(micro) - 1
-            ctx = net.no_sync() if (isinstance(net, DDP) and not last) else _null()
+            ctx = net.no_sync() if (isinstance(net, DDP) and not last) else nullcontext()
             with ctx:
                 logp = rl.token_logprobs(net, tokens)
-                logp_old = logp.detach()  # on-policy: the rollout came from these weights
+                # the rollout came from the weights of epoch 0: their log-probs are the "old" ones
+                logp_old = old.setdefault(m_i, logp.detach())
                 logp_ref = None
+                if args.kl_coef > 0:
+                    with torch.no_grad():
+                        logp_ref = rl.token_logprobs(ref_model, tokens)
                 loss, st = rl.grpo_loss(logp, logp_old, adv, mask, args.clip_eps, args.kl_coef, logp_ref)
                 # token-level mean over the rank's whole batch, not per micro-batch
                 (loss * mask.sum() / n_tokens).backward()
@@ -357,14 +366,6 @@ def grpo_update(model, net, opt, sequences, prompt_lens, advantages, args, devic
             continue
         opt.step()
     return total_loss / args.rl_epochs, clip / args.rl_epochs, skipped
-
-
-class _null:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
 
 
 # -----------------------------------------------------------------------------
@@ -447,6 +448,7 @@ def run(args, task_cfg, ddp, rank, world_size, device):
     acc0 = evaluate(model, problems, rank, world_size) if problems else {}
     print0(f"held-out greedy accuracy before RL ({len(problems)} problems): {format_accuracy(acc0)}")
 
+    ref_model = copy.deepcopy(model).requires_grad_(False) if args.kl_coef > 0 else None  # frozen warm-up target
     net = DDP(model) if ddp else model
     opt = torch.optim.AdamW(model.parameters(), lr=args.rl_lr, betas=(0.9, 0.95), weight_decay=0.0)
     d_opt = make_optimizer(drafter, args.drafter_lr)
@@ -480,7 +482,8 @@ def run(args, task_cfg, ddp, rank, world_size, device):
            f"{'on' if args.drafter_updates and args.tlt else 'off'} | sd threshold {args.sd_threshold}")
     history = []
     for step in range(start, args.rl_steps):
-        rec = rl_step(step, args, task_cfg, model, net, drafter, opt, d_opt, bandit, buffer, rank, world_size, device)
+        rec = rl_step(step, args, task_cfg, model, net, drafter, opt, d_opt, bandit, buffer, rank, world_size, device,
+                      ref_model)
         history.append(rec)
         if rank == 0:
             with open(metrics_path, "a") as f:
@@ -504,7 +507,8 @@ def run(args, task_cfg, ddp, rank, world_size, device):
         summary(history, acc0, acc1, time.time() - t_run)
 
 
-def rl_step(step, args, task_cfg, model, net, drafter, opt, d_opt, bandit, buffer, rank, world_size, device):
+def rl_step(step, args, task_cfg, model, net, drafter, opt, d_opt, bandit, buffer, rank, world_size, device,
+            ref_model=None):
     t0 = time.perf_counter()
     # the step's prompts are the same on every rank; each rank takes every world_size-th one
     prng = random.Random(derive_seed(args.seed, 0, step, 6))
@@ -532,7 +536,7 @@ def rl_step(step, args, task_cfg, model, net, drafter, opt, d_opt, bandit, buffe
     adv = rl.group_advantages(rewards, args.group_size) if len(rows) else torch.zeros(0)
     model.train()
     loss, clip, skipped = grpo_update(model, net, opt, [r[1].tolist() for r in results], [r[3] for r in results],
-                                      adv, args, device)
+                                      adv, args, device, ref_model)
     model.eval()
     t1 = time.perf_counter()
     # 7: per-rank records and the step record

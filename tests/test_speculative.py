@@ -179,6 +179,50 @@ def test_mixed_plain_and_speculative_steps_are_lossless(greedy_setup):
     assert gen.outputs() == ar
 
 
+def test_drafts_come_from_the_drafter_on_the_recorded_history(greedy_setup, monkeypatch):
+    """Losslessness holds for any drafter, so the tests above cannot see a drafter that is fed the
+    wrong inputs (an off-by-one pairing, a stale cache after a rollback or a compaction): it only
+    lowers acceptance. Check the drafter's proposals directly. At every speculative step, for every
+    row with L states read, q_1 must be the drafter's distribution after a plain (cache-free)
+    forward over the pairs (h_j, x_{j+1}), j < L, and q_i (i > 1) the one after appending
+    (h~, d_{i-1}) with h~ the drafter's own previous prediction."""
+    import speculative
+
+    target, drafter, pool, free, eos = greedy_setup
+    seen = []
+    real_verify = speculative.verify
+
+    def spy(draft_tokens, q, p, generator=None):
+        seen.append((draft_tokens.clone(), q.clone()))
+        return real_verify(draft_tokens, q, p, generator)
+
+    monkeypatch.setattr(speculative, "verify", spy)
+    g = torch.Generator().manual_seed(6)
+    temperature = 0.7  # the drafter samples at the generation's temperature too
+    gen = Generation(target, pool, N_NEW, temperature=temperature, eos_id=eos, generator=g, max_draft=3)
+    schedule = itertools.cycle([3, None, 1, 2, None, None, 3, 2])
+    checked = 0
+    while gen.compact() > 0:
+        k = next(schedule)
+        if k is None:
+            gen.plain_step()
+            continue
+        hidden, tokens, L = gen.hidden.clone(), gen.tokens.clone(), (gen.n_tokens - 1).tolist()
+        gen.speculative_step(drafter, k)
+        drafts, q = seen.pop()
+        for b in range(len(L)):
+            hs, xs = hidden[b, :L[b]], tokens[b, 1:L[b] + 1]
+            for i in range(k):
+                with torch.no_grad():
+                    logits, h_pred = drafter(hs[None], xs[None])
+                ref = torch.softmax(logits[0, -1].float() / temperature, dim=-1)
+                assert (q[b, i] - ref).abs().max().item() < 1e-6, (b, i, L[b])
+                hs = torch.cat([hs, h_pred[0, -1:]])
+                xs = torch.cat([xs, drafts[b, i:i + 1]])
+                checked += 1
+    assert checked > 50
+
+
 # ----------------------------------------------------------------------------- compaction
 
 
@@ -342,14 +386,6 @@ def test_verify_first_two_tokens_jointly_distributed_as_target(case, k):
     exact = (p[0][:, None] * p[1][None, :]).reshape(-1)
     # K = 25, N = 40000: tolerance 0.05; false failure <= exp(-112.5)
     assert tv(emp, exact) <= tv_tolerance(V_V * V_V, N_VERIFY), (emp, exact)
-    # rows that rejected at position 1 drew from the residual there, rows that accepted all
-    # drew from p_k: check the latter's marginal separately (it is the bonus-token path)
-    if k == 2:
-        full = n_acc == 2
-        n_full = int(full.sum())
-        assert n_full > 2000
-        bonus = torch.bincount(nxt[full], minlength=V_V).double() / n_full
-        assert tv(bonus, p[2]) <= tv_tolerance(V_V, n_full)
 
 
 def test_verify_identical_p_q_accepts_everything_and_disjoint_rejects_everything():
@@ -400,7 +436,7 @@ PROMPT_S = [1]
 
 @pytest.fixture(scope="module")
 def sampling_setup():
-    target = tiny(V_S, seed=21, std=1.0)
+    target = tiny(V_S, seed=21, std=0.25)  # larger weights make the target nearly deterministic
     drafter = randomize(Drafter(target), seed=22, std=1.0)
     return target, drafter
 

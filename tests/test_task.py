@@ -111,16 +111,6 @@ def test_reward_reference_is_one_and_wrong_answer_is_zero():
         assert task.reward(prompt, f">{p.answer}") == 1.0
 
 
-@pytest.mark.parametrize("modulus", [2, 7])
-def test_reward_reference_is_one_for_non_default_modulus(modulus):
-    # TaskConfig.modulus is public: "the answer is their sum modulo this"; the reference response
-    # of such a problem must score 1.0
-    cfg = TaskConfig(max_n=8, modulus=modulus)
-    for p in sample_by_size(cfg, per_size=10, seed=15):
-        assert p.modulus == modulus
-        assert task.reward(p.prompt(), p.response()) == 1.0, (p.prompt(), p.response(), p.answer)
-
-
 def test_reward_is_zero_for_garbage_and_never_raises():
     rng = random.Random(16)
     good = task.Problem((3, 7, 1))  # answer 1
@@ -199,7 +189,7 @@ def test_eval_set_is_fixed_and_stratified(max_n):
     assert Counter(task.bucket_of(p.size) for p in a) == expected
     for p in a:
         assert 1 <= p.size <= max_n
-        assert all(0 <= d < cfg.modulus for d in p.digits)
+        assert all(0 <= d < 10 for d in p.digits)
     # the default set: per_bucket problems in every bucket
     default = task.eval_set(cfg)
     assert default == task.eval_set(cfg)
