@@ -5,7 +5,7 @@ after the final norm, i.e. exactly the LM head's input. The drafter reads it (EA
 
 The KV cache is one static tensor per run, allocated once, with a length pointer per row:
 
-    cache.k, cache.v   (n_layer, B, n_head, max_len, head_dim)
+    cache.kv           (n_layer, 2, B, n_head, max_len, head_dim)   keys and values
     cache.lengths      (B,) long
 
 Appending T tokens writes row b's keys at positions lengths[b] .. lengths[b]+T-1 and then adds T
@@ -56,11 +56,18 @@ class KVCache:
     def __init__(self, config, batch_size, max_len, device="cpu", dtype=torch.float32, n_layer=None):
         n_layer = config.n_layer if n_layer is None else n_layer  # the drafter has one layer
         hd = config.n_embd // config.n_head
-        shape = (n_layer, batch_size, config.n_head, max_len, hd)
-        self.k = torch.zeros(shape, device=device, dtype=dtype)
-        self.v = torch.zeros(shape, device=device, dtype=dtype)
+        # keys and values side by side, so one indexed write per layer stores both
+        self.kv = torch.zeros((n_layer, 2, batch_size, config.n_head, max_len, hd), device=device, dtype=dtype)
         self.lengths = torch.zeros(batch_size, dtype=torch.long, device=device)
         self.max_len = max_len
+
+    @property
+    def k(self):
+        return self.kv[:, 0]  # (n_layer, B, n_head, max_len, head_dim)
+
+    @property
+    def v(self):
+        return self.kv[:, 1]
 
     @property
     def batch_size(self):
@@ -68,8 +75,7 @@ class KVCache:
 
     def keep(self, rows):
         """Compaction: keep only `rows` (a long tensor of row indices), in that order."""
-        self.k = self.k[:, rows]
-        self.v = self.v[:, rows]
+        self.kv = self.kv[:, :, rows]
         self.lengths = self.lengths[rows]
 
 
@@ -80,10 +86,9 @@ def rope_tables(head_dim, max_len, base, device):
 
 
 def apply_rope(x, cos, sin):
-    # x (B, H, T, hd); cos, sin (B, 1, T, hd/2): rotate each pair of channels by its position's angle
+    # x (..., T, hd); cos, sin (B, 1, T, hd/2): rotate each pair of channels by its position's angle
     x1, x2 = x[..., 0::2], x[..., 1::2]
-    out = torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
-    return out.flatten(-2)
+    return torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2)
 
 
 class RMSNorm(nn.Module):
@@ -93,7 +98,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x):
-        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
 
 
 class Attention(nn.Module):
@@ -103,21 +108,18 @@ class Attention(nn.Module):
         self.qkv = nn.Linear(config.n_embd, 3 * config.n_embd, bias=False)
         self.proj = nn.Linear(config.n_embd, config.n_embd, bias=False)
 
-    def forward(self, x, cos, sin, kv=None, pos=None, n_keys=None):
+    def forward(self, x, cos, sin, kv=None, pos=None, mask=None):
         B, T, C = x.shape
-        q, k, v = self.qkv(x).view(B, T, 3, self.n_head, C // self.n_head).permute(2, 0, 3, 1, 4)  # 3 x (B, H, T, hd)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        qkv = self.qkv(x).view(B, T, 3, self.n_head, C // self.n_head).permute(2, 0, 3, 1, 4)  # (3, B, H, T, hd)
+        qk = apply_rope(qkv[:2], cos, sin)  # queries and keys rotated in one go
+        q, k, v = qk[0], qk[1], qkv[2]
         if kv is None:  # plain causal pass, positions 0..T-1
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        else:
-            k_cache, v_cache = kv  # (B, H, max_len, hd) views into the cache
+        else:  # kv: this layer's (2, B, H, max_len, hd) slice of the cache
             rows = torch.arange(B, device=x.device)[:, None]
-            k_cache[rows, :, pos] = k.transpose(1, 2)  # write row b's T keys at its own positions
-            v_cache[rows, :, pos] = v.transpose(1, 2)
-            # a query at position p sees keys 0..p of its own row; older junk past p is masked
-            keys = torch.arange(n_keys, device=x.device)
-            mask = keys[None, None, None, :] <= pos[:, None, :, None]  # (B, 1, T, n_keys)
-            y = F.scaled_dot_product_attention(q, k_cache[:, :, :n_keys], v_cache[:, :, :n_keys], attn_mask=mask)
+            kv[:, rows, :, pos] = torch.stack((k, v)).permute(1, 3, 0, 2, 4)  # row b's T entries at its own positions
+            n_keys = mask.shape[-1]
+            y = F.scaled_dot_product_attention(q, kv[0, :, :, :n_keys], kv[1, :, :, :n_keys], attn_mask=mask)
         return self.proj(y.transpose(1, 2).reshape(B, T, C))
 
 
@@ -130,8 +132,8 @@ class Block(nn.Module):
         self.fc = nn.Linear(config.n_embd, 4 * config.n_embd, bias=False)
         self.out = nn.Linear(4 * config.n_embd, config.n_embd, bias=False)
 
-    def forward(self, x, cos, sin, kv=None, pos=None, n_keys=None):
-        x = x + self.attn(self.norm1(x), cos, sin, kv, pos, n_keys)
+    def forward(self, x, cos, sin, kv=None, pos=None, mask=None):
+        x = x + self.attn(self.norm1(x), cos, sin, kv, pos, mask)
         return x + self.out(F.gelu(self.fc(self.norm2(x))))
 
 
@@ -160,11 +162,13 @@ class RotaryStack(nn.Module):
         if n_keys > self.config.block_size or (cache is not None and n_keys > cache.max_len):
             limit = self.config.block_size if cache is None else min(cache.max_len, self.config.block_size)
             raise ValueError(f"position {n_keys - 1} is past the model's {limit} positions")
-        cos = self.rope_cos.to(x.dtype)[pos][:, None]  # (B, 1, T, hd/2)
-        sin = self.rope_sin.to(x.dtype)[pos][:, None]
+        cos = self.rope_cos[pos][:, None]  # (B, 1, T, hd/2)
+        sin = self.rope_sin[pos][:, None]
+        mask = None
+        if cache is not None:  # a query at position p sees keys 0..p of its own row, never stale entries past p
+            mask = torch.arange(n_keys, device=x.device) <= pos[:, None, :, None]  # (B, 1, T, n_keys)
         for i, block in enumerate(self.blocks):
-            kv = None if cache is None else (cache.k[i], cache.v[i])
-            x = block(x, cos, sin, kv, pos, n_keys)
+            x = block(x, cos, sin, None if cache is None else cache.kv[i], pos, mask)
         if cache is not None:
             cache.lengths = cache.lengths + T
         return x
