@@ -35,7 +35,7 @@ from speculative import autoregressive_generate, speculative_generate
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = train.OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out-dir", default="out", help="where the warmed-up checkpoints are (or will be made)")
     p.add_argument("--batches", default="1,2,4,8,16,32,64", help="comma-separated batch sizes")
     p.add_argument("--ks", default="1,2,3,4,6,8", help="comma-separated draft lengths")

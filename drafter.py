@@ -29,12 +29,14 @@ came from, for the last `keep_steps` steps. `train_step` serves the warm-up and 
 
 Test: python -m pytest tests/test_drafter.py
 """
+import hashlib
+
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from model import KVCache, RMSNorm, RotaryStack
+from model import KVCache, RotaryStack
 
 HIDDEN_WEIGHT = 1.0
 CE_WEIGHT = 0.1
@@ -48,7 +50,7 @@ class Drafter(nn.Module):
         self.__dict__["target"] = target  # shared, frozen, and kept out of state_dict()/parameters()
         self.fuse = nn.Linear(2 * C, C, bias=False)
         self.stack = RotaryStack(self.config, n_layer=1)
-        self.norm = RMSNorm(C)
+        self.norm = nn.LayerNorm(C, bias=False)
         for p in self.parameters():
             if p.dim() == 2:
                 nn.init.normal_(p, mean=0.0, std=0.02)
@@ -66,9 +68,11 @@ class Drafter(nn.Module):
                        device=device or p.device, dtype=dtype or p.dtype, n_layer=1)
 
     def checksum(self):
-        """One float that changes with any weight: equal across ranks means equal drafters."""
-        with torch.no_grad():
-            return float(sum((p.double() * (i + 1)).sum() for i, p in enumerate(self.parameters())))
+        """A short hash of every weight's bytes: equal across ranks means bit-identical drafters."""
+        h = hashlib.sha256()
+        for p in self.parameters():
+            h.update(p.detach().cpu().contiguous().numpy().tobytes())
+        return h.hexdigest()[:16]
 
 
 class DrafterBuffer:

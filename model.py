@@ -18,7 +18,9 @@ length at 0, then assign the true prompt lengths; the padding's cache entries ar
 finish leave the batch with `cache.keep(rows)` (compaction), so a shrinking batch really costs less.
 
 Simplifications on purpose: rotary position embeddings (positions are per row, so RoPE is a
-gather, not a slice), RMSNorm without bias, tied embedding and LM head, no dropout. float32 on
+gather, not a slice), LayerNorm without bias and GPT-2's tanh GELU (on a CPU at batch 1 every
+kernel launch counts, and these two are single fused kernels where RMSNorm and exact GELU are
+not), tied embedding and LM head, no dropout. float32 on
 the CPU; on CUDA the caller may wrap forward in bf16 autocast.
 
 Test: python -m pytest tests/test_model.py
@@ -91,16 +93,6 @@ def apply_rope(x, cos, sin):
     return torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2)
 
 
-class RMSNorm(nn.Module):
-    def __init__(self, dim, eps=1e-6):
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
-
-    def forward(self, x):
-        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
-
-
 class Attention(nn.Module):
     def __init__(self, config):
         super().__init__()
@@ -126,15 +118,15 @@ class Attention(nn.Module):
 class Block(nn.Module):
     def __init__(self, config):
         super().__init__()
-        self.norm1 = RMSNorm(config.n_embd)
+        self.norm1 = nn.LayerNorm(config.n_embd, bias=False)
         self.attn = Attention(config)
-        self.norm2 = RMSNorm(config.n_embd)
+        self.norm2 = nn.LayerNorm(config.n_embd, bias=False)
         self.fc = nn.Linear(config.n_embd, 4 * config.n_embd, bias=False)
         self.out = nn.Linear(4 * config.n_embd, config.n_embd, bias=False)
 
     def forward(self, x, cos, sin, kv=None, pos=None, mask=None):
         x = x + self.attn(self.norm1(x), cos, sin, kv, pos, mask)
-        return x + self.out(F.gelu(self.fc(self.norm2(x))))
+        return x + self.out(F.gelu(self.fc(self.norm2(x)), approximate="tanh"))
 
 
 class RotaryStack(nn.Module):
@@ -180,7 +172,7 @@ class GPT(nn.Module):
         self.config = config
         self.wte = nn.Embedding(config.vocab_size, config.n_embd)
         self.stack = RotaryStack(config, config.n_layer)
-        self.norm = RMSNorm(config.n_embd)
+        self.norm = nn.LayerNorm(config.n_embd, bias=False)
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         self.lm_head.weight = self.wte.weight  # tied: the drafter shares both through the target
         self.apply(self._init_weights)

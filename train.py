@@ -47,8 +47,15 @@ def on_off(v):
     return v == "on"
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """Bad input: one clear line on stderr and exit code 2 (argparse's default prints the usage too)."""
+
+    def error(self, message):
+        self.exit(2, f"error: {message} (see --help)\n")
+
+
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     # run
     p.add_argument("--out-dir", default="out", help="where checkpoints and metrics.jsonl go")
     p.add_argument("--warmup-dir", default=None, help="where the warm-up checkpoints are cached (default: --out-dir)")
@@ -168,9 +175,23 @@ def derive_seed(*parts):
 # checkpoints: atomic writes, safe loads, config checked
 
 def save_atomic(obj, path):
+    for name, t in _tensors(obj):
+        if t.is_floating_point() and not torch.isfinite(t).all():  # never let NaN weights replace good ones
+            raise RuntimeError(f"refusing to write {path}: {name} is not finite")
     tmp = f"{path}.tmp"
     torch.save(obj, tmp)
     os.replace(tmp, path)  # a kill before this line leaves the previous file intact
+
+
+def _tensors(obj, prefix=""):
+    if isinstance(obj, torch.Tensor):
+        yield prefix, obj
+    elif isinstance(obj, dict):
+        for k, v in obj.items():
+            yield from _tensors(v, f"{prefix}.{k}" if prefix else str(k))
+    elif isinstance(obj, (list, tuple)):
+        for i, v in enumerate(obj):
+            yield from _tensors(v, f"{prefix}[{i}]")
 
 
 def load_checked(path, expected_meta):

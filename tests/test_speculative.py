@@ -108,7 +108,7 @@ def greedy_setup():
     # from other rows (they run to max_new_tokens); the most balanced such token
     best = None
     for v in range(V_G):
-        early = [i for i, o in enumerate(free) if v in o[:-1]]
+        early = [i for i, o in enumerate(free) if v in o[1:-1] and o[0] != v]  # stops after >= 1 SD step
         absent = [i for i, o in enumerate(free) if v not in o]
         if early and absent and (best is None or min(len(early), len(absent)) > best[0]):
             best = (min(len(early), len(absent)), v, early, absent)

@@ -1,0 +1,172 @@
+"""train.py end to end on a tiny config: metrics, resume, restart after a killed rank under
+torchrun, bad input, non-finite updates. Runs real processes, so each test takes seconds."""
+import hashlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+import train  # noqa: E402
+
+TINY = ["--max-n", "4", "--block-size", "40", "--n-layer", "1", "--n-head", "2", "--n-embd", "16",
+        "--warmup-steps", "10", "--warmup-tokens", "256", "--drafter-warmup-seqs", "16", "--drafter-warmup-steps", "5",
+        "--drafter-batch", "4", "--prompts-per-step", "4", "--group-size", "2", "--eval-per-bucket", "2",
+        "--ckpt-every", "1", "--timeline-every", "0"]
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+STEP_KEYS = {"step", "step_time", "rollout_time", "update_time", "reward", "accept_len", "sd_token_frac",
+             "drafter_checksum", "ranks"}
+RANK_KEYS = {"rank", "rollout_time", "idle_time", "drafter_steps", "tokens", "drafter_checksum"}
+
+
+def run_train(args, timeout=240):
+    return subprocess.run([sys.executable, "train.py", *args], cwd=ROOT, env=ENV, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def torchrun(args, nproc=2, extra=()):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *extra,
+           "train.py", *args]
+    return subprocess.Popen(cmd, cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def metrics(out):
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def digest(path):
+    with open(path, "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()
+
+
+def test_single_process_run_then_resume(tmp_path):
+    out = str(tmp_path / "run")
+    r = run_train(TINY + ["--out-dir", out, "--rl-steps", "3"])
+    assert r.returncode == 0, r.stderr[-2000:]
+    recs = metrics(out)
+    assert [m["step"] for m in recs] == [0, 1, 2]
+    for m in recs:
+        assert STEP_KEYS <= set(m)
+        assert len(m["ranks"]) == 1 and RANK_KEYS <= set(m["ranks"][0])
+        assert m["step_time"] >= m["rollout_time"] > 0
+    assert "held-out greedy accuracy after RL" in r.stdout and "summary" in r.stdout
+    # the same command again finds everything done; a longer run continues from the checkpoint
+    r = run_train(TINY + ["--out-dir", out, "--rl-steps", "5"])
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "reusing the warmed-up target" in r.stdout and "resuming from" in r.stdout
+    assert [m["step"] for m in metrics(out)] == [0, 1, 2, 3, 4]
+
+
+def test_killed_rank_restarts_and_every_step_is_logged_once(tmp_path):
+    """torchrun --max-restarts=1: SIGKILL one rank mid-run; the group restarts from the last
+    checkpoint and metrics.jsonl ends with every RL step exactly once."""
+    out = str(tmp_path / "run")
+    proc = torchrun(TINY + ["--out-dir", out, "--rl-steps", "14"], extra=["--max-restarts=1"])
+    deadline = time.time() + 180
+    killed = None
+    while killed is None and time.time() < deadline and proc.poll() is None:
+        path = os.path.join(out, "metrics.jsonl")
+        if os.path.exists(path) and len(open(path).read().splitlines()) >= 3:
+            killed = _kill_worker(rank=1)
+        time.sleep(0.05)
+    assert killed, "never saw three steps logged, or found no worker to kill"
+    stdout, _ = proc.communicate(timeout=max(1, deadline - time.time()))
+    assert proc.returncode == 0, stdout[-3000:]
+    assert "resuming from" in stdout
+    assert [m["step"] for m in metrics(out)] == list(range(14))
+
+
+def _kill_worker(rank):
+    """SIGKILL the torchrun worker process whose environment has RANK=<rank>."""
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmd = f.read()
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                env = f.read().split(b"\0")
+        except OSError:
+            continue
+        if b"train.py" in cmd and f"RANK={rank}".encode() in env and b"TORCHELASTIC_RUN_ID" in b" ".join(env):
+            os.kill(int(pid), signal.SIGKILL)
+            return int(pid)
+    return None
+
+
+@pytest.mark.parametrize("bad", [["--bogus-flag"], ["--rl-steps", "-1"], ["--n-embd", "0"], ["--group-size", "0"],
+                                 ["--block-size", "20"], ["--tlt", "maybe"], ["--rl-lr", "0"]])
+def test_bad_flags_one_line_nonzero_nothing_written(bad, tmp_path):
+    out = tmp_path / "never"
+    r = run_train(TINY + ["--out-dir", str(out)] + bad)
+    assert r.returncode != 0
+    assert len(r.stderr.strip().splitlines()) == 1 and r.stderr.startswith("error:"), r.stderr
+    assert not out.exists()
+
+
+def test_mismatched_or_corrupt_checkpoint_is_refused_and_left_alone(tmp_path):
+    out = str(tmp_path / "run")
+    assert run_train(TINY + ["--out-dir", out, "--rl-steps", "1"]).returncode == 0
+    target = os.path.join(out, "target_warmup.pt")
+    before = digest(target)
+    r = run_train(TINY + ["--out-dir", out, "--rl-steps", "1", "--n-embd", "32"])  # another model shape
+    assert r.returncode != 0 and "different config" in r.stderr and "n_embd" not in r.stdout
+    assert len(r.stderr.strip().splitlines()) == 1
+    assert digest(target) == before
+    ckpt = os.path.join(out, "ckpt.pt")
+    with open(ckpt, "r+b") as f:  # truncate the RL checkpoint mid-file
+        f.truncate(os.path.getsize(ckpt) // 2)
+    cut = digest(ckpt)
+    r = run_train(TINY + ["--out-dir", out, "--rl-steps", "2"])
+    assert r.returncode != 0 and "cannot read checkpoint" in r.stderr
+    assert digest(ckpt) == cut
+
+
+def test_unwritable_out_dir(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    r = run_train(TINY + ["--out-dir", str(blocker / "sub")])
+    assert r.returncode != 0 and "cannot write to --out-dir" in r.stderr
+
+
+def test_uneven_shards_and_an_empty_rank(tmp_path):
+    """3 prompts over 2 ranks (2 + 1), then 1 prompt (rank 1 has none): both finish."""
+    for n, out in ((3, "three"), (1, "one")):
+        proc = torchrun(TINY + ["--out-dir", str(tmp_path / out), "--rl-steps", "2", "--prompts-per-step", str(n),
+                                "--eval-per-bucket", "0"])
+        stdout, _ = proc.communicate(timeout=180)
+        assert proc.returncode == 0, stdout[-3000:]
+        recs = metrics(str(tmp_path / out))
+        assert [len(m["ranks"]) for m in recs] == [2, 2]
+        assert len({r["drafter_checksum"] for m in recs for r in m["ranks"]}) == len(recs)  # equal within a step
+
+
+def test_non_finite_update_is_skipped_and_never_saved(tmp_path):
+    from model import GPT, GPTConfig
+    args = train.parse_args(TINY)
+    model = GPT(GPTConfig(vocab_size=20, block_size=40, n_layer=1, n_head=2, n_embd=16))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    before = [p.detach().clone() for p in model.parameters()]
+    seqs, plens = [[1, 2, 3, 4], [1, 2, 5, 6]], [2, 2]
+    adv = torch.tensor([float("nan"), 1.0])
+    loss, _, skipped = train.grpo_update(model, model, opt, seqs, plens, adv, args, torch.device("cpu"))
+    assert skipped
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    loss, _, skipped = train.grpo_update(model, model, opt, seqs, plens, torch.tensor([1.0, -1.0]), args,
+                                         torch.device("cpu"))
+    assert not skipped and not all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    path = tmp_path / "x.pt"
+    train.save_atomic({"model": model.state_dict()}, str(path))
+    good = digest(path)
+    with torch.no_grad():
+        next(model.parameters())[0, 0] = float("nan")
+    with pytest.raises(RuntimeError, match="not finite"):
+        train.save_atomic({"model": model.state_dict()}, str(path))
+    assert digest(path) == good
