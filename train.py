@@ -60,6 +60,7 @@ def parse_args(argv=None):
     p.add_argument("--out-dir", default="out", help="where checkpoints and metrics.jsonl go")
     p.add_argument("--warmup-dir", default=None, help="where the warm-up checkpoints are cached (default: --out-dir)")
     p.add_argument("--seed", type=int, default=1337, help="base seed; per-rank, per-step seeds derive from it")
+    p.add_argument("--rl-seed", type=int, default=None, help="seed of the RL phase only (default: --seed), for noise estimates")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="where to run")
     # task
     p.add_argument("--max-n", type=int, default=26, help="largest problem size (digits to sum)")
@@ -80,10 +81,10 @@ def parse_args(argv=None):
     p.add_argument("--drafter-batch", type=int, default=8, help="sequences per drafter training step")
     p.add_argument("--drafter-keep", type=int, default=2, help="RL steps of hidden states the drafter buffer keeps")
     # RL
-    p.add_argument("--rl-steps", type=int, default=40, help="GRPO steps")
+    p.add_argument("--rl-steps", type=int, default=100, help="GRPO steps")
     p.add_argument("--prompts-per-step", type=int, default=16, help="prompts per RL step, all ranks together")
     p.add_argument("--group-size", type=int, default=8, help="responses per prompt (the GRPO group)")
-    p.add_argument("--rl-lr", type=float, default=3e-4, help="learning rate of the GRPO updates")
+    p.add_argument("--rl-lr", type=float, default=3e-5, help="learning rate of the GRPO updates")
     p.add_argument("--rl-epochs", type=int, default=1, help="optimizer passes over each rollout")
     p.add_argument("--clip-eps", type=float, default=0.2, help="PPO clip range")
     p.add_argument("--kl-coef", type=float, default=0.0, help="weight of the KL to the warmed-up target (0: off)")
@@ -92,7 +93,7 @@ def parse_args(argv=None):
     # TLT
     p.add_argument("--tlt", type=on_off, default=True, metavar="on|off", help="speculative decoding in the tail (off: plain baseline)")
     p.add_argument("--drafter-updates", type=on_off, default=True, metavar="on|off", help="train the drafter on idle ranks (off: frozen)")
-    p.add_argument("--sd-threshold", type=int, default=16, help="speculative steps only when the running batch is at most this")
+    p.add_argument("--sd-threshold", type=int, default=8, help="speculative steps only when the running batch is at most this")
     # logging, evaluation, checkpoints
     p.add_argument("--eval-per-bucket", type=int, default=40, help="held-out problems per size bucket (0: no evaluation)")
     p.add_argument("--timeline-every", type=int, default=10, help="print the per-rank timeline every N steps (0: never)")
@@ -119,6 +120,7 @@ def parse_args(argv=None):
     if args.n_embd % args.n_head or (args.n_embd // args.n_head) % 2:
         p.error(f"--n-embd {args.n_embd} must split into --n-head {args.n_head} heads of even size")
     args.warmup_dir = args.warmup_dir or args.out_dir
+    args.rl_seed = args.seed if args.rl_seed is None else args.rl_seed
     return args
 
 
@@ -404,7 +406,7 @@ def drafter_meta(args, config, task_cfg):
 
 
 def rl_meta(args, config, task_cfg):
-    keys = ("prompts_per_step", "group_size", "rl_lr", "rl_epochs", "clip_eps", "kl_coef", "tlt", "drafter_updates",
+    keys = ("rl_seed", "prompts_per_step", "group_size", "rl_lr", "rl_epochs", "clip_eps", "kl_coef", "tlt", "drafter_updates",
             "sd_threshold", "drafter_keep", "update_tokens")
     return {**drafter_meta(args, config, task_cfg), **{k: getattr(args, k) for k in keys}}
 
@@ -473,7 +475,7 @@ def run(args, task_cfg, ddp, rank, world_size, device):
     net = DDP(model) if ddp else model
     opt = torch.optim.AdamW(model.parameters(), lr=args.rl_lr, betas=(0.9, 0.95), weight_decay=0.0)
     d_opt = make_optimizer(drafter, args.drafter_lr)
-    bandit = Bandit(seed=derive_seed(args.seed, rank, 0, 5))
+    bandit = Bandit(seed=derive_seed(args.rl_seed, rank, 0, 5))
     buffer = DrafterBuffer(keep_steps=args.drafter_keep)
     ckpt_path = os.path.join(args.out_dir, "ckpt.pt")
     metrics_path = os.path.join(args.out_dir, "metrics.jsonl")
@@ -532,10 +534,10 @@ def rl_step(step, args, task_cfg, model, net, drafter, opt, d_opt, bandit, buffe
             ref_model=None):
     t0 = time.perf_counter()
     # the step's prompts are the same on every rank; each rank takes every world_size-th one
-    prng = random.Random(derive_seed(args.seed, 0, step, 6))
+    prng = random.Random(derive_seed(args.rl_seed, 0, step, 6))
     problems = [task.sample_problem(prng, task_cfg) for _ in range(args.prompts_per_step)][rank::world_size]
     rows = [p for p in problems for _ in range(args.group_size)]
-    gen = torch.Generator(device=device).manual_seed(derive_seed(args.seed, rank, step, 7))
+    gen = torch.Generator(device=device).manual_seed(derive_seed(args.rl_seed, rank, step, 7))
     results, st = rollout(model, drafter, [task.encode(p.prompt()) for p in rows], task_cfg.max_response_len,
                           temperature=args.temperature, eos_id=task.EOS_ID, generator=gen, tlt=args.tlt,
                           sd_threshold=args.sd_threshold, bandit=bandit)
@@ -546,7 +548,7 @@ def rl_step(step, args, task_cfg, model, net, drafter, opt, d_opt, bandit, buffe
     if train_drafter:
         for _, tokens, hidden, plen in results:
             buffer.add(step, tokens, hidden, plen)
-    drng = random.Random(derive_seed(args.seed, rank, step, 8))
+    drng = random.Random(derive_seed(args.rl_seed, rank, step, 8))
     d_steps, idle, idle_segs = idle_train(drafter, d_opt, buffer, drng, enabled=train_drafter,
                                           batch_size=args.drafter_batch, device=device,
                                           timeout_s=COLLECTIVE_TIMEOUT_S)

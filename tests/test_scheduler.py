@@ -113,3 +113,37 @@ def test_render_timeline_draws_each_phase():
     bar0 = row0.split("|")[1]
     assert bar0.startswith("#####") and "SSSSS" in bar0 and "tttt" in bar0 and bar0.rstrip().endswith(".")
     assert row1.split("|")[1] == "#" * 20
+
+
+def _failing_worker(rank, world, port, q):
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=__import__("datetime").timedelta(seconds=20))
+    target, drafter = _models()
+    if rank == 1:
+        raise RuntimeError("rank 1 fails during its rollout")
+    t0 = time.time()
+    try:
+        idle_train(drafter, make_optimizer(drafter), DrafterBuffer(), random.Random(0), timeout_s=20)
+        q.put(("returned", time.time() - t0))
+    except Exception as e:  # the point of the test: the survivor fails instead of waiting forever
+        q.put((type(e).__name__, time.time() - t0))
+        raise
+
+
+def test_dead_peer_fails_the_idle_barrier_in_bounded_time():
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_failing_worker, args=(r, 2, port, q)) for r in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=60)
+    alive = [p for p in procs if p.is_alive()]
+    for p in alive:
+        p.kill()
+    assert not alive, "a rank hung on a dead peer"
+    assert all(p.exitcode != 0 for p in procs)
+    outcome, waited = q.get(timeout=5)
+    assert outcome != "returned" and waited <= 30
