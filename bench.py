@@ -43,7 +43,8 @@ def parse_args(argv=None):
     p.add_argument("--repeats", type=int, default=3, help="runs per cell; the median is reported")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: all cores)")
     p.add_argument("--e2e", action="store_true", help="run the end-to-end RL comparison instead")
-    p.add_argument("--e2e-steps", type=int, default=12, help="RL steps per end-to-end run")
+    p.add_argument("--e2e-steps", type=int, default=20, help="RL steps per end-to-end run")
+    p.add_argument("--e2e-args", default="", help="extra train.py flags for all three runs, e.g. '--rl-lr 3e-4'")
     p.add_argument("--nproc", type=int, default=2, help="ranks per end-to-end run")
     args = p.parse_args(argv)
     try:
@@ -132,32 +133,43 @@ def decode_bench(args, task_cfg, model, drafter):
             "max_new": args.max_new, "rollout": tail}
 
 
-def tail_workload(args, task_cfg, model, drafter):
-    """One rank's default long-tail rollout, plain vs TLT, same prompts, same machine."""
+def tail_workload(args, task_cfg, model, drafter, n_steps=4):
+    """Rank 0's rollouts of the default 2-rank run's first RL steps, plain vs TLT, same prompts,
+    same machine, alternating. The bandit learns during one unmeasured TLT pass first, as it
+    would have during earlier RL steps."""
     targs = train.parse_args([])
-    prng = random.Random(train.derive_seed(targs.seed, 0, 0, 6))
-    n_prompts = targs.prompts_per_step // 2  # one rank's shard of the default 2-rank run
-    problems = [task.sample_problem(prng, task_cfg) for _ in range(n_prompts)]
-    prompts = [task.encode(p.prompt()) for p in problems for _ in range(targs.group_size)]
-    out = {}
+    shards = []
+    for step in range(n_steps):
+        prng = random.Random(train.derive_seed(targs.rl_seed, 0, step, 6))
+        problems = [task.sample_problem(prng, task_cfg) for _ in range(targs.prompts_per_step)][0::2]
+        shards.append([task.encode(p.prompt()) for p in problems for _ in range(targs.group_size)])
     bandit = Bandit()
-    for mode in ("plain", "tlt", "tlt"):  # the first TLT pass trains the bandit, the second is measured
-        times = []
-        for r in range(args.repeats):
-            gen = torch.Generator().manual_seed(r)
-            _, st = rollout(model, drafter, prompts, task_cfg.max_response_len, generator=gen, tlt=mode == "tlt",
-                            sd_threshold=targs.sd_threshold, bandit=bandit, eos_id=task.EOS_ID)
-            times.append(st)
-        med = sorted(times, key=lambda s: s["time"])[len(times) // 2]
-        out[mode] = med
-    plain, tlt = out["plain"], out["tlt"]
-    share = tail_share(plain, targs.sd_threshold)
-    print(f"\nlong-tail rollout ({len(prompts)} rows, one rank's shard of the default run): plain {plain['time']:.2f}s, "
-          f"TLT {tlt['time']:.2f}s, speedup {plain['time'] / tlt['time']:.2f}x; accept length {tlt['accept_len'] or 0:.2f}; "
-          f"plain time with running batch <= {targs.sd_threshold}: {100 * share:.0f}%")
-    return {"rows": len(prompts), "plain_time": plain["time"], "tlt_time": tlt["time"],
-            "speedup": plain["time"] / tlt["time"], "accept_len": tlt["accept_len"], "tail_time_share": share,
-            "max_batch_steps": len(plain["batch_sizes"])}
+
+    def run(tlt, prompts, seed):
+        _, st = rollout(model, drafter, prompts, task_cfg.max_response_len, generator=torch.Generator().manual_seed(seed),
+                        tlt=tlt, sd_threshold=targs.sd_threshold, bandit=bandit, eos_id=task.EOS_ID)
+        return st
+    for i, prompts in enumerate(shards):  # bandit warm-up
+        run(True, prompts, 100 + i)
+    plain, tlt = [], []
+    for r in range(args.repeats):
+        for i, prompts in enumerate(shards):
+            plain.append(run(False, prompts, 10 * r + i))
+            tlt.append(run(True, prompts, 10 * r + i))
+    t_plain = statistics.median([sum(s["time"] for s in plain[r * n_steps:(r + 1) * n_steps]) for r in range(args.repeats)])
+    t_tlt = statistics.median([sum(s["time"] for s in tlt[r * n_steps:(r + 1) * n_steps]) for r in range(args.repeats)])
+    merged = {"batch_sizes": [b for s in plain for b in s["batch_sizes"]],
+              "step_times": [t for s in plain for t in s["step_times"]]}
+    share = tail_share(merged, targs.sd_threshold)
+    sd_steps = sum(s["sd_steps"] for s in tlt)
+    accept = sum(s["sd_tokens"] for s in tlt) / sd_steps if sd_steps else None
+    print(f"\nlong-tail rollouts (rank 0's shards of the default run's first {n_steps} steps, {len(shards[0])} rows each): "
+          f"plain {t_plain:.2f}s, TLT {t_tlt:.2f}s, speedup {t_plain / t_tlt:.2f}x; TLT accept length "
+          f"{accept or 0:.2f}; plain decoding time with running batch <= {targs.sd_threshold}: {100 * share:.0f}%")
+    print(f"bandit's best k per batch bucket (bucket b holds batch sizes 2^(b-1)+1 .. 2^b): {bandit.best()}")
+    return {"steps": n_steps, "rows": len(shards[0]), "plain_time": t_plain, "tlt_time": t_tlt,
+            "speedup": t_plain / t_tlt, "accept_len": accept, "tail_time_share": share,
+            "bandit_best": {str(k): v for k, v in bandit.best().items()}}
 
 
 def e2e_bench(args):
@@ -172,7 +184,7 @@ def e2e_bench(args):
                 os.remove(os.path.join(out, f))
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}", "train.py",
                "--out-dir", out, "--warmup-dir", args.out_dir, "--rl-steps", str(args.e2e_steps),
-               "--eval-per-bucket", "0", "--timeline-every", "0", *flags]
+               "--eval-per-bucket", "0", "--timeline-every", "0", *args.e2e_args.split(), *flags]
         print(f"$ {' '.join(cmd[2:])}", flush=True)
         t0 = time.time()
         subprocess.run(cmd, check=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.DEVNULL)

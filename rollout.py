@@ -91,7 +91,7 @@ def rollout(target, drafter, prompts, max_new_tokens, *, temperature=1.0, eos_id
     segments (kind, t_start, t_end) relative to the call."""
     device = target.wte.weight.device
     stats = new_stats()
-    stats.update(prefill_time=0.0, plain_time=0.0, spec_time=0.0, batch_sizes=[], segments=[])
+    stats.update(prefill_time=0.0, plain_time=0.0, spec_time=0.0, batch_sizes=[], step_times=[], segments=[])
     if not prompts:
         return [], finish_stats(stats)
     use_sd = tlt and drafter is not None
@@ -118,6 +118,7 @@ def rollout(target, drafter, prompts, max_new_tokens, *, temperature=1.0, eos_id
         stats["tokens"] += n
         stats["steps"] += 1
         stats["batch_sizes"].append(B)
+        stats["step_times"].append(t1 - t0)
         stats["spec_time" if k else "plain_time"] += t1 - t0
         kind = "spec" if k else "plain"
         seg = stats["segments"]
@@ -130,6 +131,7 @@ def rollout(target, drafter, prompts, max_new_tokens, *, temperature=1.0, eos_id
 
 
 def tail_share(stats, threshold):
-    """Share of decode steps taken with a running batch at or below `threshold`."""
-    sizes = stats["batch_sizes"]
-    return sum(b <= threshold for b in sizes) / len(sizes) if sizes else 0.0
+    """Share of decoding time spent with a running batch at or below `threshold`."""
+    total = sum(stats["step_times"])
+    tail = sum(t for b, t in zip(stats["batch_sizes"], stats["step_times"]) if b <= threshold)
+    return tail / total if total else 0.0

@@ -35,8 +35,8 @@ def probs(logits, temperature):
 
 
 def sample(p, generator=None):
-    """(B, V) probabilities -> (B,) token ids, by inverse CDF: the first token whose cumulative
-    probability exceeds u * total. Exact like torch.multinomial (a zero-probability token is never
+    """(B, V) probabilities, or any non-negative weights -> (B,) token ids, by inverse CDF: the
+    first token whose cumulative weight exceeds u * total. Exact like torch.multinomial (a zero-probability token is never
     the first to exceed anything), but three kernels for the whole batch where multinomial costs
     about 20 us per row on a CPU, more than the rest of a small model's decoding step."""
     cdf = p.cumsum(dim=-1)  # (B, V)
@@ -58,10 +58,10 @@ def verify(draft_tokens, q, p, generator=None):
     # residual at the first rejection; at n_accepted == k, q is zero there so residual = p[:, k]
     q_pad = torch.cat([q, torch.zeros_like(q[:, :1])], dim=1)  # (B, k+1, V)
     at = n_accepted[:, None, None].expand(B, 1, p.shape[-1])
-    residual = (p.gather(1, at) - q_pad.gather(1, at)).squeeze(1).clamp(min=0)  # (B, V)
-    mass = residual.sum(-1, keepdim=True)
-    # mass is 0 only where p == q, which rejects with probability 0; guard against rounding
-    residual = torch.where(mass > 0, residual / mass.clamp(min=1e-30), p.gather(1, at).squeeze(1))
+    p_at = p.gather(1, at).squeeze(1)  # (B, V)
+    residual = (p_at - q_pad.gather(1, at).squeeze(1)).clamp(min=0)  # sample() normalises
+    # the residual is all zero only where p == q, which rejects with probability 0; guard against rounding
+    residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, p_at)
     return n_accepted, sample(residual, generator)
 
 
@@ -95,7 +95,7 @@ class Generation:
         self.row_id = torch.arange(B, device=dev)
         self.cache = target.new_cache(B, max_len=need)
         self.dcache = None  # the drafter's cache, made on the first speculative step
-        self.results = [None] * B  # per original row: (generated ids, hidden states of the row)
+        self.results = [None] * B  # per original row: (generated ids, all tokens, hidden states, prompt length)
         # prefill: the padded prompt batch in one pass, then roll each row back to its true length
         logits, hidden = target(self.tokens[:, :longest], self.cache)  # (B, T, V), (B, T, C)
         self.cache.lengths = self.prompt_len.clone()

@@ -99,18 +99,14 @@ def parse_args(argv=None):
     p.add_argument("--timeline-every", type=int, default=10, help="print the per-rank timeline every N steps (0: never)")
     p.add_argument("--ckpt-every", type=int, default=10, help="write the RL checkpoint every N steps")
     args = p.parse_args(argv)
-    positive = ("max_n", "n_layer", "n_head", "n_embd", "block_size", "warmup_steps", "warmup_tokens",
-                "drafter_warmup_seqs", "drafter_warmup_steps", "drafter_batch", "drafter_keep", "prompts_per_step",
-                "group_size", "rl_epochs", "update_tokens", "ckpt_every")
-    for name in positive:
-        if getattr(args, name) <= 0:
-            p.error(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
-    for name in ("warmup_lr", "drafter_lr", "rl_lr", "clip_eps"):
-        if not getattr(args, name) > 0:
-            p.error(f"--{name.replace('_', '-')} must be positive")
-    for name in ("rl_steps", "kl_coef", "temperature", "sd_threshold", "timeline_every", "alpha", "eval_per_bucket"):
-        if getattr(args, name) < 0:
-            p.error(f"--{name.replace('_', '-')} must not be negative")
+    positive = ("max_n", "n_layer", "n_head", "n_embd", "block_size", "warmup_steps", "warmup_tokens", "warmup_lr",
+                "drafter_warmup_seqs", "drafter_warmup_steps", "drafter_batch", "drafter_keep", "drafter_lr",
+                "prompts_per_step", "group_size", "rl_epochs", "rl_lr", "clip_eps", "update_tokens", "ckpt_every")
+    non_negative = ("rl_steps", "kl_coef", "temperature", "sd_threshold", "timeline_every", "alpha", "eval_per_bucket")
+    for names, ok, what in ((positive, lambda v: v > 0, "positive"), (non_negative, lambda v: v >= 0, "non-negative")):
+        for name in names:
+            if not ok(getattr(args, name)):  # written so that NaN fails too
+                p.error(f"--{name.replace('_', '-')} must be {what}, got {getattr(args, name)}")
     if args.max_n > len(task.LABELS):
         p.error(f"--max-n must be at most {len(task.LABELS)}")
     need = task.TaskConfig(max_n=args.max_n).max_seq_len + max(ARMS)
@@ -311,24 +307,45 @@ def warmup_drafter(drafter, model, args, task_cfg, ddp, rank, world_size, device
 # evaluation: greedy, sharded over ranks
 
 @torch.no_grad()
-def evaluate(model, problems, rank=0, world_size=1, drafter=None, batch_size=64):
-    """Held-out greedy accuracy by problem size. With a drafter, decoding is speculative
-    (greedy speculative output is token-identical to plain, so the figures must be equal)."""
+def evaluate(model, problems, rank=0, world_size=1, drafter=None, temperature=0.0, seed=0, batch_size=64):
+    """Held-out accuracy by problem size, and every generated response (token ids), all ranks
+    together. Greedy by default; with a drafter, decoding is speculative, which at temperature 0
+    must give exactly the same tokens. At temperature > 0 the sampling is seeded per rank."""
+    gen = torch.Generator(device=model.wte.weight.device).manual_seed(derive_seed(seed, rank, 0, 9))
     mine = list(range(rank, len(problems), world_size))
-    rewards = torch.zeros(len(problems), dtype=torch.float64)
+    outputs = [None] * len(problems)
     for i in range(0, len(mine), batch_size):
         idx = mine[i:i + batch_size]
         prompts = [task.encode(problems[j].prompt()) for j in idx]
         max_new = task.TaskConfig(max_n=max(problems[j].size for j in idx)).max_response_len
         if drafter is None:
-            outs, _ = autoregressive_generate(model, prompts, max_new, temperature=0, eos_id=task.EOS_ID)
+            outs, _ = autoregressive_generate(model, prompts, max_new, temperature=temperature, eos_id=task.EOS_ID,
+                                              generator=gen)
         else:
-            outs, _ = speculative_generate(model, drafter, prompts, max_new, k=4, temperature=0, eos_id=task.EOS_ID)
+            outs, _ = speculative_generate(model, drafter, prompts, max_new, k=4, temperature=temperature,
+                                           eos_id=task.EOS_ID, generator=gen)
         for j, o in zip(idx, outs):
-            rewards[j] = task.reward(problems[j].prompt(), task.decode(o))
-    if dist.is_initialized():
-        dist.all_reduce(rewards)
-    return task.accuracy_by_size(problems, rewards.tolist())
+            outputs[j] = o
+    for part in gather_ranks(outputs):  # each rank filled its own indices
+        outputs = [o if o is not None else p for o, p in zip(outputs, part)]
+    rewards = [task.reward(p.prompt(), task.decode(o)) for p, o in zip(problems, outputs)]
+    return task.accuracy_by_size(problems, rewards), outputs
+
+
+def evaluate_both(model, problems, args, rank, world_size, when, drafter=None):
+    """Greedy and sampled (temperature --temperature, as in the rollouts, 4 samples per problem)
+    held-out accuracy. With a drafter, also checks that speculative greedy decoding reproduces
+    the plain greedy responses token for token."""
+    if not problems:
+        return {}
+    greedy, plain_out = evaluate(model, problems, rank, world_size)
+    sampled, _ = evaluate(model, problems * 4, rank, world_size, temperature=args.temperature, seed=args.seed)
+    print0(f"held-out accuracy {when} ({len(problems)} problems), greedy:  {format_accuracy(greedy)}")
+    print0(f"held-out accuracy {when}, sampled at T={args.temperature:g}: {format_accuracy(sampled)}")
+    if drafter is not None:  # lossless in practice: the same greedy responses, token for token
+        _, sd_out = evaluate(model, problems, rank, world_size, drafter=drafter)
+        print0(f"greedy evaluation with speculative decoding is token-identical: {sd_out == plain_out}")
+    return {"greedy": greedy, "sampled": sampled}
 
 
 def format_accuracy(acc):
@@ -468,8 +485,7 @@ def run(args, task_cfg, ddp, rank, world_size, device):
     t_run = time.time()
     config, model, drafter = prepare_models(args, task_cfg, ddp, rank, world_size, device)
     problems = task.eval_set(task_cfg, args.eval_per_bucket) if args.eval_per_bucket else []
-    acc0 = evaluate(model, problems, rank, world_size) if problems else {}
-    print0(f"held-out greedy accuracy before RL ({len(problems)} problems): {format_accuracy(acc0)}")
+    acc0 = evaluate_both(model, problems, args, rank, world_size, "before RL")
 
     ref_model = copy.deepcopy(model).requires_grad_(False) if args.kl_coef > 0 else None  # frozen warm-up target
     net = DDP(model) if ddp else model
@@ -524,8 +540,7 @@ def run(args, task_cfg, ddp, rank, world_size, device):
                 save_atomic({"meta": meta, "step": step, "model": model.state_dict(), "drafter": drafter.state_dict(),
                              "opt": opt.state_dict(), "d_opt": d_opt.state_dict(), "bandits": bandits}, ckpt_path)
 
-    acc1 = evaluate(model, problems, rank, world_size, drafter=drafter if args.tlt else None) if problems else {}
-    print0(f"held-out greedy accuracy after RL: {format_accuracy(acc1)}")
+    acc1 = evaluate_both(model, problems, args, rank, world_size, "after RL", drafter if args.tlt else None)
     if history:
         summary(history, acc0, acc1, time.time() - t_run)
 
@@ -594,8 +609,10 @@ def summary(history, acc0, acc1, total_time):
     print0(f"  mean accept length    {mean('accept_len'):.2f}   SD token share {100 * mean('sd_token_frac'):.0f}%")
     print0(f"  reward first/last 5   {sum(h['reward'] for h in history[:5]) / len(history[:5]):.3f} -> "
            f"{sum(h['reward'] for h in history[-5:]) / len(history[-5:]):.3f}")
-    for name, acc in (("before RL", acc0), ("after RL", acc1)):
-        print0(f"  held-out {name:9s}   {format_accuracy(acc)}")
+    for kind in ("greedy", "sampled"):
+        for name, acc in (("before RL", acc0), ("after RL", acc1)):
+            print0(f"  {kind:7s} {name:9s}     {format_accuracy(acc.get(kind, {}))}")
+    print0(f"  skipped updates       {sum(h['skipped_update'] for h in history)} (non-finite loss or gradient)")
     print0(f"  wall time             {total_time:.0f}s")
 
 

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 from drafter import (Drafter, DrafterBuffer, acceptance_proxy, drafter_loss, make_optimizer,
                      train_step)
+from conftest import randomize
 from model import GPT, GPTConfig
 from speculative import Generation, speculative_generate
 
@@ -31,15 +32,6 @@ def one_thread():
     torch.set_num_threads(n)
 
 
-def randomize(module, seed, std):
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in module.parameters():
-            if p.dim() >= 2:
-                p.copy_(torch.randn(p.shape, generator=g, dtype=p.dtype) * std)
-            else:
-                p.copy_(1.0 + 0.5 * torch.randn(p.shape, generator=g, dtype=p.dtype))
-    return module
 
 
 def make_target(seed=1, std=0.5):

@@ -26,6 +26,7 @@ import pytest
 import torch
 
 from drafter import Drafter, DrafterBuffer, make_optimizer, train_step
+from conftest import randomize
 from model import GPT, GPTConfig
 from speculative import (Generation, autoregressive_generate, probs, speculative_generate,
                          verify)
@@ -50,17 +51,6 @@ def tv(a, b):
     return 0.5 * float((a.double() - b.double()).abs().sum())
 
 
-def randomize(module, seed, std):
-    """Re-draw every matrix with N(0, std^2) and every vector (norm gains) around 1, so that the
-    model is far from its near-uniform init and greedy outputs vary."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in module.parameters():
-            if p.dim() >= 2:
-                p.copy_(torch.randn(p.shape, generator=g, dtype=p.dtype) * std)
-            else:
-                p.copy_(1.0 + 0.5 * torch.randn(p.shape, generator=g, dtype=p.dtype))
-    return module
 
 
 def tiny(V, seed, std=0.5):
