@@ -27,6 +27,7 @@ from dataclasses import asdict
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed.rendezvous import rendezvous
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import rl
@@ -143,8 +144,13 @@ def compute_init(device_arg="auto"):
         if local_world > cores and rank == 0:
             warnings.warn(f"{local_world} ranks share {cores} CPU cores: steps will be slow and timings noisy")
     if ddp:
-        dist.init_process_group("nccl" if use_cuda else "gloo",
-                                timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+        timeout = datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S)
+        store, _, _ = next(rendezvous("env://", rank, world_size, timeout=timeout))
+        # after torchrun restarts a failed group (--max-restarts), the agent's store still holds the
+        # dead group's addresses; a prefix per attempt keeps the new group from dialling them
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        dist.init_process_group("nccl" if use_cuda else "gloo", store=dist.PrefixStore(f"tlt/attempt{attempt}", store),
+                                rank=rank, world_size=world_size, timeout=timeout)
     return ddp, rank, local_rank, world_size, device
 
 
@@ -192,6 +198,13 @@ def _tensors(obj, prefix=""):
             yield from _tensors(v, f"{prefix}[{i}]")
 
 
+def _flatten(d, prefix=""):
+    out = {}
+    for k, v in d.items():
+        out.update(_flatten(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
+    return out
+
+
 def load_checked(path, expected_meta):
     """Load a checkpoint saved with meta=expected_meta; exit with one clear line otherwise."""
     try:
@@ -200,10 +213,11 @@ def load_checked(path, expected_meta):
         raise SystemExit(f"error: cannot read checkpoint {path} ({type(e).__name__}); delete it or use another --out-dir")
     got = ckpt.get("meta") if isinstance(ckpt, dict) else None
     if got != expected_meta:
-        keys = set(expected_meta) | set(got or {})
-        diff = sorted(k for k in keys if (got or {}).get(k) != expected_meta.get(k))
-        raise SystemExit(f"error: checkpoint {path} was made with a different config (differs in: {', '.join(diff)}); "
-                         "delete it or use another --out-dir")
+        want, have = _flatten(expected_meta), _flatten(got if isinstance(got, dict) else {})
+        diff = [f"{k} {have.get(k)} there, {want.get(k)} here" for k in sorted(set(want) | set(have))
+                if want.get(k) != have.get(k)]
+        raise SystemExit(f"error: checkpoint {path} was made with a different config ({'; '.join(diff[:4])}"
+                         f"{'; ...' if len(diff) > 4 else ''}); delete it or use another --out-dir")
     return ckpt
 
 
@@ -476,6 +490,8 @@ def main(argv=None):
     ddp, rank, local_rank, world_size, device = compute_init(args.device)
     try:
         run(args, task_cfg, ddp, rank, world_size, device)
+        if ddp:
+            dist.barrier()  # tearing gloo down while a peer still talks to it can abort the process
     finally:
         if ddp and dist.is_initialized():
             dist.destroy_process_group()

@@ -57,6 +57,7 @@ def _worker(rank, world, port, loads, out_path):
     if rank == 0:
         with open(out_path, "w") as f:
             json.dump({"records": recs, "timeline": render_timeline(recs)}, f)
+    dist.barrier()  # nobody tears down gloo while a peer still talks to it
     dist.destroy_process_group()
 
 

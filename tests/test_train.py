@@ -69,7 +69,7 @@ def test_killed_rank_restarts_and_every_step_is_logged_once(tmp_path):
     """torchrun --max-restarts=1: SIGKILL one rank mid-run; the group restarts from the last
     checkpoint and metrics.jsonl ends with every RL step exactly once."""
     out = str(tmp_path / "run")
-    proc = torchrun(TINY + ["--out-dir", out, "--rl-steps", "14"], extra=["--max-restarts=1"])
+    proc = torchrun(TINY + ["--out-dir", out, "--rl-steps", "40"], extra=["--max-restarts=1"])
     deadline = time.time() + 180
     killed = None
     while killed is None and time.time() < deadline and proc.poll() is None:
@@ -81,7 +81,7 @@ def test_killed_rank_restarts_and_every_step_is_logged_once(tmp_path):
     stdout, _ = proc.communicate(timeout=max(1, deadline - time.time()))
     assert proc.returncode == 0, stdout[-3000:]
     assert "resuming from" in stdout
-    assert [m["step"] for m in metrics(out)] == list(range(14))
+    assert [m["step"] for m in metrics(out)] == list(range(40))
 
 
 def _kill_worker(rank):
@@ -118,7 +118,7 @@ def test_mismatched_or_corrupt_checkpoint_is_refused_and_left_alone(tmp_path):
     target = os.path.join(out, "target_warmup.pt")
     before = digest(target)
     r = run_train(TINY + ["--out-dir", out, "--rl-steps", "1", "--n-embd", "32"])  # another model shape
-    assert r.returncode != 0 and "different config" in r.stderr and "n_embd" not in r.stdout
+    assert r.returncode != 0 and "different config" in r.stderr and "model.n_embd 16 there, 32 here" in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1
     assert digest(target) == before
     ckpt = os.path.join(out, "ckpt.pt")
@@ -146,7 +146,8 @@ def test_uneven_shards_and_an_empty_rank(tmp_path):
         assert proc.returncode == 0, stdout[-3000:]
         recs = metrics(str(tmp_path / out))
         assert [len(m["ranks"]) for m in recs] == [2, 2]
-        assert len({r["drafter_checksum"] for m in recs for r in m["ranks"]}) == len(recs)  # equal within a step
+        for m in recs:  # identical drafters on every rank after each step's sync
+            assert len({r["drafter_checksum"] for r in m["ranks"]}) == 1
 
 
 def test_non_finite_update_is_skipped_and_never_saved(tmp_path):
