@@ -109,7 +109,7 @@ def rollout(target, drafter, prompts, max_new_tokens, *, temperature=1.0, eos_id
             n_emitted = gen.plain_step()
         else:
             n_emitted, n_acc = gen.speculative_step(drafter, k)
-            record_sd(stats, n_emitted, n_acc)
+            record_sd(stats, n_emitted, n_acc, k)
         _sync(device)
         t1 = time.perf_counter()
         n = int(n_emitted.sum())

@@ -205,18 +205,21 @@ class Generation:
 
 
 def new_stats():
-    return {"steps": 0, "tokens": 0, "sd_steps": 0, "sd_tokens": 0, "accepted": 0, "accept_hist": {}}
+    return {"steps": 0, "tokens": 0, "sd_steps": 0, "sd_tokens": 0, "drafted": 0, "accepted": 0, "accept_hist": {}}
 
 
-def record_sd(stats, n_emitted, n_acc):
+def record_sd(stats, n_emitted, n_acc, k):
     stats["sd_steps"] += int(n_emitted.numel())
     stats["sd_tokens"] += int(n_emitted.sum())
+    stats["drafted"] += k * int(n_acc.numel())
+    stats["accepted"] += int(n_acc.sum())
     for a in n_acc.tolist():
         stats["accept_hist"][a] = stats["accept_hist"].get(a, 0) + 1
 
 
 def finish_stats(stats):
     stats["accept_len"] = stats["sd_tokens"] / stats["sd_steps"] if stats["sd_steps"] else None
+    stats["accept_rate"] = stats["accepted"] / stats["drafted"] if stats["drafted"] else None  # per drafted token
     stats["accept_hist"] = dict(sorted(stats["accept_hist"].items()))
     return stats
 
@@ -245,5 +248,5 @@ def speculative_generate(target, drafter, prompts, max_new_tokens, *, k=4, tempe
         n_emitted, n_acc = gen.speculative_step(drafter, k)
         stats["tokens"] += int(n_emitted.sum())
         stats["steps"] += 1
-        record_sd(stats, n_emitted, n_acc)
+        record_sd(stats, n_emitted, n_acc, k)
     return gen.outputs(), finish_stats(stats)

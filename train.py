@@ -78,7 +78,8 @@ def parse_args(argv=None):
     # drafter
     p.add_argument("--drafter-warmup-seqs", type=int, default=2048, help="target samples the drafter warms up on")
     p.add_argument("--drafter-warmup-steps", type=int, default=1200, help="drafter optimizer steps in its warm-up")
-    p.add_argument("--drafter-lr", type=float, default=2e-3, help="drafter learning rate (warm-up and online)")
+    p.add_argument("--drafter-lr", type=float, default=2e-3, help="peak drafter learning rate of the warm-up")
+    p.add_argument("--drafter-online-lr", type=float, default=2e-4, help="drafter learning rate on idle ranks during RL")
     p.add_argument("--drafter-batch", type=int, default=8, help="sequences per drafter training step")
     p.add_argument("--drafter-keep", type=int, default=2, help="RL steps of hidden states the drafter buffer keeps")
     # RL
@@ -101,7 +102,7 @@ def parse_args(argv=None):
     p.add_argument("--ckpt-every", type=int, default=10, help="write the RL checkpoint every N steps")
     args = p.parse_args(argv)
     positive = ("max_n", "n_layer", "n_head", "n_embd", "block_size", "warmup_steps", "warmup_tokens", "warmup_lr",
-                "drafter_warmup_seqs", "drafter_warmup_steps", "drafter_batch", "drafter_keep", "drafter_lr",
+                "drafter_warmup_seqs", "drafter_warmup_steps", "drafter_batch", "drafter_keep", "drafter_lr", "drafter_online_lr",
                 "prompts_per_step", "group_size", "rl_epochs", "rl_lr", "clip_eps", "update_tokens", "ckpt_every")
     non_negative = ("rl_steps", "kl_coef", "temperature", "sd_threshold", "timeline_every", "alpha", "eval_per_bucket")
     for names, ok, what in ((positive, lambda v: v > 0, "positive"), (non_negative, lambda v: v >= 0, "non-negative")):
@@ -437,7 +438,7 @@ def drafter_meta(args, config, task_cfg):
 
 
 def rl_meta(args, config, task_cfg):
-    keys = ("rl_seed", "prompts_per_step", "group_size", "rl_lr", "rl_epochs", "clip_eps", "kl_coef", "tlt", "drafter_updates",
+    keys = ("rl_seed", "drafter_online_lr", "prompts_per_step", "group_size", "rl_lr", "rl_epochs", "clip_eps", "kl_coef", "tlt", "drafter_updates",
             "sd_threshold", "drafter_keep", "update_tokens")
     return {**drafter_meta(args, config, task_cfg), **{k: getattr(args, k) for k in keys}}
 
@@ -506,7 +507,7 @@ def run(args, task_cfg, ddp, rank, world_size, device):
     ref_model = copy.deepcopy(model).requires_grad_(False) if args.kl_coef > 0 else None  # frozen warm-up target
     net = DDP(model) if ddp else model
     opt = torch.optim.AdamW(model.parameters(), lr=args.rl_lr, betas=(0.9, 0.95), weight_decay=0.0)
-    d_opt = make_optimizer(drafter, args.drafter_lr)
+    d_opt = make_optimizer(drafter, args.drafter_online_lr)
     bandit = Bandit(seed=derive_seed(args.rl_seed, rank, 0, 5))
     buffer = DrafterBuffer(keep_steps=args.drafter_keep)
     ckpt_path = os.path.join(args.out_dir, "ckpt.pt")
@@ -545,7 +546,8 @@ def run(args, task_cfg, ddp, rank, world_size, device):
                 f.write(json.dumps({k: v for k, v in rec.items() if k != "timeline"}) + "\n")
         print0(f"step {step:04d}/{args.rl_steps} | reward {rec['reward']:.3f} | step {rec['step_time']:.2f}s | "
                f"rollout {rec['rollout_time']:.2f}s ({100 * rec['rollout_share']:.0f}%) | tok/s {rec['tok_s']:,.0f} | "
-               f"accept {rec['accept_len'] or 0:.2f} | sd tok {100 * rec['sd_token_frac']:.0f}% | "
+               f"accept {rec['accept_len'] or 0:.2f} ({100 * (rec['accept_rate'] or 0):.0f}% of drafts) | "
+               f"sd tok {100 * rec['sd_token_frac']:.0f}% | "
                f"idle {rec['idle_time']:.2f}s | drafter steps {rec['drafter_steps']}"
                + (" | SKIPPED non-finite update" if rec["skipped_update"] else ""))
         if args.timeline_every and (step % args.timeline_every == 0 or step == args.rl_steps - 1):
@@ -599,13 +601,15 @@ def rl_step(step, args, task_cfg, model, net, drafter, opt, d_opt, bandit, buffe
             "tokens": st["tokens"], "drafter_checksum": checksum, "rows": len(rows),
             "segments": st["segments"] + [[k, a + rollout_time, b + rollout_time] for k, a, b in idle_segs]}
     ranks = gather_ranks(mine)
-    sums = all_sum([float(rewards.sum()), len(rows), st["sd_tokens"], st["sd_steps"], st["tokens"]], device)
+    sums = all_sum([float(rewards.sum()), len(rows), st["sd_tokens"], st["sd_steps"], st["tokens"], st["accepted"],
+                    st["drafted"]], device)
     step_time = t1 - t0
     rollout_max = max(r["rollout_time"] for r in ranks)
     return {
         "step": step, "step_time": step_time, "rollout_time": rollout_max, "update_time": t1 - t_roll_end,
         "rollout_share": rollout_max / step_time, "reward": sums[0] / max(sums[1], 1),
         "accept_len": sums[2] / sums[3] if sums[3] else None, "sd_token_frac": sums[2] / max(sums[4], 1),
+        "accept_rate": sums[5] / sums[6] if sums[6] else None,
         "tok_s": sums[4] / max(rollout_max, 1e-9), "idle_time": max(r["idle_time"] for r in ranks),
         "drafter_steps": sum(r["drafter_steps"] for r in ranks), "drafter_checksum": checksum,
         "loss": loss, "clip_frac": clip, "skipped_update": skipped, "bandit_best": bandit.best(),
@@ -622,7 +626,8 @@ def summary(history, acc0, acc1, total_time):
     print0(f"  RL steps              {len(history)}")
     print0(f"  mean step time        {mean('step_time'):.3f}s (rollout {mean('rollout_time'):.3f}s, "
            f"update {mean('update_time'):.3f}s, rollout share {100 * mean('rollout_share'):.0f}%)")
-    print0(f"  mean accept length    {mean('accept_len'):.2f}   SD token share {100 * mean('sd_token_frac'):.0f}%")
+    print0(f"  mean accept length    {mean('accept_len'):.2f} tokens per verify step, {100 * mean('accept_rate'):.0f}% of "
+           f"drafted tokens accepted, SD token share {100 * mean('sd_token_frac'):.0f}%")
     print0(f"  reward first/last 5   {sum(h['reward'] for h in history[:5]) / len(history[:5]):.3f} -> "
            f"{sum(h['reward'] for h in history[-5:]) / len(history[-5:]):.3f}")
     for kind in ("greedy", "sampled"):
