@@ -41,7 +41,7 @@ def parse_args(argv=None):
     p.add_argument("--batches", default="1,2,4,8,16,32,64", help="comma-separated batch sizes")
     p.add_argument("--ks", default="1,2,3,4,6,8", help="comma-separated draft lengths")
     p.add_argument("--max-new", type=int, default=80, help="tokens decoded per row in the decoding bench")
-    p.add_argument("--repeats", type=int, default=3, help="runs per cell; the median is reported")
+    p.add_argument("--repeats", type=int, default=5, help="runs per cell; the median is reported")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: all cores)")
     p.add_argument("--e2e", action="store_true", help="run the end-to-end RL comparison instead")
     p.add_argument("--e2e-steps", type=int, default=20, help="RL steps per end-to-end run")
