@@ -101,6 +101,7 @@ def rollout(target, drafter, prompts, max_new_tokens, *, temperature=1.0, eos_id
                      generator=generator, max_draft=max(bandit.arms) if use_sd else 0)
     _sync(device)
     stats["prefill_time"] = time.perf_counter() - t_start
+    stats["segments"].append(["plain", 0.0, stats["prefill_time"]])  # the prefill is drawn as plain decoding
     while gen.compact() > 0:
         B = gen.batch_size
         k = bandit.choose(B) if use_sd and B <= sd_threshold else 0
