@@ -15,7 +15,7 @@ from what came before, which is also true of real reasoning traces and is what l
 guess several tokens ahead.
 
 The long tail. n is drawn from a truncated power law P(n) ~ n^-alpha on 1..max_n, so most
-responses are short and a few are very long (default: median 13 tokens, p99 123, max 133).
+responses are short and a few are very long (default: median 13 tokens, p90 58, p99 118, max 133).
 
 Tokenizer. A tiktoken Encoding built in-process: byte-level ranks, one merge per labelled digit
 ("b7" is one token), and two special tokens, <|eos|> and <|pad|>. Nothing is downloaded. The
