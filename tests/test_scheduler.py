@@ -1,7 +1,6 @@
 """Idle-rank drafter training across gloo processes: skewed loads, preemption by the last rank,
 identical drafters after the sync, no hang for 1, 2 or 4 ranks or a rank without prompts."""
 import json
-import os
 import random
 import socket
 import time
