@@ -22,7 +22,7 @@ attends across sequences or into padding.
 Training-time test: drafting feeds h~ back in, but teacher forcing only ever shows the drafter
 the target's real h. So every training step runs a second pass whose inputs are the first pass's
 own predictions (h~_t in place of h_t) with the same targets, and adds its loss. That is the
-cheap part of EAGLE-3's idea and is what keeps the 2nd..k-th drafted tokens good.
+cheap part of EAGLE-3's idea, meant to keep the 2nd..k-th drafted tokens good.
 
 The buffer keeps (tokens, hidden states, prompt length) per sequence, tagged with the RL step it
 came from, for the last `keep_steps` steps. `train_step` serves the warm-up and online training.
