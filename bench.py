@@ -55,7 +55,14 @@ def parse_args(argv=None):
         p.error("--batches and --ks take comma-separated integers")
     if min(args.batches) <= 0 or min(args.ks) <= 0 or args.max_new <= 0 or args.repeats <= 0:
         p.error("batch sizes, k, --max-new and --repeats must be positive")
+    if min_size(args.max_new) > train.parse_args([]).max_n:
+        p.error(f"--max-new {args.max_new} is longer than the task's longest response")
     return args
+
+
+def min_size(max_new):
+    """Smallest problem whose reference response (5 n + 3 tokens) is longer than max_new."""
+    return max_new // 5 + 1
 
 
 def load_models(out_dir):
@@ -94,9 +101,7 @@ def forward_time(model, T, drafter=None, repeats=200):
 
 def decode_bench(args, task_cfg, model, drafter):
     rng = random.Random(4321)
-    min_n = (args.max_new + 1) // 5 + 1  # reference response longer than --max-new tokens
-    if min_n > task_cfg.max_n:
-        raise SystemExit(f"error: --max-new {args.max_new} is longer than the task's longest response")
+    min_n = min_size(args.max_new)
     pool = [task.encode(task.sample_problem(rng, task_cfg, rng.randint(min_n, task_cfg.max_n)).prompt())
             for _ in range(max(args.batches))]
     t1 = forward_time(model, 1)
