@@ -144,15 +144,13 @@ class RotaryStack(nn.Module):
     def forward(self, x, cache=None):
         B, T, _ = x.shape
         if cache is None:
-            if T > self.config.block_size:
-                raise ValueError(f"sequence of {T} tokens exceeds block_size {self.config.block_size}")
             pos = torch.arange(T, device=x.device).expand(B, T)
         else:
             pos = cache.lengths[:, None] + torch.arange(T, device=x.device)  # (B, T)
         # host-device sync: the attention window is the longest row after the append
         n_keys = int(pos[:, -1].max()) + 1
-        if n_keys > self.config.block_size or (cache is not None and n_keys > cache.max_len):
-            limit = self.config.block_size if cache is None else min(cache.max_len, self.config.block_size)
+        limit = self.config.block_size if cache is None else min(cache.max_len, self.config.block_size)
+        if n_keys > limit:
             raise ValueError(f"position {n_keys - 1} is past the model's {limit} positions")
         cos = self.rope_cos[pos][:, None]  # (B, 1, T, hd/2)
         sin = self.rope_sin[pos][:, None]

@@ -32,7 +32,7 @@ TIMELINE_CHARS = {"plain": "#", "spec": "S", "train": "t", "wait": "."}
 
 
 def idle_train(drafter, optimizer, buffer, rng, *, enabled=True, batch_size=16, device="cpu",
-               timeout_s=300.0, min_items=1, grace_s=0.02):
+               timeout_s=300.0, grace_s=0.02):
     """Train the drafter until every rank has reached this point. Returns (steps, idle seconds,
     segments) with segments as [kind, start, end] relative to the call."""
     t0 = time.perf_counter()
@@ -40,7 +40,7 @@ def idle_train(drafter, optimizer, buffer, rng, *, enabled=True, batch_size=16, 
         return 0, 0.0, []
     work = dist.barrier(async_op=True)
     steps, segments = 0, []
-    can_train = enabled and len(buffer) >= min_items
+    can_train = enabled and len(buffer) > 0
     # grace period: the last rank to arrive sees the barrier complete within moments and must not
     # start a drafter step that everyone would then wait for
     while not work.is_completed() and time.perf_counter() - t0 < grace_s:
