@@ -8,7 +8,8 @@ train.py's defaults), print a table, and end with one JSON line holding every fi
 
 Decoding bench. Held-out prompts whose reference responses are longer than --max-new tokens, so
 every row decodes exactly --max-new tokens (no row leaves early and the batch size is what the
-table says). Temperature 1.0, as in the RL rollouts. Each cell is the median of --repeats runs.
+table says). Temperature 1.0, as in the RL rollouts. Each cell is the median of --repeats rounds
+in which plain decoding and every k take turns, so a slow spell of a shared machine hits them alike.
 The cost ratio c is the drafter's time per one-token forward over the target's, at batch 1. The
 standard formula predicts a speedup of accept_len / (1 + k c), assuming a verify pass of k+1
 tokens costs what a one-token pass costs; that holds on a GPU at small batch but not on a CPU,
@@ -73,13 +74,17 @@ def load_models(out_dir):
     return targs, task_cfg, model.eval(), drafter.eval()
 
 
-def timed(fn, repeats):
-    times, out = [], None
+def interleaved(runs, repeats):
+    """Median wall time of each run over `repeats` rounds, the runs taking turns within a round,
+    so that a slow spell of a shared machine hits all of them alike. Returns ({name: seconds},
+    {name: last output})."""
+    times, outs = {name: [] for name in runs}, {}
     for _ in range(repeats):
-        t0 = time.perf_counter()
-        out = fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times), out
+        for name, fn in runs.items():
+            t0 = time.perf_counter()
+            outs[name] = fn()
+            times[name].append(time.perf_counter() - t0)
+    return {name: statistics.median(t) for name, t in times.items()}, outs
 
 
 @torch.no_grad()
@@ -111,14 +116,12 @@ def decode_bench(args, task_cfg, model, drafter):
     for B in args.batches:
         prompts = pool[:B]
         gen = torch.Generator().manual_seed(0)
-        t_ar, (outs, _) = timed(lambda: autoregressive_generate(model, prompts, args.max_new, generator=gen), args.repeats)
-        n_tok = sum(len(o) for o in outs)
-        ar = n_tok / t_ar
-        per_k = {}
+        runs = {0: lambda: autoregressive_generate(model, prompts, args.max_new, generator=gen)}
         for k in args.ks:
-            t_sd, (outs, st) = timed(lambda: speculative_generate(model, drafter, prompts, args.max_new, k=k, generator=gen),
-                                     args.repeats)
-            per_k[k] = (sum(len(o) for o in outs) / t_sd, st["accept_len"])
+            runs[k] = lambda k=k: speculative_generate(model, drafter, prompts, args.max_new, k=k, generator=gen)
+        times, outs = interleaved(runs, args.repeats)
+        ar = sum(len(o) for o in outs[0][0]) / times[0]
+        per_k = {k: (sum(len(o) for o in outs[k][0]) / times[k], outs[k][1]["accept_len"]) for k in args.ks}
         best = max(per_k, key=lambda k: per_k[k][0])
         sd, acc = per_k[best]
         rows.append({"batch": B, "ar_tok_s": ar, "sd_tok_s": sd, "best_k": best, "speedup": sd / ar, "accept_len": acc,

@@ -36,9 +36,9 @@ import torch.nn.functional as F
 class GPTConfig:
     vocab_size: int = 778   # task.VOCAB_SIZE
     block_size: int = 200   # longest prompt + response (+ draft) the model and its cache hold
-    n_layer: int = 4
+    n_layer: int = 12
     n_head: int = 4
-    n_embd: int = 128
+    n_embd: int = 48
     rope_base: float = 10000.0
 
     def __post_init__(self):
@@ -87,10 +87,10 @@ def rope_tables(head_dim, max_len, base, device):
     return angles.cos(), angles.sin()
 
 
-def apply_rope(x, cos, sin):
-    # x (..., T, hd); cos, sin (B, 1, T, hd/2): rotate each pair of channels by its position's angle
-    x1, x2 = x[..., 0::2], x[..., 1::2]
-    return torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2)
+def apply_rope(x, rot):
+    # x (..., T, hd) real; rot (B, 1, T, hd/2) complex, e^(i angle). Each pair of channels is one complex
+    # number, and rotating it by its position's angle is one complex multiply: a single kernel.
+    return torch.view_as_real(torch.view_as_complex(x.unflatten(-1, (-1, 2))) * rot).flatten(-2)
 
 
 class Attention(nn.Module):
@@ -100,16 +100,15 @@ class Attention(nn.Module):
         self.qkv = nn.Linear(config.n_embd, 3 * config.n_embd, bias=False)
         self.proj = nn.Linear(config.n_embd, config.n_embd, bias=False)
 
-    def forward(self, x, cos, sin, kv=None, pos=None, mask=None):
+    def forward(self, x, rot, kv=None, where=None, mask=None):
         B, T, C = x.shape
         qkv = self.qkv(x).view(B, T, 3, self.n_head, C // self.n_head).permute(2, 0, 3, 1, 4)  # (3, B, H, T, hd)
-        qk = apply_rope(qkv[:2], cos, sin)  # queries and keys rotated in one go
+        qk = apply_rope(qkv[:2], rot)  # queries and keys rotated in one go
         q, k, v = qk[0], qk[1], qkv[2]
         if kv is None:  # plain causal pass, positions 0..T-1
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        else:  # kv: this layer's (2, B, H, max_len, hd) slice of the cache
-            rows = torch.arange(B, device=x.device)[:, None]
-            kv[:, rows, :, pos] = torch.stack((k, v)).permute(1, 3, 0, 2, 4)  # row b's T entries at its own positions
+        else:  # kv: this layer's (2, B, H, max_len, hd) slice of the cache; where = (rows, positions)
+            kv[:, where[0], :, where[1]] = torch.stack((k, v)).permute(1, 3, 0, 2, 4)  # row b's T entries at its positions
             n_keys = mask.shape[-1]
             y = F.scaled_dot_product_attention(q, kv[0, :, :, :n_keys], kv[1, :, :, :n_keys], attn_mask=mask)
         return self.proj(y.transpose(1, 2).reshape(B, T, C))
@@ -124,8 +123,8 @@ class Block(nn.Module):
         self.fc = nn.Linear(config.n_embd, 4 * config.n_embd, bias=False)
         self.out = nn.Linear(4 * config.n_embd, config.n_embd, bias=False)
 
-    def forward(self, x, cos, sin, kv=None, pos=None, mask=None):
-        x = x + self.attn(self.norm1(x), cos, sin, kv, pos, mask)
+    def forward(self, x, rot, kv=None, where=None, mask=None):
+        x = x + self.attn(self.norm1(x), rot, kv, where, mask)
         return x + self.out(F.gelu(self.fc(self.norm2(x)), approximate="tanh"))
 
 
@@ -152,13 +151,14 @@ class RotaryStack(nn.Module):
         limit = self.config.block_size if cache is None else min(cache.max_len, self.config.block_size)
         if n_keys > limit:
             raise ValueError(f"position {n_keys - 1} is past the model's {limit} positions")
-        cos = self.rope_cos[pos][:, None]  # (B, 1, T, hd/2)
-        sin = self.rope_sin[pos][:, None]
-        mask = None
+        rot = torch.complex(self.rope_cos[pos], self.rope_sin[pos])[:, None]  # (B, 1, T, hd/2)
+        where = mask = None
         if cache is not None:  # a query at position p sees keys 0..p of its own row, never stale entries past p
-            mask = torch.arange(n_keys, device=x.device) <= pos[:, None, :, None]  # (B, 1, T, n_keys)
+            where = (torch.arange(B, device=x.device)[:, None], pos)
+            seen = torch.arange(n_keys, device=x.device) <= pos[:, None, :, None]  # (B, 1, T, n_keys)
+            mask = torch.zeros(seen.shape, dtype=x.dtype, device=x.device).masked_fill_(~seen, float("-inf"))
         for i, block in enumerate(self.blocks):
-            x = block(x, cos, sin, None if cache is None else cache.kv[i], pos, mask)
+            x = block(x, rot, None if cache is None else cache.kv[i], where, mask)
         if cache is not None:
             cache.lengths = cache.lengths + T
         return x

@@ -13,9 +13,12 @@ the target's work by about k+1 and pays only where decoding is bound by fixed pe
 (kernel launches, weight reads), i.e. when the running batch is small. Where exactly it stops
 paying depends on the hardware, on the drafter's current acceptance and on the batch size, so
 the engine measures instead of guessing: a bucketed epsilon-greedy bandit with arms
-k in {0, 1, 2, 3, 4, 6, 8}, one bucket per power-of-two batch size, reward = tokens emitted per
-second of that step, scored by the median of a sliding window (robust to timing noise), untried
-arms first. Its state persists across RL steps and is saved in checkpoints.
+k in {0, 1, 2, 3, 4, 6, 8}, one bucket per power-of-two batch size, untried arms first. Each step
+reports the tokens it emitted and the seconds it took; an arm's score is the throughput over its
+sliding window, sum(tokens) / sum(seconds). Not the median of per-step tokens/s: at small batch a
+speculative step emits a small random number of tokens (1 to k+1 per row), and the median of such
+a count is biased, so it can rank arms unlike their throughput (in our runs it picked k = 2 at
+batch 1, where k = 4 is faster). Its state persists across RL steps and is saved in checkpoints.
 
 The switch to speculative decoding fills the drafter's cache from the target hidden states that
 Generation has recorded for every token (see speculative.py): no second target pass. Those same
@@ -24,7 +27,6 @@ states, exactly aligned with the tokens in both kinds of step, go to the drafter
 Test: python -m pytest tests/test_rollout.py
 """
 import random
-import statistics
 import time
 from collections import deque
 
@@ -38,10 +40,10 @@ ARMS = (0, 1, 2, 3, 4, 6, 8)
 class Bandit:
     """Bucketed epsilon-greedy choice of the draft length k."""
 
-    def __init__(self, arms=ARMS, epsilon=0.1, window=8, seed=0):
+    def __init__(self, arms=ARMS, epsilon=0.1, window=16, seed=0):
         self.arms, self.epsilon, self.window = tuple(arms), epsilon, window
         self.rng = random.Random(seed)
-        self.rewards = {}  # (bucket, arm) -> deque of recent rewards
+        self.rewards = {}  # (bucket, arm) -> deque of recent (tokens, seconds)
 
     @staticmethod
     def bucket(batch_size):
@@ -49,7 +51,7 @@ class Bandit:
 
     def score(self, bucket, arm):
         r = self.rewards.get((bucket, arm))
-        return statistics.median(r) if r else None
+        return sum(n for n, _ in r) / sum(t for _, t in r) if r else None  # tokens per second
 
     def choose(self, batch_size):
         b = self.bucket(batch_size)
@@ -60,8 +62,9 @@ class Bandit:
             return self.rng.choice(self.arms)
         return max(self.arms, key=lambda a: self.score(b, a))
 
-    def update(self, batch_size, arm, reward):
-        self.rewards.setdefault((self.bucket(batch_size), arm), deque(maxlen=self.window)).append(float(reward))
+    def update(self, batch_size, arm, tokens, seconds):
+        self.rewards.setdefault((self.bucket(batch_size), arm), deque(maxlen=self.window)).append(
+            (float(tokens), max(float(seconds), 1e-9)))
 
     def best(self):
         """{bucket: best arm} for the log."""
@@ -73,7 +76,7 @@ class Bandit:
                 "rng": list(self.rng.getstate()[1]), "rng_version": self.rng.getstate()[0]}
 
     def load_state_dict(self, state):
-        self.rewards = {(b, a): deque(r, maxlen=self.window) for b, a, r in state["rewards"]}
+        self.rewards = {(b, a): deque(map(tuple, r), maxlen=self.window) for b, a, r in state["rewards"]}
         self.rng.setstate((state["rng_version"], tuple(state["rng"]), None))
 
 
@@ -115,7 +118,7 @@ def rollout(target, drafter, prompts, max_new_tokens, *, temperature=1.0, eos_id
         t1 = time.perf_counter()
         n = int(n_emitted.sum())
         if use_sd and B <= sd_threshold:
-            bandit.update(B, k, n / max(t1 - t0, 1e-9))
+            bandit.update(B, k, n, t1 - t0)
         stats["tokens"] += n
         stats["steps"] += 1
         stats["batch_sizes"].append(B)

@@ -7,7 +7,7 @@ response keeps a running sum, one step per digit, then states the answer (tokens
     response:  a3=3 b7=0 c1=1 >1<|eos|>
 
 Why this task. Every step is a small, checkable piece of reasoning (look a digit up by its label,
-add it to the previous partial sum), so the scratchpad grows linearly with n (4 tokens a step) and
+add it to the previous partial sum), so the scratchpad grows linearly with n (5 tokens a step) and
 one wrong step spoils the answer: accuracy falls with problem size, as in real reasoning RL, and
 a few minutes of CPU training leave room for RL to improve it. The labels make the look-up a
 content match that a 6-layer model learns quickly. Most tokens of a response are predictable

@@ -1,6 +1,7 @@
 """The rollout engine: TLT greedy rollouts equal plain ones, hidden states are aligned with
 tokens, the batch shrinks, and the bandit finds the best k per bucket."""
 import random
+import statistics
 
 import pytest
 import torch
@@ -94,12 +95,30 @@ def test_bandit_converges_to_best_arm_per_bucket():
         for b, bs in batch_of.items():
             k = bandit.choose(bs)
             picks[b].append(k)
-            bandit.update(bs, k, table[b][k] * (1 + 0.1 * noise.gauss(0, 1)))
+            bandit.update(bs, k, table[b][k] * (1 + 0.1 * noise.gauss(0, 1)), 1.0)
     for b in table:
         best = max(table[b], key=table[b].get)
         assert bandit.best()[b] == best
         late = picks[b][-200:]
         assert late.count(best) / len(late) > 0.8  # epsilon = 0.1 explores ~10% of the time
+
+
+def test_bandit_scores_throughput_not_median_step():
+    """Like a speculative step at batch 1: arm 4 emits 5 tokens 45% of the time, else 3, in 1.8 s
+    (2.17 tokens/s; median step 1.67); arm 2 emits 3 tokens 70% of the time, else 1, in 1.4 s
+    (1.71 tokens/s; median step 2.14). A median score would pick arm 2; throughput picks arm 4."""
+    rng = random.Random(0)
+    bandit = Bandit(arms=(2, 4), epsilon=0.0, window=1000, seed=0)
+    steps = {2: [], 4: []}
+    for _ in range(500):
+        steps[4].append((5 if rng.random() < 0.45 else 3, 1.8))
+        steps[2].append((3 if rng.random() < 0.7 else 1, 1.4))
+        for k in (2, 4):
+            bandit.update(1, k, *steps[k][-1])
+    assert bandit.choose(1) == 4
+    assert abs(bandit.score(0, 4) - 3.9 / 1.8) < 0.1  # 500 draws: standard error about 0.025 tokens/s
+    median = {k: statistics.median(n / t for n, t in s) for k, s in steps.items()}
+    assert max(median, key=median.get) == 2  # the case really separates the two scores
 
 
 def test_bandit_tries_every_arm_first_and_round_trips_state():
@@ -108,7 +127,7 @@ def test_bandit_tries_every_arm_first_and_round_trips_state():
     for _ in ARMS:
         k = bandit.choose(4)
         first.append(k)
-        bandit.update(4, k, 1.0 + k)
+        bandit.update(4, k, 1.0 + k, 0.5)
     assert sorted(first) == sorted(ARMS)
     clone = Bandit(seed=99)
     clone.load_state_dict(bandit.state_dict())
