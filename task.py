@@ -10,7 +10,7 @@ Why this task. Every step is a small, checkable piece of reasoning (look a digit
 add it to the previous partial sum), so the scratchpad grows linearly with n (5 tokens a step) and
 one wrong step spoils the answer: accuracy falls with problem size, as in real reasoning RL, and
 a few minutes of CPU training leave room for RL to improve it. The labels make the look-up a
-content match that a 6-layer model learns quickly. Most tokens of a response are predictable
+content match that a small model learns in minutes. Most tokens of a response are predictable
 from what came before, which is also true of real reasoning traces and is what lets a drafter
 guess several tokens ahead.
 

@@ -68,14 +68,14 @@ def parse_args(argv=None):
     p.add_argument("--max-n", type=int, default=26, help="largest problem size (digits to sum)")
     p.add_argument("--alpha", type=float, default=1.5, help="tail exponent of the problem-size distribution")
     # model
-    p.add_argument("--n-layer", type=int, default=12, help="target transformer layers")
+    p.add_argument("--n-layer", type=int, default=4, help="target transformer layers")
     p.add_argument("--n-head", type=int, default=4, help="attention heads")
-    p.add_argument("--n-embd", type=int, default=48, help="model width")
+    p.add_argument("--n-embd", type=int, default=128, help="model width")
     p.add_argument("--block-size", type=int, default=200, help="longest sequence the model holds")
     # target warm-up
-    p.add_argument("--warmup-steps", type=int, default=1300, help="supervised optimizer steps for the target")
+    p.add_argument("--warmup-steps", type=int, default=900, help="supervised optimizer steps for the target")
     p.add_argument("--warmup-tokens", type=int, default=4096, help="padded tokens per warm-up batch, all ranks together")
-    p.add_argument("--warmup-lr", type=float, default=6e-3, help="peak learning rate of the target warm-up")
+    p.add_argument("--warmup-lr", type=float, default=3e-3, help="peak learning rate of the target warm-up")
     # drafter
     p.add_argument("--drafter-warmup-seqs", type=int, default=2048, help="target samples the drafter warms up on")
     p.add_argument("--drafter-warmup-steps", type=int, default=1200, help="drafter optimizer steps in its warm-up")
@@ -96,7 +96,7 @@ def parse_args(argv=None):
     # TLT
     p.add_argument("--tlt", type=on_off, default=True, metavar="on|off", help="speculative decoding in the tail (off: plain baseline)")
     p.add_argument("--drafter-updates", type=on_off, default=True, metavar="on|off", help="train the drafter on idle ranks (off: frozen)")
-    p.add_argument("--sd-threshold", type=int, default=32, help="speculative steps only when the running batch is at most this")
+    p.add_argument("--sd-threshold", type=int, default=8, help="speculative steps only when the running batch is at most this")
     # logging, evaluation, checkpoints
     p.add_argument("--eval-per-bucket", type=int, default=40, help="held-out problems per size bucket (0: no evaluation)")
     p.add_argument("--timeline-every", type=int, default=10, help="print the per-rank timeline every N steps (0: never)")
