@@ -4,7 +4,9 @@
     python bench.py --e2e      # RL steps: --tlt off vs --tlt on vs --tlt on --drafter-updates off
 
 Both load the warmed-up target and drafter from --out-dir (warming them up first if absent, with
-train.py's defaults), print a table, and end with one JSON line holding every figure.
+train.py's defaults plus --train-args), print a table, and end with one JSON line holding every
+figure. Checkpoints made with other flags need the same flags here, e.g.
+    python bench.py --out-dir out_deep --train-args "--n-layer 12 --n-embd 48 --warmup-lr 6e-3 --warmup-steps 1300"
 
 Decoding bench. Held-out prompts whose reference responses are longer than --max-new tokens, so
 every row decodes exactly --max-new tokens (no row leaves early and the batch size is what the
@@ -23,6 +25,7 @@ import argparse
 import json
 import os
 import random
+import shlex
 import statistics
 import subprocess
 import sys
@@ -46,7 +49,8 @@ def parse_args(argv=None):
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: all cores)")
     p.add_argument("--e2e", action="store_true", help="run the end-to-end RL comparison instead")
     p.add_argument("--e2e-steps", type=int, default=20, help="RL steps per end-to-end run")
-    p.add_argument("--e2e-args", default="", help="extra train.py flags for all three runs, e.g. '--rl-lr 3e-4'")
+    p.add_argument("--train-args", default="", help="train.py flags for the checkpoints' config, the long-tail workload "
+                   "and all three --e2e runs, e.g. '--n-layer 12 --n-embd 48' or '--rl-lr 3e-4'")
     p.add_argument("--nproc", type=int, default=2, help="ranks per end-to-end run")
     args = p.parse_args(argv)
     try:
@@ -56,7 +60,8 @@ def parse_args(argv=None):
         p.error("--batches and --ks take comma-separated integers")
     if min(args.batches) <= 0 or min(args.ks) <= 0 or args.max_new <= 0 or args.repeats <= 0:
         p.error("batch sizes, k, --max-new and --repeats must be positive")
-    if min_size(args.max_new) > train.parse_args([]).max_n:
+    args.train_flags = shlex.split(args.train_args)
+    if min_size(args.max_new) > train.parse_args(args.train_flags).max_n:
         p.error(f"--max-new {args.max_new} is longer than the task's longest response")
     return args
 
@@ -66,8 +71,8 @@ def min_size(max_new):
     return max_new // 5 + 1
 
 
-def load_models(out_dir):
-    targs = train.parse_args(["--out-dir", out_dir])
+def load_models(out_dir, train_flags):
+    targs = train.parse_args([*train_flags, "--out-dir", out_dir])
     train.check_out_dir(out_dir)
     task_cfg = task.TaskConfig(max_n=targs.max_n, alpha=targs.alpha)
     _, model, drafter = train.prepare_models(targs, task_cfg, False, 0, 1, torch.device("cpu"))
@@ -148,7 +153,7 @@ def tail_workload(args, task_cfg, model, drafter, n_steps=4):
     """Rank 0's rollouts of the default 2-rank run's first RL steps, plain vs TLT, same prompts,
     same machine, alternating. The bandit learns during one unmeasured TLT pass first, as it
     would have during earlier RL steps."""
-    targs = train.parse_args([])
+    targs = train.parse_args(args.train_flags)
     shards = []
     for step in range(n_steps):
         prng = random.Random(train.derive_seed(targs.rl_seed, 0, step, 6))
@@ -195,7 +200,7 @@ def e2e_bench(args):
                 os.remove(os.path.join(out, f))
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}", "train.py",
                "--out-dir", out, "--warmup-dir", args.out_dir, "--rl-steps", str(args.e2e_steps),
-               "--eval-per-bucket", "0", "--timeline-every", "0", *args.e2e_args.split(), *flags]
+               "--eval-per-bucket", "0", "--timeline-every", "0", *args.train_flags, *flags]
         print(f"$ {' '.join(cmd[2:])}", flush=True)
         t0 = time.time()
         subprocess.run(cmd, check=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.DEVNULL)
@@ -231,7 +236,7 @@ def main(argv=None):
     if args.threads:
         torch.set_num_threads(args.threads)
     print(f"bench on {torch.get_num_threads()} CPU thread(s)" if not torch.cuda.is_available() else "bench on CUDA")
-    targs, task_cfg, model, drafter = load_models(args.out_dir)
+    targs, task_cfg, model, drafter = load_models(args.out_dir, args.train_flags)
     if args.e2e:
         result = e2e_bench(args)
     else:
