@@ -80,7 +80,7 @@ def parse_args(argv=None):
     p.add_argument("--drafter-warmup-seqs", type=int, default=2048, help="target samples the drafter warms up on")
     p.add_argument("--drafter-warmup-steps", type=int, default=1200, help="drafter optimizer steps in its warm-up")
     p.add_argument("--drafter-lr", type=float, default=2e-3, help="peak drafter learning rate of the warm-up")
-    p.add_argument("--drafter-online-lr", type=float, default=2e-4, help="drafter learning rate on idle ranks during RL")
+    p.add_argument("--drafter-online-lr", type=float, default=5e-5, help="drafter learning rate on idle ranks during RL")
     p.add_argument("--drafter-batch", type=int, default=8, help="sequences per drafter training step")
     p.add_argument("--drafter-keep", type=int, default=2, help="RL steps of hidden states the drafter buffer keeps")
     # RL
@@ -627,8 +627,8 @@ def summary(history, acc0, acc1, total_time):
     print0(f"  mean accept length    {mean('accept_len'):.2f} tokens per verify step, {100 * mean('accept_rate'):.0f}% of "
            f"drafted tokens accepted, SD token share {100 * mean('sd_token_frac'):.0f}%")
     n = max(1, len(history) // 10)  # a step's reward swings with its prompt mix; tenths of the run show the trend
-    print0(f"  reward, first/last {n:<3d} {sum(h['reward'] for h in history[:n]) / n:.3f} -> "
-           f"{sum(h['reward'] for h in history[-n:]) / n:.3f} (mean over {n} steps each)")
+    print0(f"  reward                {sum(h['reward'] for h in history[:n]) / n:.3f} -> "
+           f"{sum(h['reward'] for h in history[-n:]) / n:.3f} (means of the first and the last {n} steps)")
     for kind in ("greedy", "sampled"):
         for name, acc in (("before RL", acc0), ("after RL", acc1)):
             print0(f"  {kind:7s} {name:9s}     {format_accuracy(acc.get(kind, {}))}")
