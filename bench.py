@@ -20,6 +20,8 @@ so the bench also measures that cost and reports accept_len / (verify + k c).
 End-to-end bench. Three train.py runs from the same warmed-up checkpoints and seed, each as its
 own process group (torchrun with --nproc ranks); the mean step time skips the first step (the
 bandit's exploration and allocator warm-up) and rollout share is rollout time over step time.
+It ends with the controlled drafter comparison (drafter_vs_target): per-step accept rates of
+two runs are not comparable, because each run's bandit picks its own k.
 """
 import argparse
 import copy
