@@ -54,7 +54,7 @@ def parse_args(argv=None):
     p.add_argument("--e2e", action="store_true", help="run the end-to-end RL comparison instead")
     p.add_argument("--e2e-steps", type=int, default=20, help="RL steps per end-to-end run")
     p.add_argument("--train-args", default="", help="train.py flags for the checkpoints' config, the long-tail workload "
-                   "and all three --e2e runs, e.g. '--n-layer 12 --n-embd 48' or '--rl-lr 3e-4'")
+                   "and all three --e2e runs, e.g. --train-args='--rl-lr 3e-4'")
     p.add_argument("--nproc", type=int, default=2, help="ranks per end-to-end run")
     args = p.parse_args(argv)
     try:
@@ -64,7 +64,10 @@ def parse_args(argv=None):
         p.error("--batches and --ks take comma-separated integers")
     if min(args.batches) <= 0 or min(args.ks) <= 0 or args.max_new <= 0 or args.repeats <= 0:
         p.error("batch sizes, k, --max-new and --repeats must be positive")
-    args.train_flags = shlex.split(args.train_args)
+    try:
+        args.train_flags = shlex.split(args.train_args)
+    except ValueError as e:  # e.g. an unclosed quote
+        p.error(f"--train-args: {e}")
     if min_size(args.max_new) > train.parse_args(args.train_flags).max_n:
         p.error(f"--max-new {args.max_new} is longer than the task's longest response")
     return args

@@ -1,0 +1,53 @@
+"""bench.py's measuring pieces: runs take turns, the controlled drafter comparison shares its
+prompts and random stream, and bad flags are refused. The timings themselves are reported by
+bench.py, never asserted."""
+import os
+import sys
+
+import pytest
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+import bench  # noqa: E402
+import task  # noqa: E402
+from drafter import Drafter  # noqa: E402
+from model import GPT, GPTConfig  # noqa: E402
+
+
+def test_interleaved_runs_take_turns_and_report_medians():
+    calls = []
+    runs = {name: (lambda name=name: calls.append(name) or name.upper()) for name in ("a", "b", "c")}
+    times, outs = bench.interleaved(runs, repeats=3)
+    assert calls == ["a", "b", "c"] * 3  # round by round, not all of one run first
+    assert outs == {"a": "A", "b": "B", "c": "C"}
+    assert set(times) == {"a", "b", "c"} and all(t >= 0 for t in times.values())
+
+
+def tiny_pair(seed):
+    torch.manual_seed(seed)
+    target = GPT(GPTConfig(vocab_size=task.VOCAB_SIZE, block_size=40, n_layer=1, n_head=2, n_embd=16)).eval()
+    return target, Drafter(target).eval()
+
+
+def test_drafter_comparison_shares_prompts_and_random_stream(tmp_path):
+    task_cfg = task.TaskConfig(max_n=4)
+    target, drafter = tiny_pair(0)
+    torch.save({"model": target.state_dict(), "drafter": drafter.state_dict()}, tmp_path / "ckpt.pt")
+    warm_target, _ = tiny_pair(1)  # another target: the comparison must use the checkpoint's
+    same = bench.drafter_vs_target(task_cfg, warm_target, drafter, str(tmp_path), n_prompts=16)
+    assert same["adaptive"] == same["frozen"]  # one drafter twice: identical decoding, identical figure
+    _, other = tiny_pair(2)
+    diff = bench.drafter_vs_target(task_cfg, warm_target, other, str(tmp_path), n_prompts=16)
+    assert diff["adaptive"] == same["adaptive"]  # the checkpoint's side does not depend on the warm-up drafter
+    assert diff["frozen"] != diff["adaptive"]
+    assert all(1.0 <= v <= 5.0 for v in (*same.values(), *diff.values()))  # k = 4: 1 to 5 tokens per verify step
+
+
+@pytest.mark.parametrize("bad", [["--train-args", '"unclosed'], ["--train-args=--bogus"], ["--train-args=--n-layer 0"],
+                                 ["--batches", "1,x"], ["--repeats", "0"]])
+def test_bad_flags_exit_with_usage_error(bad, capsys):
+    with pytest.raises(SystemExit) as e:
+        bench.parse_args(bad)
+    assert e.value.code == 2
+    assert "error:" in capsys.readouterr().err
