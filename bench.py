@@ -229,8 +229,8 @@ def e2e_bench(args, task_cfg, model, drafter):
             if os.path.exists(os.path.join(out, f)):
                 os.remove(os.path.join(out, f))
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}", "train.py",
-               "--out-dir", out, "--warmup-dir", args.out_dir, "--rl-steps", str(args.e2e_steps),
-               "--eval-per-bucket", "0", "--timeline-every", "0", *args.train_flags, *flags]
+               *args.train_flags, "--out-dir", out, "--warmup-dir", args.out_dir, "--rl-steps", str(args.e2e_steps),
+               "--eval-per-bucket", "0", "--timeline-every", "0", *flags]  # the bench's own flags win
         print(f"$ {' '.join(cmd[2:])}", flush=True)
         t0 = time.time()
         subprocess.run(cmd, check=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.DEVNULL)
