@@ -514,13 +514,17 @@ def run(args, task_cfg, ddp, rank, world_size, device):
     start = 0
     if os.path.exists(ckpt_path):
         ck = load_checked(ckpt_path, meta)
-        model.load_state_dict(ck["model"])
-        drafter.load_state_dict(ck["drafter"])
-        opt.load_state_dict(ck["opt"])
-        d_opt.load_state_dict(ck["d_opt"])
-        if rank < len(ck["bandits"]):
-            bandit.load_state_dict(ck["bandits"][rank])
-        start = ck["step"] + 1
+        try:
+            model.load_state_dict(ck["model"])
+            drafter.load_state_dict(ck["drafter"])
+            opt.load_state_dict(ck["opt"])
+            d_opt.load_state_dict(ck["d_opt"])
+            if rank < len(ck["bandits"]):
+                bandit.load_state_dict(ck["bandits"][rank])
+            start = ck["step"] + 1
+        except (KeyError, TypeError, ValueError, RuntimeError) as e:  # same config, older layout of the state
+            raise SystemExit(f"error: checkpoint {ckpt_path} does not fit this version of the code "
+                             f"({type(e).__name__}: {e}); delete it or use another --out-dir")
         print0(f"resuming from {ckpt_path} at RL step {start}")
     if rank == 0:  # every step appears once: drop records past the checkpoint (a crash after logging)
         keep = []

@@ -122,6 +122,15 @@ def test_mismatched_or_corrupt_checkpoint_is_refused_and_left_alone(tmp_path):
     assert len(r.stderr.strip().splitlines()) == 1
     assert digest(target) == before
     ckpt = os.path.join(out, "ckpt.pt")
+    ck = torch.load(ckpt, weights_only=True)  # same config, but the bandit state of an older version
+    ck["bandits"][0]["rewards"] = [[b, a, [float(n) for n, _ in r]] for b, a, r in ck["bandits"][0]["rewards"]]
+    assert ck["bandits"][0]["rewards"], "the 1-step run must have recorded bandit rewards"
+    torch.save(ck, ckpt)
+    old = digest(ckpt)
+    r = run_train(TINY + ["--out-dir", out, "--rl-steps", "2"])
+    assert r.returncode != 0 and "does not fit this version" in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1
+    assert digest(ckpt) == old
     with open(ckpt, "r+b") as f:  # truncate the RL checkpoint mid-file
         f.truncate(os.path.getsize(ckpt) // 2)
     cut = digest(ckpt)
