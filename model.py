@@ -21,8 +21,9 @@ Shape: 4 layers of width 128 (0.89 M parameters), because this shape learns the 
 warm-up budget. On a CPU at small batch a decoding step costs its kernel launches, about 20 per
 layer, far more than its FLOPs, so the one-layer drafter costs about one layer's share of the
 target: c = 0.35 here. Deep and narrow targets bring c down to GPU-like values (12 x 48: c = 0.14,
-and speculative decoding pays at every batch size up to 64), but they learned the task in the
-warm-up budget in only 2 of our 6 trials (see the README).
+and speculative decoding pays at every batch size up to 64), but with the default warm-up
+batches they learned the task in the budget in only 2 of 6 trials; see the README for a recipe
+that worked twice.
 
 Simplifications on purpose: rotary position embeddings (positions are per row, so RoPE is a
 gather, not a slice, and one complex multiply), LayerNorm without bias and GPT-2's tanh GELU (on a
