@@ -18,10 +18,12 @@ tokens costs what a one-token pass costs; that holds on a GPU at small batch but
 so the bench also measures that cost and reports accept_len / (verify + k c).
 
 End-to-end bench. Three train.py runs from the same warmed-up checkpoints and seed, each as its
-own process group (torchrun with --nproc ranks); the mean step time skips the first step (the
-bandit's exploration and allocator warm-up) and rollout share is rollout time over step time.
-It ends with the controlled drafter comparison (drafter_vs_target): per-step accept rates of
-two runs are not comparable, because each run's bandit picks its own k.
+own process group (torchrun with --nproc ranks): --tlt off, --tlt on, and --tlt on with a frozen
+drafter. The mean step time skips the first step (the bandit's exploration and allocator warm-up)
+and rollout share is rollout time over step time. Their bandits pick their own k, and accept
+lengths depend on k, so two more runs (adaptive and frozen drafter) fix k = 4 to compare the
+drafters step by step; and the bench ends with a controlled comparison on one target
+(drafter_vs_target).
 """
 import argparse
 import copy
@@ -166,7 +168,7 @@ def tail_workload(args, task_cfg, model, drafter, n_steps=4):
         prng = random.Random(train.derive_seed(targs.rl_seed, 0, step, 6))
         problems = [task.sample_problem(prng, task_cfg) for _ in range(targs.prompts_per_step)][0::2]
         shards.append([task.encode(p.prompt()) for p in problems for _ in range(targs.group_size)])
-    bandit = Bandit()
+    bandit = Bandit(targs.draft_ks)
 
     def run(tlt, prompts, seed):
         _, st = rollout(model, drafter, prompts, task_cfg.max_response_len, generator=torch.Generator().manual_seed(seed),
@@ -220,7 +222,10 @@ def drafter_vs_target(task_cfg, model, warm_drafter, run_dir, n_prompts=64, k=4)
 
 def e2e_bench(args, task_cfg, model, drafter):
     root = os.path.join(args.out_dir, "bench_e2e")
-    variants = {"off": ["--tlt", "off"], "on": ["--tlt", "on"], "frozen": ["--tlt", "on", "--drafter-updates", "off"]}
+    # the first three compare step times; the last two compare the drafters step by step at one k
+    variants = {"off": ["--tlt", "off"], "on": ["--tlt", "on"], "frozen": ["--tlt", "on", "--drafter-updates", "off"],
+                "on_k4": ["--tlt", "on", "--draft-ks", "4"],
+                "frozen_k4": ["--tlt", "on", "--drafter-updates", "off", "--draft-ks", "4"]}
     records = {}
     for name, flags in variants.items():
         out = os.path.join(root, name)
@@ -243,17 +248,17 @@ def e2e_bench(args, task_cfg, model, drafter):
         return sum(vals) / len(vals) if vals else None
     off, on, fr = (mean(n, "step_time") for n in ("off", "on", "frozen"))
     print(f"\n{'':8} {'step s':>7} {'rollout s':>9} {'update s':>8} {'rollout %':>9} {'accept len':>10} {'accept rate':>11} {'reward':>7}")
-    for n in variants:
+    for n in ("off", "on", "frozen"):
         print(f"{n:8} {mean(n, 'step_time'):7.3f} {mean(n, 'rollout_time'):9.3f} {mean(n, 'update_time'):8.3f} "
               f"{100 * mean(n, 'rollout_share'):8.0f}% {mean(n, 'accept_len') or 0:10.2f} {mean(n, 'accept_rate') or 0:11.3f} "
               f"{mean(n, 'reward'):7.3f}")
     print(f"\nstep-time speedup over --tlt off: TLT {off / on:.2f}x, TLT with a frozen drafter {off / fr:.2f}x")
-    print("accept rate = accepted drafts / drafted tokens. It falls as k grows, and each run's bandit picks its own k,")
-    print("so the per-step columns compare the two drafters only roughly; the controlled comparison follows the table.")
-    print("step  accept rate: adaptive  frozen   reward: off    on   frozen")
-    for a, b, c in zip(records["on"], records["frozen"], records["off"]):
-        print(f"{a['step']:4d}               {a['accept_rate'] or 0:5.3f}   {b['accept_rate'] or 0:5.3f}"
-              f"           {c['reward']:5.3f} {a['reward']:5.3f}  {b['reward']:5.3f}")
+    print("\nThose runs' bandits pick their own k, and accepted drafts per drafted token fall as k grows, so the")
+    print("drafters are compared step by step in two more runs with k fixed at 4 (--draft-ks 4), same seeds:")
+    print("step  accept length at k = 4: adaptive  frozen   gap     reward: off    on   frozen")
+    for a, b, c, d, e in zip(records["on_k4"], records["frozen_k4"], records["off"], records["on"], records["frozen"]):
+        print(f"{a['step']:4d}                          {a['accept_len'] or 0:5.3f}   {b['accept_len'] or 0:5.3f} "
+              f"{(a['accept_len'] or 0) - (b['accept_len'] or 0):+6.3f}             {c['reward']:5.3f} {d['reward']:5.3f}  {e['reward']:5.3f}")
     final = drafter_vs_target(task_cfg, model, drafter, os.path.join(root, "on"))
     print(f"\nthe target after the --tlt on run's {args.e2e_steps} steps, k = 4, temperature 1.0, 64 held-out prompts: "
           f"accept length {final['adaptive']:.3f} with the drafter trained on idle ranks, {final['frozen']:.3f} with "
@@ -261,9 +266,9 @@ def e2e_bench(args, task_cfg, model, drafter):
     return {"e2e": {"final_accept_len": final, "off_step_time": off, "on_step_time": on, "frozen_step_time": fr, "speedup": off / on,
                     "frozen_speedup": off / fr, "off_rollout_share": mean("off", "rollout_share"),
                     "steps": args.e2e_steps, "nproc": args.nproc,
-                    "accept_len": {n: [r["accept_len"] for r in records[n]] for n in ("on", "frozen")},
-                    "accept_rate": {n: [r["accept_rate"] for r in records[n]] for n in ("on", "frozen")},
-                    "reward": {n: [r["reward"] for r in records[n]] for n in variants}}}
+                    "accept_len": {n: [r["accept_len"] for r in records[n]] for n in ("on", "frozen", "on_k4", "frozen_k4")},
+                    "accept_rate": {n: [r["accept_rate"] for r in records[n]] for n in ("on", "frozen", "on_k4", "frozen_k4")},
+                    "reward": {n: [r["reward"] for r in records[n]] for n in ("off", "on", "frozen")}}}
 
 
 def main(argv=None):

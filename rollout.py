@@ -87,7 +87,7 @@ def _sync(device):
 
 @torch.no_grad()
 def rollout(target, drafter, prompts, max_new_tokens, *, temperature=1.0, eos_id=None, generator=None,
-            tlt=True, sd_threshold=8, bandit=None):
+            tlt=True, sd_threshold=64, bandit=None):
     """Generate for every prompt. Returns (results, stats) where results[i] is
     (generated ids, all tokens (N,), hidden states (N-1, C), prompt length) and stats has the
     per-phase times, the running batch size per step, SD figures and a list of timeline

@@ -68,17 +68,17 @@ def parse_args(argv=None):
     p.add_argument("--max-n", type=int, default=26, help="largest problem size (digits to sum)")
     p.add_argument("--alpha", type=float, default=1.5, help="tail exponent of the problem-size distribution")
     # model
-    p.add_argument("--n-layer", type=int, default=4, help="target transformer layers")
+    p.add_argument("--n-layer", type=int, default=12, help="target transformer layers")
     p.add_argument("--n-head", type=int, default=4, help="attention heads")
-    p.add_argument("--n-embd", type=int, default=128, help="model width")
+    p.add_argument("--n-embd", type=int, default=48, help="model width")
     p.add_argument("--block-size", type=int, default=200, help="longest sequence the model holds")
     # target warm-up
-    p.add_argument("--warmup-steps", type=int, default=900, help="supervised optimizer steps for the target")
-    p.add_argument("--warmup-tokens", type=int, default=4096, help="padded tokens per warm-up batch, all ranks together")
-    p.add_argument("--warmup-lr", type=float, default=3e-3, help="peak learning rate of the target warm-up")
+    p.add_argument("--warmup-steps", type=int, default=2600, help="supervised optimizer steps for the target")
+    p.add_argument("--warmup-tokens", type=int, default=2048, help="padded tokens per warm-up batch, all ranks together")
+    p.add_argument("--warmup-lr", type=float, default=6e-3, help="peak learning rate of the target warm-up")
     # drafter
-    p.add_argument("--drafter-warmup-seqs", type=int, default=2048, help="target samples the drafter warms up on")
-    p.add_argument("--drafter-warmup-steps", type=int, default=1200, help="drafter optimizer steps in its warm-up")
+    p.add_argument("--drafter-warmup-seqs", type=int, default=4096, help="target samples the drafter warms up on")
+    p.add_argument("--drafter-warmup-steps", type=int, default=4000, help="drafter optimizer steps in its warm-up")
     p.add_argument("--drafter-lr", type=float, default=2e-3, help="peak drafter learning rate of the warm-up")
     p.add_argument("--drafter-online-lr", type=float, default=5e-5, help="drafter learning rate on idle ranks during RL")
     p.add_argument("--drafter-batch", type=int, default=8, help="sequences per drafter training step")
@@ -87,7 +87,7 @@ def parse_args(argv=None):
     p.add_argument("--rl-steps", type=int, default=300, help="GRPO steps")
     p.add_argument("--prompts-per-step", type=int, default=16, help="prompts per RL step, all ranks together")
     p.add_argument("--group-size", type=int, default=8, help="responses per prompt (the GRPO group)")
-    p.add_argument("--rl-lr", type=float, default=3e-5, help="learning rate of the GRPO updates")
+    p.add_argument("--rl-lr", type=float, default=1e-4, help="learning rate of the GRPO updates")
     p.add_argument("--rl-epochs", type=int, default=1, help="optimizer passes over each rollout")
     p.add_argument("--clip-eps", type=float, default=0.2, help="PPO clip range")
     p.add_argument("--kl-coef", type=float, default=0.0, help="weight of the KL to the warmed-up target (0: off)")
@@ -96,7 +96,9 @@ def parse_args(argv=None):
     # TLT
     p.add_argument("--tlt", type=on_off, default=True, metavar="on|off", help="speculative decoding in the tail (off: plain baseline)")
     p.add_argument("--drafter-updates", type=on_off, default=True, metavar="on|off", help="train the drafter on idle ranks (off: frozen)")
-    p.add_argument("--sd-threshold", type=int, default=8, help="speculative steps only when the running batch is at most this")
+    p.add_argument("--sd-threshold", type=int, default=64, help="speculative steps only when the running batch is at most this")
+    p.add_argument("--draft-ks", default=",".join(map(str, ARMS)), help="draft lengths the bandit picks from (0: a plain "
+                   "step); one value fixes k, e.g. to compare two drafters at the same k")
     # logging, evaluation, checkpoints
     p.add_argument("--eval-per-bucket", type=int, default=40, help="held-out problems per size bucket (0: no evaluation)")
     p.add_argument("--timeline-every", type=int, default=10, help="print the per-rank timeline every N steps (0: never)")
@@ -110,12 +112,18 @@ def parse_args(argv=None):
         for name in names:
             if not ok(getattr(args, name)):  # written so that NaN fails too
                 p.error(f"--{name.replace('_', '-')} must be {what}, got {getattr(args, name)}")
+    try:
+        args.draft_ks = tuple(int(k) for k in args.draft_ks.split(","))
+    except ValueError:
+        p.error(f"--draft-ks takes comma-separated integers, got {args.draft_ks!r}")
+    if min(args.draft_ks) < 0 or len(set(args.draft_ks)) != len(args.draft_ks):
+        p.error(f"--draft-ks must be distinct non-negative integers, got {args.draft_ks}")
     if args.max_n > len(task.LABELS):
         p.error(f"--max-n must be at most {len(task.LABELS)}")
-    need = task.TaskConfig(max_n=args.max_n).max_seq_len + max(ARMS)
+    need = task.TaskConfig(max_n=args.max_n).max_seq_len + max(args.draft_ks)
     if args.block_size < need:
         p.error(f"--block-size {args.block_size} is too small for --max-n {args.max_n}: the longest prompt + "
-                f"response + {max(ARMS)} draft tokens needs {need}")
+                f"response + {max(args.draft_ks)} draft tokens needs {need}")
     if args.n_embd % args.n_head or (args.n_embd // args.n_head) % 2:
         p.error(f"--n-embd {args.n_embd} must split into --n-head {args.n_head} heads of even size")
     args.warmup_dir = args.warmup_dir or args.out_dir
@@ -431,7 +439,7 @@ def drafter_meta(args, config, task_cfg):
 def rl_meta(args, config, task_cfg):
     keys = ("rl_seed", "drafter_online_lr", "prompts_per_step", "group_size", "rl_lr", "rl_epochs", "clip_eps", "kl_coef", "tlt", "drafter_updates",
             "sd_threshold", "drafter_keep", "update_tokens")
-    return {**drafter_meta(args, config, task_cfg), **{k: getattr(args, k) for k in keys}}
+    return {**drafter_meta(args, config, task_cfg), **{k: getattr(args, k) for k in keys}, "draft_ks": list(args.draft_ks)}
 
 
 def prepare_models(args, task_cfg, ddp, rank, world_size, device):
@@ -506,7 +514,7 @@ def run(args, task_cfg, ddp, rank, world_size, device):
     net = DDP(model) if ddp else model
     opt = torch.optim.AdamW(model.parameters(), lr=args.rl_lr, betas=(0.9, 0.95), weight_decay=0.0)
     d_opt = make_optimizer(drafter, args.drafter_online_lr)
-    bandit = Bandit(seed=derive_seed(args.rl_seed, rank, 0, 5))
+    bandit = Bandit(args.draft_ks, seed=derive_seed(args.rl_seed, rank, 0, 5))
     buffer = DrafterBuffer(keep_steps=args.drafter_keep)
     ckpt_path = os.path.join(args.out_dir, "ckpt.pt")
     metrics_path = os.path.join(args.out_dir, "metrics.jsonl")

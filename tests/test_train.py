@@ -103,13 +103,24 @@ def _kill_worker(rank):
 
 
 @pytest.mark.parametrize("bad", [["--bogus-flag"], ["--rl-steps", "-1"], ["--n-embd", "0"], ["--group-size", "0"],
-                                 ["--block-size", "20"], ["--tlt", "maybe"], ["--rl-lr", "0"]])
+                                 ["--block-size", "20"], ["--tlt", "maybe"], ["--rl-lr", "0"], ["--draft-ks", "4,x"],
+                                 ["--draft-ks", "4,4"], ["--draft-ks", "-1"]])
 def test_bad_flags_one_line_nonzero_nothing_written(bad, tmp_path):
     out = tmp_path / "never"
     r = run_train(TINY + ["--out-dir", str(out)] + bad)
     assert r.returncode != 0
     assert len(r.stderr.strip().splitlines()) == 1 and r.stderr.startswith("error:"), r.stderr
     assert not out.exists()
+
+
+def test_draft_ks_fixes_the_arms_and_sizes_the_block():
+    args = train.parse_args(TINY + ["--draft-ks", "3"])
+    bandit = train.Bandit(args.draft_ks)
+    assert args.draft_ks == (3,) and {bandit.choose(b) for b in (1, 2, 5, 64) for _ in range(20)} == {3}
+    # max-n 4 needs 31 positions plus the longest draft: 40 holds k = 8, 34 only k <= 3
+    with pytest.raises(SystemExit):
+        train.parse_args(TINY + ["--block-size", "34"])
+    assert train.parse_args(TINY + ["--block-size", "34", "--draft-ks", "0,1,3"]).draft_ks == (0, 1, 3)
 
 
 def test_mismatched_or_corrupt_checkpoint_is_refused_and_left_alone(tmp_path):
