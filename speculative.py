@@ -192,7 +192,11 @@ class Generation:
             n, plen = int(self.n_tokens[b]), int(self.prompt_len[b])
             self.results[int(self.row_id[b])] = (self.tokens[b, plen:n].tolist(), self.tokens[b, :n].clone(),
                                                  self.hidden[b, :n - 1].clone(), plen)
-        keep = (~self.done).nonzero()[:, 0]
+        # the live rows past the new end fill the holes that finished rows leave before it, so the
+        # caches copy a few rows instead of all of them (KVCache.keep); row_id keeps the order
+        live = (~self.done).nonzero()[:, 0]
+        keep = torch.arange(live.shape[0], device=live.device)
+        keep[self.done[:keep.shape[0]]] = live[live >= keep.shape[0]]
         for name in ("tokens", "hidden", "prompt_len", "row_id", "n_tokens", "done"):
             setattr(self, name, getattr(self, name)[keep])
         self.cache.keep(keep)
