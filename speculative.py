@@ -96,11 +96,20 @@ class Generation:
         self.cache = target.new_cache(B, max_len=need)
         self.dcache = None  # the drafter's cache, made on the first speculative step
         self.results = [None] * B  # per original row: (generated ids, all tokens, hidden states, prompt length)
-        # prefill: the padded prompt batch in one pass, then roll each row back to its true length
-        logits, hidden = target(self.tokens[:, :longest], self.cache)  # (B, T, V), (B, T, C)
+        # prefill: each distinct prompt once (a GRPO group repeats its prompt G times), padded, in
+        # one pass; then copy its cache entries to the rows that share it and roll each row back
+        # to its true length. Every row then samples its own first token.
+        first_row, inverse = {}, []
+        for b, p in enumerate(prompts):
+            inverse.append(first_row.setdefault(tuple(p), b))
+        distinct = torch.tensor(sorted(set(inverse)), device=dev)
+        inverse = torch.searchsorted(distinct, torch.tensor(inverse, device=dev))  # row -> its distinct prompt
+        once = target.new_cache(len(distinct), max_len=longest)
+        logits, hidden = target(self.tokens[distinct, :longest], once)  # (U, T, V), (U, T, C)
+        self.cache.kv[..., :longest, :] = once.kv[:, :, inverse]
         self.cache.lengths = self.prompt_len.clone()
-        self.hidden[:, :longest] = hidden
-        last = logits[torch.arange(B, device=dev), self.prompt_len - 1]  # (B, V)
+        self.hidden[:, :longest] = hidden[inverse]
+        last = logits[inverse, self.prompt_len - 1]  # (B, V)
         first = sample(probs(last, temperature), generator)
         self.n_tokens = self.prompt_len.clone()
         self.done = torch.zeros(B, dtype=torch.bool, device=dev)

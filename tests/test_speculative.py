@@ -275,12 +275,15 @@ def test_compact_moves_marked_rows_to_results():
 
 
 @pytest.mark.parametrize("k", [0, 3])
-def test_recorded_hidden_states_match_a_full_forward(greedy_setup, k):
+@pytest.mark.parametrize("copies", [1, 3])
+def test_recorded_hidden_states_match_a_full_forward(greedy_setup, k, copies):
     """The drafter buffer trusts results[b] = (ids, tokens, hidden, plen) with hidden[j] the target's
-    state after reading tokens[j]; check it against one plain forward over the row."""
+    state after reading tokens[j]; check it against one plain forward over the row. With copies > 1
+    every prompt appears several times (a GRPO group): prefilled once, its cache shared by copy."""
     target, drafter, pool, free, eos = greedy_setup
     g = torch.Generator().manual_seed(5)
-    gen = Generation(target, pool, N_NEW, temperature=1.0, eos_id=eos, generator=g, max_draft=k)
+    prompts = [p for p in pool for _ in range(copies)]
+    gen = Generation(target, prompts, N_NEW, temperature=1.0, eos_id=eos, generator=g, max_draft=k)
     while gen.compact() > 0:
         gen.plain_step() if k == 0 else gen.speculative_step(drafter, k)
     for ids, tokens, hidden, plen in gen.results:
@@ -288,6 +291,8 @@ def test_recorded_hidden_states_match_a_full_forward(greedy_setup, k):
         with torch.no_grad():
             _, ref = target(tokens[None, :-1])
         assert (hidden - ref[0]).abs().max().item() < 1e-9
+    if copies > 1:  # copies of a prompt sample their own responses
+        assert len({tuple(gen.results[i][0]) for i in range(copies)}) > 1
 
 
 # ----------------------------------------------------------------------------- verify, statistically
