@@ -101,12 +101,13 @@ def parse_args(argv=None):
                    "step); one value fixes k, e.g. to compare two drafters at the same k")
     # logging, evaluation, checkpoints
     p.add_argument("--eval-per-bucket", type=int, default=40, help="held-out problems per size bucket (0: no evaluation)")
+    p.add_argument("--eval-samples", type=int, default=16, help="samples per held-out problem for the sampled accuracy")
     p.add_argument("--timeline-every", type=int, default=10, help="print the per-rank timeline every N steps (0: never)")
     p.add_argument("--ckpt-every", type=int, default=10, help="write the RL checkpoint every N steps")
     args = p.parse_args(argv)
     positive = ("max_n", "n_layer", "n_head", "n_embd", "block_size", "warmup_steps", "warmup_tokens", "warmup_lr",
                 "drafter_warmup_seqs", "drafter_warmup_steps", "drafter_batch", "drafter_keep", "drafter_lr", "drafter_online_lr",
-                "prompts_per_step", "group_size", "rl_epochs", "rl_lr", "clip_eps", "update_tokens", "ckpt_every")
+                "prompts_per_step", "group_size", "rl_epochs", "rl_lr", "clip_eps", "update_tokens", "ckpt_every", "eval_samples")
     non_negative = ("rl_steps", "kl_coef", "temperature", "sd_threshold", "timeline_every", "alpha", "eval_per_bucket")
     for names, ok, what in ((positive, lambda v: v > 0, "positive"), (non_negative, lambda v: v >= 0, "non-negative")):
         for name in names:
@@ -353,17 +354,19 @@ def evaluate(model, problems, rank=0, world_size=1, drafter=None, temperature=0.
     return task.accuracy_by_size(problems, rewards), outputs
 
 
-def evaluate_both(model, problems, args, rank, world_size, when, drafter=None):
-    """Greedy and sampled (temperature --temperature, as in the rollouts, 4 samples per problem)
-    held-out accuracy. With a drafter, also checks that speculative greedy decoding reproduces
-    the plain greedy responses token for token."""
+def evaluate_both(model, problems, args, rank, world_size, when, drafter=None, check=False):
+    """Greedy and sampled (temperature --temperature, as in the rollouts, --eval-samples per
+    problem) held-out accuracy. Given a drafter, the sampling decodes speculatively: lossless, and
+    faster, which pays for more samples and so for less noise. With check, also verifies that
+    speculative greedy decoding reproduces the plain greedy responses token for token."""
     if not problems:
         return {}
     greedy, plain_out = evaluate(model, problems, rank, world_size)
-    sampled, _ = evaluate(model, problems * 4, rank, world_size, temperature=args.temperature, seed=args.seed)
+    sampled, _ = evaluate(model, problems * args.eval_samples, rank, world_size, drafter=drafter,
+                          temperature=args.temperature, seed=args.seed)
     print0(f"held-out accuracy {when} ({len(problems)} problems), greedy:  {format_accuracy(greedy)}")
     print0(f"held-out accuracy {when}, sampled at T={args.temperature:g}: {format_accuracy(sampled)}")
-    if drafter is not None:  # lossless in practice: the same greedy responses, token for token
+    if check and drafter is not None:  # lossless in practice: the same greedy responses, token for token
         _, sd_out = evaluate(model, problems, rank, world_size, drafter=drafter)
         print0(f"greedy evaluation with speculative decoding is token-identical: {sd_out == plain_out}")
     return {"greedy": greedy, "sampled": sampled}
@@ -508,7 +511,7 @@ def run(args, task_cfg, ddp, rank, world_size, device):
     t_run = time.time()
     config, model, drafter = prepare_models(args, task_cfg, ddp, rank, world_size, device)
     problems = task.eval_set(task_cfg, args.eval_per_bucket) if args.eval_per_bucket else []
-    acc0 = evaluate_both(model, problems, args, rank, world_size, "before RL")
+    acc0 = evaluate_both(model, problems, args, rank, world_size, "before RL", drafter if args.tlt else None)
 
     ref_model = copy.deepcopy(model).requires_grad_(False) if args.kl_coef > 0 else None  # frozen warm-up target
     net = DDP(model) if ddp else model
@@ -568,7 +571,7 @@ def run(args, task_cfg, ddp, rank, world_size, device):
                 save_atomic({"meta": meta, "step": step, "model": model.state_dict(), "drafter": drafter.state_dict(),
                              "opt": opt.state_dict(), "d_opt": d_opt.state_dict(), "bandits": bandits}, ckpt_path)
 
-    acc1 = evaluate_both(model, problems, args, rank, world_size, "after RL", drafter if args.tlt else None)
+    acc1 = evaluate_both(model, problems, args, rank, world_size, "after RL", drafter if args.tlt else None, check=True)
     if history:
         summary(history, acc0, acc1, time.time() - t_run)
 

@@ -104,7 +104,7 @@ def _kill_worker(rank):
 
 @pytest.mark.parametrize("bad", [["--bogus-flag"], ["--rl-steps", "-1"], ["--n-embd", "0"], ["--group-size", "0"],
                                  ["--block-size", "20"], ["--tlt", "maybe"], ["--rl-lr", "0"], ["--draft-ks", "4,x"],
-                                 ["--draft-ks", "4,4"], ["--draft-ks", "-1"]])
+                                 ["--draft-ks", "4,4"], ["--draft-ks", "-1"], ["--eval-samples", "0"]])
 def test_bad_flags_one_line_nonzero_nothing_written(bad, tmp_path):
     out = tmp_path / "never"
     r = run_train(TINY + ["--out-dir", str(out)] + bad)
