@@ -38,7 +38,8 @@ def sample(p, generator=None):
     """(B, V) probabilities, or any non-negative weights -> (B,) token ids, by inverse CDF: the
     first token whose cumulative weight exceeds u * total. Exact like torch.multinomial (a zero-probability token is never
     the first to exceed anything), but three kernels for the whole batch where multinomial costs
-    about 20 us per row on a CPU: 1.4 ms at batch 64, a fifth of a small model's decoding step."""
+    about 20 us per row on a CPU: 1.4 ms at batch 64, where the default target's whole decoding
+    step takes about 10 ms."""
     cdf = p.cumsum(dim=-1)  # (B, V)
     u = torch.rand(p.shape[0], 1, generator=generator, device=p.device, dtype=cdf.dtype) * cdf[:, -1:]
     return torch.searchsorted(cdf, u, right=True).clamp_(max=p.shape[-1] - 1).squeeze(-1)
