@@ -2,11 +2,12 @@
 
     python bench.py            # decoding: plain vs speculative for batch sizes 1..64 and k in 1..8
     python bench.py --e2e      # RL steps: --tlt off vs --tlt on vs --tlt on --drafter-updates off
+    python bench.py --drift    # a target moved away from the drafter: frozen vs online-trained drafter
 
-Both load the warmed-up target and drafter from --out-dir (warming them up first if absent, with
+All load the warmed-up target and drafter from --out-dir (warming them up first if absent, with
 train.py's defaults plus --train-args), print a table, and end with one JSON line holding every
 figure. Checkpoints made with other flags need the same flags here, e.g.
-    python bench.py --out-dir out_deep --train-args "--n-layer 12 --n-embd 48 --warmup-lr 6e-3 --warmup-steps 1300"
+    python bench.py --out-dir out_4x128 --train-args "--n-layer 4 --n-embd 128 --warmup-lr 3e-3 --warmup-steps 900"
 
 Decoding bench. Held-out prompts whose reference responses are longer than --max-new tokens, so
 every row decodes exactly --max-new tokens (no row leaves early and the batch size is what the
@@ -37,10 +38,12 @@ import sys
 import time
 
 import torch
+import torch.nn.functional as F
 
+import rl
 import task
 import train
-from drafter import Drafter
+from drafter import Drafter, DrafterBuffer, make_optimizer, train_step
 from rollout import Bandit, rollout, tail_share
 from speculative import autoregressive_generate, speculative_generate
 
@@ -54,6 +57,7 @@ def parse_args(argv=None):
     p.add_argument("--repeats", type=int, default=5, help="runs per cell; the median is reported")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: all cores)")
     p.add_argument("--e2e", action="store_true", help="run the end-to-end RL comparison instead")
+    p.add_argument("--drift", action="store_true", help="run the moved-target drafter comparison instead")
     p.add_argument("--e2e-steps", type=int, default=20, help="RL steps per end-to-end run")
     p.add_argument("--train-args", default="", help="train.py flags for the checkpoints' config, the long-tail workload "
                    "and all three --e2e runs, e.g. --train-args='--rl-lr 3e-4'")
@@ -220,6 +224,58 @@ def drafter_vs_target(task_cfg, model, warm_drafter, run_dir, n_prompts=64, k=4)
     return out
 
 
+def drift_bench(targs, task_cfg, model, drafter, sft_steps=300, sft_lr=2e-3, n_seqs=1024, online_steps=500,
+                n_prompts=128, seeds=(0, 1, 2)):
+    """Does online training recover acceptance on a target that moved away from the drafter?
+    Controlled: fine-tune a copy of the target a little on different data (reference traces with
+    problem sizes drawn uniformly, alpha = 0, instead of the tail-heavy default), roll it out on
+    the usual training prompts as an RL step would, train a copy of the warm-up drafter on those
+    samples with the idle ranks' train_step and --drafter-online-lr, and decode held-out prompts
+    with the moved target (k = 4, temperature 1.0, the same random streams) with each drafter."""
+    torch.manual_seed(0)
+    moved = copy.deepcopy(model).train()
+    opt = torch.optim.AdamW(moved.parameters(), lr=sft_lr, betas=(0.9, 0.95), weight_decay=0.0)
+    rng = random.Random(7)
+    batches = train.sft_batches(rng, task.TaskConfig(max_n=task_cfg.max_n, alpha=0.0), sft_steps, targs.warmup_tokens)
+    for ids, plens in (zip(*b) for b in batches):
+        tokens, mask = rl.collate(ids, plens, task.PAD_ID)
+        logits, _ = moved(tokens[:, :-1])
+        y = tokens[:, 1:].masked_fill(~mask, -100)
+        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1), ignore_index=-100)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(moved.parameters(), 1.0)
+        opt.step()
+    moved.eval()
+    buffer, gen = DrafterBuffer(keep_steps=1), torch.Generator().manual_seed(1)
+    for _ in range(0, n_seqs, 64):
+        prompts = [task.encode(task.sample_problem(rng, task_cfg).prompt()) for _ in range(64)]
+        results, _ = rollout(moved, None, prompts, task_cfg.max_response_len, eos_id=task.EOS_ID, generator=gen, tlt=False)
+        for _, tokens, hidden, plen in results:
+            buffer.add(0, tokens, hidden, plen)
+    frozen = Drafter(moved).eval()
+    frozen.load_state_dict(drafter.state_dict())
+    adapted = Drafter(moved)
+    adapted.load_state_dict(drafter.state_dict())
+    d_opt = make_optimizer(adapted, targs.drafter_online_lr)
+    for _ in range(online_steps):
+        train_step(adapted, d_opt, buffer, rng, batch_size=targs.drafter_batch)
+    adapted.eval()
+    problems = task.eval_set(task_cfg)
+    prompts = [task.encode(p.prompt()) for p in random.Random(5).sample(problems, min(n_prompts, len(problems)))]
+    out = {}
+    with torch.no_grad():
+        for name, t, d in (("before the move", model, drafter), ("moved, frozen drafter", moved, frozen),
+                           ("moved, adapted drafter", moved, adapted)):
+            out[name] = [speculative_generate(t, d, prompts, task_cfg.max_response_len, k=4, eos_id=task.EOS_ID,
+                                              generator=torch.Generator().manual_seed(seed))[1]["accept_len"] for seed in seeds]
+            print(f"{name:24} accept length {statistics.mean(out[name]):.3f} (k = 4, {len(prompts)} held-out prompts; "
+                  f"{min(out[name]):.3f} to {max(out[name]):.3f} over {len(seeds)} random streams)", flush=True)
+    print(f"target fine-tuned {sft_steps} steps on uniform sizes at lr {sft_lr:g}; drafter trained {online_steps} "
+          f"steps at lr {targs.drafter_online_lr:g} on {len(buffer)} samples of the moved target")
+    return {"drift": out}
+
+
 def e2e_bench(args, task_cfg, model, drafter):
     root = os.path.join(args.out_dir, "bench_e2e")
     # the first three compare step times; the last two compare the drafters step by step at one k
@@ -279,6 +335,8 @@ def main(argv=None):
     targs, task_cfg, model, drafter = load_models(args.out_dir, args.train_flags)
     if args.e2e:
         result = e2e_bench(args, task_cfg, model, drafter)
+    elif args.drift:
+        result = drift_bench(targs, task_cfg, model, drafter)
     else:
         result = decode_bench(args, task_cfg, model, drafter)
     print(json.dumps(result))

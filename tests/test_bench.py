@@ -11,6 +11,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 import bench  # noqa: E402
 import task  # noqa: E402
+import train  # noqa: E402
 from drafter import Drafter  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
 
@@ -42,6 +43,21 @@ def test_drafter_comparison_shares_prompts_and_random_stream(tmp_path):
     assert diff["adaptive"] == same["adaptive"]  # the checkpoint's side does not depend on the warm-up drafter
     assert diff["frozen"] != diff["adaptive"]
     assert all(1.0 <= v <= 5.0 for v in (*same.values(), *diff.values()))  # k = 4: 1 to 5 tokens per verify step
+
+
+def test_drift_moves_a_copy_of_the_target_and_trains_a_copy_of_the_drafter():
+    task_cfg = task.TaskConfig(max_n=4)
+    target, drafter = tiny_pair(0)
+    before = {k: v.clone() for k, v in target.state_dict().items()}
+    d_before = {k: v.clone() for k, v in drafter.state_dict().items()}
+    targs = train.parse_args(["--max-n", "4", "--block-size", "40", "--warmup-tokens", "256", "--drafter-batch", "4"])
+    out = bench.drift_bench(targs, task_cfg, target, drafter, sft_steps=3, n_seqs=64, online_steps=3, n_prompts=8,
+                            seeds=(0, 1))["drift"]
+    # the originals are untouched: the move and the online training happen on copies
+    assert all(torch.equal(v, target.state_dict()[k]) for k, v in before.items())
+    assert all(torch.equal(v, drafter.state_dict()[k]) for k, v in d_before.items())
+    assert all(len(v) == 2 and all(1.0 <= a <= 5.0 for a in v) for v in out.values())  # k = 4: 1 to 5 per verify
+    assert out["moved, frozen drafter"] != out["before the move"]  # the target really moved
 
 
 @pytest.mark.parametrize("bad", [["--train-args", '"unclosed'], ["--train-args=--bogus"], ["--train-args=--n-layer 0"],
