@@ -38,9 +38,7 @@ import sys
 import time
 
 import torch
-import torch.nn.functional as F
 
-import rl
 import task
 import train
 from drafter import Drafter, DrafterBuffer, make_optimizer, train_step
@@ -237,15 +235,8 @@ def drift_bench(targs, task_cfg, model, drafter, sft_steps=300, sft_lr=2e-3, n_s
     opt = torch.optim.AdamW(moved.parameters(), lr=sft_lr, betas=(0.9, 0.95), weight_decay=0.0)
     rng = random.Random(7)
     batches = train.sft_batches(rng, task.TaskConfig(max_n=task_cfg.max_n, alpha=0.0), sft_steps, targs.warmup_tokens)
-    for ids, plens in (zip(*b) for b in batches):
-        tokens, mask = rl.collate(ids, plens, task.PAD_ID)
-        logits, _ = moved(tokens[:, :-1])
-        y = tokens[:, 1:].masked_fill(~mask, -100)
-        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1), ignore_index=-100)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(moved.parameters(), 1.0)
-        opt.step()
+    for batch in batches:
+        train.sft_step(moved, moved, opt, batch, torch.device("cpu"))
     moved.eval()
     buffer, gen = DrafterBuffer(keep_steps=1), torch.Generator().manual_seed(1)
     for _ in range(0, n_seqs, 64):

@@ -100,13 +100,10 @@ class Generation:
         # prefill: each distinct prompt once (a GRPO group repeats its prompt G times), padded, in
         # one pass; then copy its cache entries to the rows that share it and roll each row back
         # to its true length. Every row then samples its own first token.
-        first_row, inverse = {}, []
-        for b, p in enumerate(prompts):
-            inverse.append(first_row.setdefault(tuple(p), b))
-        distinct = torch.tensor(sorted(set(inverse)), device=dev)
-        inverse = torch.searchsorted(distinct, torch.tensor(inverse, device=dev))  # row -> its distinct prompt
-        once = target.new_cache(len(distinct), max_len=longest)
-        logits, hidden = target(self.tokens[distinct, :longest], once)  # (U, T, V), (U, T, C)
+        distinct, inverse = torch.unique(torch.cat([self.prompt_len[:, None], self.tokens[:, :longest]], 1), dim=0,
+                                         return_inverse=True)  # (U, 1 + longest): length, then the padded prompt
+        once = target.new_cache(distinct.shape[0], max_len=longest)
+        logits, hidden = target(distinct[:, 1:], once)  # (U, T, V), (U, T, C)
         self.cache.kv[..., :longest, :] = once.kv[:, :, inverse]
         self.cache.lengths = self.prompt_len.clone()
         self.hidden[:, :longest] = hidden[inverse]

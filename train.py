@@ -265,6 +265,21 @@ def lr_at(step, total, peak):
     return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))  # cosine down to 10% of peak
 
 
+def sft_step(model, net, opt, batch, device):
+    """One supervised step on a batch of (token ids, prompt length): next-token loss on response
+    tokens only (the prompt's digits are random). Returns (loss, padded tokens read)."""
+    ids, plens = zip(*batch)
+    tokens, mask = rl.collate(ids, plens, task.PAD_ID, device)
+    x, y = tokens[:, :-1], tokens[:, 1:].masked_fill(~mask, -100)
+    logits, _ = net(x)
+    loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1), ignore_index=-100)
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step()
+    return loss, x.numel()
+
+
 def warmup_target(model, args, task_cfg, ddp, rank, world_size, device):
     model.train()
     net = DDP(model) if ddp else model
@@ -275,19 +290,10 @@ def warmup_target(model, args, task_cfg, ddp, rank, world_size, device):
     for step in range(args.warmup_steps):
         if not batches:
             batches = sft_batches(rng, task_cfg, 16, budget)
-        ids, plens = zip(*batches.pop())
-        tokens, mask = rl.collate(ids, plens, task.PAD_ID, device)
-        # next-token loss on response tokens only (the prompt's digits are random)
-        x, y = tokens[:, :-1], tokens[:, 1:].masked_fill(~mask, -100)
         for g in opt.param_groups:
             g["lr"] = lr_at(step, args.warmup_steps, args.warmup_lr)
-        logits, _ = net(x)
-        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1), ignore_index=-100)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        tokens_seen += x.numel() * world_size
+        loss, n_tokens = sft_step(model, net, opt, batches.pop(), device)
+        tokens_seen += n_tokens * world_size
         if step % 50 == 0 or step == args.warmup_steps - 1:
             el = time.time() - t0
             eta = el / (step + 1) * (args.warmup_steps - step - 1)
