@@ -3,6 +3,7 @@
     python bench.py            # decoding: plain vs speculative for batch sizes 1..64 and k in 1..8
     python bench.py --e2e      # RL steps: --tlt off vs --tlt on vs --tlt on --drafter-updates off
     python bench.py --drift    # a target moved away from the drafter: frozen vs online-trained drafter
+    python bench.py --drafters out   # after a train.py run: its online-trained drafter vs the warm-up one
 
 All load the warmed-up target and drafter from --out-dir (warming them up first if absent, with
 train.py's defaults plus --train-args), print a table, and end with one JSON line holding every
@@ -56,6 +57,8 @@ def parse_args(argv=None):
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: all cores)")
     p.add_argument("--e2e", action="store_true", help="run the end-to-end RL comparison instead")
     p.add_argument("--drift", action="store_true", help="run the moved-target drafter comparison instead")
+    p.add_argument("--drafters", metavar="RUN_DIR", help="compare the drafter a train.py run left in RUN_DIR/ckpt.pt "
+                   "with the warm-up drafter, on that run's final target")
     p.add_argument("--e2e-steps", type=int, default=20, help="RL steps per end-to-end run")
     p.add_argument("--train-args", default="", help="train.py flags for the checkpoints' config, the long-tail workload "
                    "and all three --e2e runs, e.g. --train-args='--rl-lr 3e-4'")
@@ -68,6 +71,8 @@ def parse_args(argv=None):
         p.error("--batches and --ks take comma-separated integers")
     if min(args.batches) <= 0 or min(args.ks) <= 0 or args.max_new <= 0 or args.repeats <= 0:
         p.error("batch sizes, k, --max-new and --repeats must be positive")
+    if args.drafters and not os.path.exists(os.path.join(args.drafters, "ckpt.pt")):
+        p.error(f"--drafters: no ckpt.pt in {args.drafters!r} (a train.py --out-dir)")
     try:
         args.train_flags = shlex.split(args.train_args)
     except ValueError as e:  # e.g. an unclosed quote
@@ -167,8 +172,7 @@ def tail_workload(args, task_cfg, model, drafter, n_steps=4):
     targs = train.parse_args(args.train_flags)
     shards = []
     for step in range(n_steps):
-        prng = random.Random(train.derive_seed(targs.rl_seed, 0, step, 6))
-        problems = [task.sample_problem(prng, task_cfg) for _ in range(targs.prompts_per_step)][0::2]
+        problems = train.rl_prompts(targs, task_cfg, step)[0::2]
         shards.append([task.encode(p.prompt()) for p in problems for _ in range(targs.group_size)])
     bandit = Bandit(targs.draft_ks)
 
@@ -201,7 +205,7 @@ def tail_workload(args, task_cfg, model, drafter, n_steps=4):
 
 @torch.no_grad()
 def drafter_vs_target(task_cfg, model, warm_drafter, run_dir, n_prompts=64, k=4):
-    """The controlled comparison: the target as the --tlt on run left it, decoded with k = 4 at
+    """The controlled comparison: the target as a --tlt on run left it, decoded with k = 4 at
     temperature 1.0 on held-out prompts, once with that run's drafter (trained on idle ranks)
     and once with the warm-up drafter (what --drafter-updates off keeps); same prompts, same
     random stream. Returns {name: accept length}."""
@@ -328,6 +332,11 @@ def main(argv=None):
         result = e2e_bench(args, task_cfg, model, drafter)
     elif args.drift:
         result = drift_bench(targs, task_cfg, model, drafter)
+    elif args.drafters:
+        result = {"drafters": drafter_vs_target(task_cfg, model, drafter, args.drafters, n_prompts=200)}
+        print(f"the target in {args.drafters}/ckpt.pt, k = 4, temperature 1.0, 200 held-out prompts: accept length "
+              f"{result['drafters']['adaptive']:.3f} with the run's drafter, {result['drafters']['frozen']:.3f} with "
+              f"the warm-up drafter")
     else:
         result = decode_bench(args, task_cfg, model, drafter)
     print(json.dumps(result))

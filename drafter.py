@@ -78,7 +78,7 @@ class Drafter(nn.Module):
 class DrafterBuffer:
     """Sequences (token ids, target hidden states) from the last `keep_steps` RL steps."""
 
-    def __init__(self, keep_steps=2):
+    def __init__(self, keep_steps=32):
         self.keep_steps = keep_steps
         self.items = []  # (step, tokens (N,) long, hidden (N-1, C) float, prompt_len)
 

@@ -82,7 +82,7 @@ def parse_args(argv=None):
     p.add_argument("--drafter-lr", type=float, default=2e-3, help="peak drafter learning rate of the warm-up")
     p.add_argument("--drafter-online-lr", type=float, default=5e-5, help="drafter learning rate on idle ranks during RL")
     p.add_argument("--drafter-batch", type=int, default=8, help="sequences per drafter training step")
-    p.add_argument("--drafter-keep", type=int, default=2, help="RL steps of hidden states the drafter buffer keeps")
+    p.add_argument("--drafter-keep", type=int, default=32, help="RL steps of hidden states the drafter buffer keeps")
     # RL
     p.add_argument("--rl-steps", type=int, default=300, help="GRPO steps")
     p.add_argument("--prompts-per-step", type=int, default=16, help="prompts per RL step, all ranks together")
@@ -582,12 +582,16 @@ def run(args, task_cfg, ddp, rank, world_size, device):
         summary(history, acc0, acc1, time.time() - t_run)
 
 
+def rl_prompts(args, task_cfg, step):
+    """The step's prompts, the same on every rank (each rank takes every world_size-th one)."""
+    prng = random.Random(derive_seed(args.rl_seed, 0, step, 6))
+    return [task.sample_problem(prng, task_cfg) for _ in range(args.prompts_per_step)]
+
+
 def rl_step(step, args, task_cfg, model, net, drafter, opt, d_opt, bandit, buffer, rank, world_size, device,
             ref_model=None):
     t0 = time.perf_counter()
-    # the step's prompts are the same on every rank; each rank takes every world_size-th one
-    prng = random.Random(derive_seed(args.rl_seed, 0, step, 6))
-    problems = [task.sample_problem(prng, task_cfg) for _ in range(args.prompts_per_step)][rank::world_size]
+    problems = rl_prompts(args, task_cfg, step)[rank::world_size]
     rows = [p for p in problems for _ in range(args.group_size)]
     gen = torch.Generator(device=device).manual_seed(derive_seed(args.rl_seed, rank, step, 7))
     results, st = rollout(model, drafter, [task.encode(p.prompt()) for p in rows], task_cfg.max_response_len,
