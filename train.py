@@ -656,7 +656,7 @@ def summary(history, acc0, acc1, total_time):
            f"{sum(h['reward'] for h in history[-n:]) / n:.3f} (means of the first and the last {n} steps)")
     for kind in ("greedy", "sampled"):
         for name, acc in (("before RL", acc0), ("after RL", acc1)):
-            print0(f"  {kind:7s} {name:9s}     {format_accuracy(acc.get(kind, {}))}")
+            print0(f"  {kind:7s} {name:9s}     {format_accuracy(acc.get(kind, {})) or '(no evaluation: --eval-per-bucket 0)'}")
     print0(f"  skipped updates       {sum(h['skipped_update'] for h in history)} (non-finite loss or gradient)")
     print0(f"  wall time             {total_time:.0f}s")
 
