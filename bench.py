@@ -55,9 +55,10 @@ def parse_args(argv=None):
     p.add_argument("--max-new", type=int, default=80, help="tokens decoded per row in the decoding bench")
     p.add_argument("--repeats", type=int, default=5, help="runs per cell; the median is reported")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: all cores)")
-    p.add_argument("--e2e", action="store_true", help="run the end-to-end RL comparison instead")
-    p.add_argument("--drift", action="store_true", help="run the moved-target drafter comparison instead")
-    p.add_argument("--drafters", metavar="RUN_DIR", help="compare the drafter a train.py run left in RUN_DIR/ckpt.pt "
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument("--e2e", action="store_true", help="run the end-to-end RL comparison instead")
+    mode.add_argument("--drift", action="store_true", help="run the moved-target drafter comparison instead")
+    mode.add_argument("--drafters", metavar="RUN_DIR", help="compare the drafter a train.py run left in RUN_DIR/ckpt.pt "
                    "with the warm-up drafter, on that run's final target")
     p.add_argument("--e2e-steps", type=int, default=20, help="RL steps per end-to-end run")
     p.add_argument("--train-args", default="", help="train.py flags for the checkpoints' config, the long-tail workload "
@@ -333,6 +334,12 @@ def main(argv=None):
     elif args.drift:
         result = drift_bench(targs, task_cfg, model, drafter)
     elif args.drafters:
+        meta, want = torch.load(os.path.join(args.drafters, "ckpt.pt"), weights_only=True)["meta"], \
+            train.drafter_meta(targs, model.config, task_cfg)
+        differ = [k for k in want if meta.get(k) != want[k]]
+        if differ:
+            raise SystemExit(f"error: the run in {args.drafters} started from another warm-up than {args.out_dir} "
+                             f"({', '.join(differ)} differ); pass that run's --out-dir and --train-args")
         result = {"drafters": drafter_vs_target(task_cfg, model, drafter, args.drafters, n_prompts=200)}
         print(f"the target in {args.drafters}/ckpt.pt, k = 4, temperature 1.0, 200 held-out prompts: accept length "
               f"{result['drafters']['adaptive']:.3f} with the run's drafter, {result['drafters']['frozen']:.3f} with "

@@ -654,9 +654,11 @@ def summary(history, acc0, acc1, total_time):
     n = max(1, len(history) // 10)  # a step's reward swings with its prompt mix; tenths of the run show the trend
     print0(f"  reward                {sum(h['reward'] for h in history[:n]) / n:.3f} -> "
            f"{sum(h['reward'] for h in history[-n:]) / n:.3f} (means of the first and the last {n} steps)")
-    for kind in ("greedy", "sampled"):
+    if not acc0:
+        print0("  held-out accuracy     not evaluated (--eval-per-bucket 0)")
+    for kind in ("greedy", "sampled") if acc0 else ():
         for name, acc in (("before RL", acc0), ("after RL", acc1)):
-            print0(f"  {kind:7s} {name:9s}     {format_accuracy(acc.get(kind, {})) or '(no evaluation: --eval-per-bucket 0)'}")
+            print0(f"  {kind:7s} {name:9s}     {format_accuracy(acc[kind])}")
     print0(f"  skipped updates       {sum(h['skipped_update'] for h in history)} (non-finite loss or gradient)")
     print0(f"  wall time             {total_time:.0f}s")
 

@@ -62,7 +62,7 @@ def test_drift_moves_a_copy_of_the_target_and_trains_a_copy_of_the_drafter():
 
 @pytest.mark.parametrize("bad", [["--train-args", '"unclosed'], ["--train-args=--bogus"], ["--train-args=--n-layer 0"],
                                  ["--batches", "1,x"], ["--repeats", "0"],
-                                 ["--drafters", "/nonexistent/run"]])
+                                 ["--drafters", "/nonexistent/run"], ["--e2e", "--drift"]])
 def test_bad_flags_exit_with_usage_error(bad, capsys):
     with pytest.raises(SystemExit) as e:
         bench.parse_args(bad)
