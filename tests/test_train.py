@@ -123,6 +123,17 @@ def test_draft_ks_fixes_the_arms_and_sizes_the_block():
     assert train.parse_args(TINY + ["--block-size", "34", "--draft-ks", "0,1,3"]).draft_ks == (0, 1, 3)
 
 
+def test_rl_prompts_are_a_function_of_seed_and_step():
+    """Every rank draws the step's whole list and takes its shard; the bench's long-tail workload
+    relies on drawing the same list."""
+    args = train.parse_args(TINY)
+    cfg = train.task.TaskConfig(max_n=args.max_n, alpha=args.alpha)
+    prompts = train.rl_prompts(args, cfg, 3)
+    assert prompts == train.rl_prompts(args, cfg, 3) and len(prompts) == args.prompts_per_step
+    assert prompts != train.rl_prompts(args, cfg, 4)
+    assert prompts != train.rl_prompts(train.parse_args(TINY + ["--rl-seed", "7"]), cfg, 3)
+
+
 def test_mismatched_or_corrupt_checkpoint_is_refused_and_left_alone(tmp_path):
     out = str(tmp_path / "run")
     assert run_train(TINY + ["--out-dir", out, "--rl-steps", "1"]).returncode == 0
