@@ -173,21 +173,23 @@ def tail_workload(args, task_cfg, model, drafter, n_steps=4):
     targs = train.parse_args(args.train_flags)
     shards = []
     for step in range(n_steps):
-        problems = train.rl_prompts(targs, task_cfg, step)[0::2]
-        shards.append([task.encode(p.prompt()) for p in problems for _ in range(targs.group_size)])
+        rows = [p for p in train.rl_prompts(targs, task_cfg, step)[0::2] for _ in range(targs.group_size)]
+        shards.append((rows, [task.encode(p.prompt()) for p in rows]))
     bandit = Bandit(targs.draft_ks)
 
-    def run(tlt, prompts, seed):
-        _, st = rollout(model, drafter, prompts, task_cfg.max_response_len, generator=torch.Generator().manual_seed(seed),
-                        tlt=tlt, sd_threshold=targs.sd_threshold, bandit=bandit, eos_id=task.EOS_ID)
+    def run(tlt, shard, seed):
+        rows, prompts = shard
+        out, st = rollout(model, drafter, prompts, task_cfg.max_response_len, generator=torch.Generator().manual_seed(seed),
+                          tlt=tlt, sd_threshold=targs.sd_threshold, bandit=bandit, eos_id=task.EOS_ID)
+        st["reward"] = statistics.mean(task.reward(p.prompt(), task.decode(o[0])) for p, o in zip(rows, out))
         return st
-    for i, prompts in enumerate(shards):  # bandit warm-up
-        run(True, prompts, 100 + i)
+    for i, shard in enumerate(shards):  # bandit warm-up
+        run(True, shard, 100 + i)
     plain, tlt = [], []
     for r in range(args.repeats):
-        for i, prompts in enumerate(shards):
-            plain.append(run(False, prompts, 10 * r + i))
-            tlt.append(run(True, prompts, 10 * r + i))
+        for i, shard in enumerate(shards):
+            plain.append(run(False, shard, 10 * r + i))
+            tlt.append(run(True, shard, 10 * r + i))
     t_plain = statistics.median([sum(s["time"] for s in plain[r * n_steps:(r + 1) * n_steps]) for r in range(args.repeats)])
     t_tlt = statistics.median([sum(s["time"] for s in tlt[r * n_steps:(r + 1) * n_steps]) for r in range(args.repeats)])
     merged = {"batch_sizes": [b for s in plain for b in s["batch_sizes"]],
@@ -195,12 +197,15 @@ def tail_workload(args, task_cfg, model, drafter, n_steps=4):
     share = tail_share(merged, targs.sd_threshold)
     sd_steps = sum(s["sd_steps"] for s in tlt)
     accept = sum(s["sd_tokens"] for s in tlt) / sd_steps if sd_steps else None
-    print(f"\nlong-tail rollouts (rank 0's shards of the default run's first {n_steps} steps, {len(shards[0])} rows each): "
+    print(f"\nlong-tail rollouts (rank 0's shards of the default run's first {n_steps} steps, {len(shards[0][0])} rows each): "
           f"plain {t_plain:.2f}s, TLT {t_tlt:.2f}s, speedup {t_plain / t_tlt:.2f}x; TLT accept length "
           f"{accept or 0:.2f}; plain decoding time with running batch <= {targs.sd_threshold}: {100 * share:.0f}%")
+    # lossless: the same prompts and random streams give rewards equal in distribution (not token for token)
+    r_plain, r_tlt = statistics.mean(s["reward"] for s in plain), statistics.mean(s["reward"] for s in tlt)
+    print(f"mean reward of those rollouts ({len(plain) * len(shards[0][0])} samples each): plain {r_plain:.3f}, TLT {r_tlt:.3f}")
     print(f"bandit's best k per batch bucket (bucket b holds batch sizes 2^(b-1)+1 .. 2^b): {bandit.best()}")
-    return {"steps": n_steps, "rows": len(shards[0]), "plain_time": t_plain, "tlt_time": t_tlt,
-            "speedup": t_plain / t_tlt, "accept_len": accept, "tail_time_share": share,
+    return {"steps": n_steps, "rows": len(shards[0][0]), "plain_time": t_plain, "tlt_time": t_tlt,
+            "speedup": t_plain / t_tlt, "accept_len": accept, "tail_time_share": share, "reward_plain": r_plain, "reward_tlt": r_tlt,
             "bandit_best": {str(k): v for k, v in bandit.best().items()}}
 
 
