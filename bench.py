@@ -6,8 +6,8 @@
     python bench.py --drafters out   # after a train.py run: its online-trained drafter vs the warm-up one
 
 All load the warmed-up target and drafter from --out-dir (warming them up first if absent, with
-train.py's defaults plus --train-args), print a table, and end with one JSON line holding every
-figure. Checkpoints made with other flags need the same flags here, e.g.
+train.py's defaults plus --train-args), on the GPU when there is one, print a table, and end with
+one JSON line holding every figure. Checkpoints made with other flags need the same flags here, e.g.
     python bench.py --out-dir out_4x128 --train-args "--n-layer 4 --n-embd 128 --warmup-lr 3e-3 --warmup-steps 900"
 
 Decoding bench. Held-out prompts whose reference responses are longer than --max-new tokens, so
@@ -92,8 +92,19 @@ def load_models(out_dir, train_flags):
     targs = train.parse_args([*train_flags, "--out-dir", out_dir])
     train.check_out_dir(out_dir)
     task_cfg = task.TaskConfig(max_n=targs.max_n, alpha=targs.alpha)
-    _, model, drafter = train.prepare_models(targs, task_cfg, False, 0, 1, torch.device("cpu"))
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    _, model, drafter = train.prepare_models(targs, task_cfg, False, 0, 1, device)
     return targs, task_cfg, model.eval(), drafter.eval()
+
+
+def sync():
+    """Wait for queued GPU work, so that a timer reads the work's end, not its launch."""
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def generator(model, seed):
+    return torch.Generator(device=model.wte.weight.device).manual_seed(seed)
 
 
 def interleaved(runs, repeats):
@@ -103,8 +114,10 @@ def interleaved(runs, repeats):
     times, outs = {name: [] for name in runs}, {}
     for _ in range(repeats):
         for name, fn in runs.items():
+            sync()
             t0 = time.perf_counter()
             outs[name] = fn()
+            sync()
             times[name].append(time.perf_counter() - t0)
     return {name: statistics.median(t) for name, t in times.items()}, outs
 
@@ -113,15 +126,18 @@ def interleaved(runs, repeats):
 def forward_time(model, T, drafter=None, repeats=200):
     """Best-of-5 time of one forward with a cache at batch 1: T tokens for the target, or one
     (hidden, token) pair for the drafter."""
-    x = torch.zeros(1, T, dtype=torch.long)
-    h = torch.zeros(1, T, model.config.n_embd)
+    device = model.wte.weight.device
+    x = torch.zeros(1, T, dtype=torch.long, device=device)
+    h = torch.zeros(1, T, model.config.n_embd, device=device)
     fn, cache = (lambda c: drafter(h, x, c), drafter.new_cache(1)) if drafter else (lambda c: model(x, c), model.new_cache(1))
     best = float("inf")
     for _ in range(5):
+        sync()
         t0 = time.perf_counter()
         for _ in range(repeats):
             cache.lengths.fill_(20)
             fn(cache)
+        sync()
         best = min(best, time.perf_counter() - t0)
     return best / repeats
 
@@ -137,7 +153,7 @@ def decode_bench(args, task_cfg, model, drafter):
     print(f"{'batch':>5} {'plain tok/s':>11} " + " ".join(f"{'k=' + str(k):>13}" for k in args.ks) + f" {'best':>6} {'speedup':>7}")
     for B in args.batches:
         prompts = pool[:B]
-        gen = torch.Generator().manual_seed(0)
+        gen = generator(model, 0)
         runs = {0: lambda: autoregressive_generate(model, prompts, args.max_new, generator=gen)}
         for k in args.ks:
             runs[k] = lambda k=k: speculative_generate(model, drafter, prompts, args.max_new, k=k, generator=gen)
@@ -179,7 +195,7 @@ def tail_workload(args, task_cfg, model, drafter, n_steps=4):
 
     def run(tlt, shard, seed):
         rows, prompts = shard
-        out, st = rollout(model, drafter, prompts, task_cfg.max_response_len, generator=torch.Generator().manual_seed(seed),
+        out, st = rollout(model, drafter, prompts, task_cfg.max_response_len, generator=generator(model, seed),
                           tlt=tlt, sd_threshold=targs.sd_threshold, bandit=bandit, eos_id=task.EOS_ID)
         st["reward"] = statistics.mean(task.reward(p.prompt(), task.decode(o[0])) for p, o in zip(rows, out))
         return st
@@ -218,16 +234,16 @@ def drafter_vs_target(task_cfg, model, warm_drafter, run_dir, n_prompts=64, k=4)
     ck = torch.load(os.path.join(run_dir, "ckpt.pt"), map_location="cpu", weights_only=True)
     target = copy.deepcopy(model)
     target.load_state_dict(ck["model"])
-    adaptive = Drafter(target).eval()
+    adaptive = Drafter(target).to(target.wte.weight.device).eval()
     adaptive.load_state_dict(ck["drafter"])
-    frozen = Drafter(target).eval()
+    frozen = Drafter(target).to(target.wte.weight.device).eval()
     frozen.load_state_dict(warm_drafter.state_dict())
     problems = task.eval_set(task_cfg)  # the held-out evaluation set
     prompts = [task.encode(p.prompt()) for p in random.Random(5).sample(problems, min(n_prompts, len(problems)))]
     out = {}
     for name, d in (("adaptive", adaptive), ("frozen", frozen)):
         _, st = speculative_generate(target.eval(), d, prompts, task_cfg.max_response_len, k=k, eos_id=task.EOS_ID,
-                                     generator=torch.Generator().manual_seed(0))
+                                     generator=generator(target, 0))
         out[name] = st["accept_len"]
     return out
 
@@ -246,21 +262,22 @@ def drift_bench(targs, task_cfg, model, drafter, sft_steps=300, sft_lr=2e-3, n_s
     rng = random.Random(7)
     batches = train.sft_batches(rng, task.TaskConfig(max_n=task_cfg.max_n, alpha=0.0), sft_steps, targs.warmup_tokens)
     for batch in batches:
-        train.sft_step(moved, moved, opt, batch, torch.device("cpu"))
+        train.sft_step(moved, moved, opt, batch, moved.wte.weight.device)
     moved.eval()
-    buffer, gen = DrafterBuffer(keep_steps=1), torch.Generator().manual_seed(1)
+    buffer, gen = DrafterBuffer(keep_steps=1), generator(model, 1)
     for _ in range(0, n_seqs, 64):
         prompts = [task.encode(task.sample_problem(rng, task_cfg).prompt()) for _ in range(64)]
         results, _ = rollout(moved, None, prompts, task_cfg.max_response_len, eos_id=task.EOS_ID, generator=gen, tlt=False)
         for _, tokens, hidden, plen in results:
             buffer.add(0, tokens, hidden, plen)
-    frozen = Drafter(moved).eval()
+    device = moved.wte.weight.device
+    frozen = Drafter(moved).to(device).eval()
     frozen.load_state_dict(drafter.state_dict())
-    adapted = Drafter(moved)
+    adapted = Drafter(moved).to(device)
     adapted.load_state_dict(drafter.state_dict())
     d_opt = make_optimizer(adapted, targs.drafter_online_lr)
     for _ in range(online_steps):
-        train_step(adapted, d_opt, buffer, rng, batch_size=targs.drafter_batch)
+        train_step(adapted, d_opt, buffer, rng, batch_size=targs.drafter_batch, device=device)
     adapted.eval()
     problems = task.eval_set(task_cfg)
     prompts = [task.encode(p.prompt()) for p in random.Random(5).sample(problems, min(n_prompts, len(problems)))]
@@ -269,7 +286,7 @@ def drift_bench(targs, task_cfg, model, drafter, sft_steps=300, sft_lr=2e-3, n_s
         for name, t, d in (("before the move", model, drafter), ("moved, frozen drafter", moved, frozen),
                            ("moved, adapted drafter", moved, adapted)):
             out[name] = [speculative_generate(t, d, prompts, task_cfg.max_response_len, k=4, eos_id=task.EOS_ID,
-                                              generator=torch.Generator().manual_seed(seed))[1]["accept_len"] for seed in seeds]
+                                              generator=generator(t, seed))[1]["accept_len"] for seed in seeds]
             print(f"{name:24} accept length {statistics.mean(out[name]):.3f} (k = 4, {len(prompts)} held-out prompts; "
                   f"{min(out[name]):.3f} to {max(out[name]):.3f} over {len(seeds)} random streams)", flush=True)
     print(f"target fine-tuned {sft_steps} steps on uniform sizes at lr {sft_lr:g}; drafter trained {online_steps} "
@@ -332,14 +349,15 @@ def main(argv=None):
     args = parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    print(f"bench on {torch.get_num_threads()} CPU thread(s)" if not torch.cuda.is_available() else "bench on CUDA")
+    print(f"bench on {torch.get_num_threads()} CPU thread(s)" if not torch.cuda.is_available() else
+          f"bench on {torch.cuda.get_device_name()}")
     targs, task_cfg, model, drafter = load_models(args.out_dir, args.train_flags)
     if args.e2e:
         result = e2e_bench(args, task_cfg, model, drafter)
     elif args.drift:
         result = drift_bench(targs, task_cfg, model, drafter)
     elif args.drafters:
-        meta, want = torch.load(os.path.join(args.drafters, "ckpt.pt"), weights_only=True)["meta"], \
+        meta, want = torch.load(os.path.join(args.drafters, "ckpt.pt"), map_location="cpu", weights_only=True)["meta"], \
             train.drafter_meta(targs, model.config, task_cfg)
         differ = [k for k in want if meta.get(k) != want[k]]
         if differ:
