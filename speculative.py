@@ -141,7 +141,7 @@ class Generation:
         """One token for every running row. Returns the number of tokens emitted."""
         pending = self.tokens.gather(1, (self.n_tokens - 1)[:, None])  # (B, 1)
         logits, hidden = self.target(pending, self.cache)  # (B, 1, V), (B, 1, C)
-        self.hidden[torch.arange(self.batch_size), self.n_tokens - 1] = hidden[:, 0]
+        self.hidden[torch.arange(self.batch_size, device=hidden.device), self.n_tokens - 1] = hidden[:, 0]
         nxt = sample(probs(logits[:, 0], self.temperature), self.generator)
         return self._append(nxt[:, None], torch.ones_like(nxt))
 

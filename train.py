@@ -145,11 +145,14 @@ def compute_init(device_arg="auto"):
     use_cuda = torch.cuda.is_available() if device_arg == "auto" else device_arg == "cuda"
     if use_cuda and not torch.cuda.is_available():
         raise SystemExit("error: --device cuda but CUDA is not available")
-    device = torch.device(f"cuda:{local_rank}" if use_cuda else "cpu")
-    if use_cuda:
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    n_gpus = torch.cuda.device_count() if use_cuda else 0
+    device = torch.device(f"cuda:{local_rank % n_gpus}" if use_cuda else "cpu")
+    if use_cuda:  # more ranks than GPUs: they share them round-robin
         torch.cuda.set_device(device)
+        if local_world > n_gpus and rank == 0:
+            warnings.warn(f"{local_world} ranks share {n_gpus} GPU(s): collectives go through gloo, not NCCL")
     else:  # ranks sharing a CPU: split the cores, or they fight over them
-        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
         cores = os.cpu_count() or 1
         torch.set_num_threads(max(1, cores // local_world))
         if local_world > cores and rank == 0:
@@ -160,8 +163,10 @@ def compute_init(device_arg="auto"):
         # after torchrun restarts a failed group (--max-restarts), the agent's store still holds the
         # dead group's addresses; a prefix per attempt keeps the new group from dialling them
         attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-        dist.init_process_group("nccl" if use_cuda else "gloo", store=dist.PrefixStore(f"tlt/attempt{attempt}", store),
-                                rank=rank, world_size=world_size, timeout=timeout)
+        # NCCL needs a GPU of its own per rank; gloo also reduces CUDA tensors, so it serves shared GPUs
+        nccl = use_cuda and local_world <= n_gpus
+        dist.init_process_group("nccl" if nccl else "gloo", store=dist.PrefixStore(f"tlt/attempt{attempt}", store),
+                                rank=rank, world_size=world_size, timeout=timeout, device_id=device if nccl else None)
     return ddp, rank, local_rank, world_size, device
 
 
@@ -374,7 +379,11 @@ def evaluate_both(model, problems, args, rank, world_size, when, drafter=None, c
     print0(f"held-out accuracy {when}, sampled at T={args.temperature:g}: {format_accuracy(sampled)}")
     if check and drafter is not None:  # lossless in practice: the same greedy responses, token for token
         _, sd_out = evaluate(model, problems, rank, world_size, drafter=drafter)
-        print0(f"greedy evaluation with speculative decoding is token-identical: {sd_out == plain_out}")
+        same = sum(a == b for a, b in zip(sd_out, plain_out))
+        # on a GPU, differently shaped passes may pick kernels that round differently, and a near-tie
+        # argmax can flip: count rather than just say no
+        print0(f"greedy evaluation with speculative decoding is token-identical: {sd_out == plain_out} "
+               f"({same} of {len(plain_out)} responses)")
     return {"greedy": greedy, "sampled": sampled}
 
 
@@ -617,6 +626,8 @@ def rl_step(step, args, task_cfg, model, net, drafter, opt, d_opt, bandit, buffe
     loss, clip, skipped = grpo_update(model, net, opt, [r[1].tolist() for r in results], [r[3] for r in results],
                                       adv, args, device, ref_model)
     model.eval()
+    if device.type == "cuda":
+        torch.cuda.synchronize()  # the optimizer step may still be queued: the clock must see it
     t1 = time.perf_counter()
     # 7: per-rank records and the step record
     checksum = drafter.checksum()
