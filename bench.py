@@ -92,8 +92,7 @@ def load_models(out_dir, train_flags):
     targs = train.parse_args([*train_flags, "--out-dir", out_dir])
     train.check_out_dir(out_dir)
     task_cfg = task.TaskConfig(max_n=targs.max_n, alpha=targs.alpha)
-    cuda = targs.device == "cuda" or (targs.device == "auto" and torch.cuda.is_available())
-    device = torch.device("cuda" if cuda else "cpu")
+    device = torch.device("cuda" if train.wants_cuda(targs.device) else "cpu")
     _, model, drafter = train.prepare_models(targs, task_cfg, False, 0, 1, device)
     return targs, task_cfg, model.eval(), drafter.eval()
 

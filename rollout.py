@@ -80,7 +80,7 @@ class Bandit:
         self.rng.setstate((state["rng_version"], tuple(state["rng"]), None))
 
 
-def _sync(device):
+def sync(device):
     if device.type == "cuda":
         torch.cuda.synchronize()  # sync: the clock must see the GPU's work
 
@@ -102,7 +102,7 @@ def rollout(target, drafter, prompts, max_new_tokens, *, temperature=1.0, eos_id
     t_start = time.perf_counter()
     gen = Generation(target, prompts, max_new_tokens, temperature=temperature, eos_id=eos_id,
                      generator=generator, max_draft=max(bandit.arms) if use_sd else 0)
-    _sync(device)
+    sync(device)
     stats["prefill_time"] = time.perf_counter() - t_start
     stats["segments"].append(["plain", 0.0, stats["prefill_time"]])  # the prefill is drawn as plain decoding
     while gen.compact() > 0:
@@ -114,7 +114,7 @@ def rollout(target, drafter, prompts, max_new_tokens, *, temperature=1.0, eos_id
         else:
             n_emitted, n_acc = gen.speculative_step(drafter, k)
             record_sd(stats, n_emitted, n_acc, k)
-        _sync(device)
+        sync(device)
         t1 = time.perf_counter()
         n = int(n_emitted.sum())
         if use_sd and B <= sd_threshold:

@@ -35,7 +35,7 @@ import rl
 import task
 from drafter import Drafter, DrafterBuffer, acceptance_proxy, make_optimizer, train_step
 from model import GPT, GPTConfig
-from rollout import ARMS, Bandit, rollout
+from rollout import ARMS, Bandit, rollout, sync
 from scheduler import gather_ranks, idle_train, render_timeline, sync_drafter
 from speculative import autoregressive_generate, speculative_generate
 
@@ -135,6 +135,11 @@ def parse_args(argv=None):
 # -----------------------------------------------------------------------------
 # distributed helpers
 
+def wants_cuda(device_arg):
+    """--device auto|cpu|cuda -> whether to run on CUDA."""
+    return torch.cuda.is_available() if device_arg == "auto" else device_arg == "cuda"
+
+
 def compute_init(device_arg="auto"):
     """-> (ddp, rank, local_rank, world_size, device). Under torchrun (RANK set) this joins the
     process group: nccl on CUDA, gloo on CPU. Without torchrun it is rank 0 of 1, same code path."""
@@ -142,7 +147,7 @@ def compute_init(device_arg="auto"):
     rank = int(os.environ.get("RANK", 0))
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     world_size = int(os.environ.get("WORLD_SIZE", 1))
-    use_cuda = torch.cuda.is_available() if device_arg == "auto" else device_arg == "cuda"
+    use_cuda = wants_cuda(device_arg)
     if use_cuda and not torch.cuda.is_available():
         raise SystemExit("error: --device cuda but CUDA is not available")
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
@@ -626,8 +631,7 @@ def rl_step(step, args, task_cfg, model, net, drafter, opt, d_opt, bandit, buffe
     loss, clip, skipped = grpo_update(model, net, opt, [r[1].tolist() for r in results], [r[3] for r in results],
                                       adv, args, device, ref_model)
     model.eval()
-    if device.type == "cuda":
-        torch.cuda.synchronize()  # the optimizer step may still be queued: the clock must see it
+    sync(device)  # the optimizer step may still be queued on a GPU
     t1 = time.perf_counter()
     # 7: per-rank records and the step record
     checksum = drafter.checksum()
@@ -667,9 +671,10 @@ def summary(history, acc0, acc1, total_time):
            f"{sum(h['reward'] for h in history[-n:]) / n:.3f} (means of the first and the last {n} steps)")
     if not acc0:
         print0("  held-out accuracy     not evaluated (--eval-per-bucket 0)")
-    for kind in ("greedy", "sampled") if acc0 else ():
-        for name, acc in (("before RL", acc0), ("after RL", acc1)):
-            print0(f"  {kind:7s} {name:9s}     {format_accuracy(acc[kind])}")
+    else:
+        for kind in ("greedy", "sampled"):
+            for name, acc in (("before RL", acc0), ("after RL", acc1)):
+                print0(f"  {kind:7s} {name:9s}     {format_accuracy(acc[kind])}")
     print0(f"  skipped updates       {sum(h['skipped_update'] for h in history)} (non-finite loss or gradient)")
     print0(f"  wall time             {total_time:.0f}s")
 
