@@ -43,8 +43,8 @@ import torch
 import task
 import train
 from drafter import Drafter, DrafterBuffer, make_optimizer, train_step
-from rollout import Bandit, rollout, tail_share
-from speculative import autoregressive_generate, speculative_generate
+from rollout import Bandit, rollout
+from speculative import SAMPLERS, autoregressive_generate, speculative_generate
 
 
 def parse_args(argv=None):
@@ -55,6 +55,8 @@ def parse_args(argv=None):
     p.add_argument("--max-new", type=int, default=80, help="tokens decoded per row in the decoding bench")
     p.add_argument("--repeats", type=int, default=5, help="runs per cell; the median is reported")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: all cores)")
+    p.add_argument("--sampler", choices=SAMPLERS, default=None, help="gumbel (exact tokens) or rejection sampling, for "
+                   "every part of the bench (default: train.py's default)")
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--e2e", action="store_true", help="run the end-to-end RL comparison instead")
     mode.add_argument("--drift", action="store_true", help="run the moved-target drafter comparison instead")
@@ -78,7 +80,11 @@ def parse_args(argv=None):
         args.train_flags = shlex.split(args.train_args)
     except ValueError as e:  # e.g. an unclosed quote
         p.error(f"--train-args: {e}")
-    if min_size(args.max_new) > train.parse_args(args.train_flags).max_n:
+    if args.sampler:  # the e2e runs and every train.py setting the bench reads take it too
+        args.train_flags += ["--sampler", args.sampler]
+    targs = train.parse_args(args.train_flags)
+    args.sampler = targs.sampler
+    if min_size(args.max_new) > targs.max_n:
         p.error(f"--max-new {args.max_new} is longer than the task's longest response")
     return args
 
@@ -142,31 +148,46 @@ def forward_time(model, T, drafter=None, repeats=200):
     return best / repeats
 
 
+def decode_row(args, model, drafter, prompts, sampler):
+    """Plain decoding and speculative decoding at every k of args.ks on `prompts`, interleaved;
+    -> the table row for this batch size."""
+    gen = generator(model, 0)
+    runs = {0: lambda: autoregressive_generate(model, prompts, args.max_new, generator=gen, sampler=sampler)}
+    for k in args.ks:
+        runs[k] = lambda k=k: speculative_generate(model, drafter, prompts, args.max_new, k=k, generator=gen,
+                                                   sampler=sampler)
+    times, outs = interleaved(runs, args.repeats)
+    ar = sum(len(o) for o in outs[0][0]) / times[0]
+    per_k = {k: (sum(len(o) for o in outs[k][0]) / times[k], outs[k][1]["accept_len"]) for k in args.ks}
+    best = max(per_k, key=lambda k: per_k[k][0])
+    sd, acc = per_k[best]
+    return {"batch": len(prompts), "ar_tok_s": ar, "sd_tok_s": sd, "best_k": best, "speedup": sd / ar, "accept_len": acc,
+            "per_k": {str(k): {"tok_s": v[0], "accept_len": v[1], "speedup": v[0] / ar} for k, v in per_k.items()}}
+
+
 def decode_bench(args, task_cfg, model, drafter):
     rng = random.Random(4321)
     min_n = min_size(args.max_new)
     pool = [task.encode(task.sample_problem(rng, task_cfg, rng.randint(min_n, task_cfg.max_n)).prompt())
-            for _ in range(max(args.batches))]
+            for _ in range(max(max(args.batches), 64))]
     t1 = forward_time(model, 1)
     c = forward_time(model, 1, drafter) / t1
     rows = []
+    print(f"sampler {args.sampler}, temperature 1.0, {args.max_new} tokens per row")
     print(f"{'batch':>5} {'plain tok/s':>11} " + " ".join(f"{'k=' + str(k):>13}" for k in args.ks) + f" {'best':>6} {'speedup':>7}")
     for B in args.batches:
-        prompts = pool[:B]
-        gen = generator(model, 0)
-        runs = {0: lambda: autoregressive_generate(model, prompts, args.max_new, generator=gen)}
-        for k in args.ks:
-            runs[k] = lambda k=k: speculative_generate(model, drafter, prompts, args.max_new, k=k, generator=gen)
-        times, outs = interleaved(runs, args.repeats)
-        ar = sum(len(o) for o in outs[0][0]) / times[0]
-        per_k = {k: (sum(len(o) for o in outs[k][0]) / times[k], outs[k][1]["accept_len"]) for k in args.ks}
-        best = max(per_k, key=lambda k: per_k[k][0])
-        sd, acc = per_k[best]
-        rows.append({"batch": B, "ar_tok_s": ar, "sd_tok_s": sd, "best_k": best, "speedup": sd / ar, "accept_len": acc,
-                     "per_k": {str(k): {"tok_s": v[0], "accept_len": v[1], "speedup": v[0] / ar} for k, v in per_k.items()}})
-        cells = " ".join(f"{v[0]:7.0f} ({v[1]:.2f})" for v in per_k.values())
-        print(f"{B:5d} {ar:11.0f} {cells} {best:6d} {sd / ar:6.2f}x", flush=True)
+        rows.append(decode_row(args, model, drafter, pool[:B], args.sampler))
+        r = rows[-1]
+        cells = " ".join(f"{v['tok_s']:7.0f} ({v['accept_len']:.2f})" for v in r["per_k"].values())
+        print(f"{B:5d} {r['ar_tok_s']:11.0f} {cells} {r['best_k']:6d} {r['speedup']:6.2f}x", flush=True)
     print("cells: speculative tok/s (accept length = tokens per verify step)")
+    # the crossover: the first batch size at which speculation is no faster than plain decoding
+    crossover = next((r["batch"] for r in rows if r["speedup"] <= 1), None)
+    if crossover is None:
+        print(f"crossover: speculation pays at every batch size measured (1 to {rows[-1]['batch']})")
+    else:
+        print(f"crossover: speculation stops paying at batch {crossover}")
+    price = sampler_price(args, model, drafter, pool, rows)
     b1 = rows[0]
     k1 = b1["best_k"]
     verify = forward_time(model, k1 + 1) / t1  # a (k+1)-token pass is not free on a CPU
@@ -178,8 +199,27 @@ def decode_bench(args, task_cfg, model, drafter):
           f"(the rest is sampling and bookkeeping per step)")
     tail = tail_workload(args, task_cfg, model, drafter)
     return {"decode": rows, "cost_ratio": c, "verify_cost_ratio": verify, "formula_speedup_b1": ideal,
-            "predicted_speedup_b1": predicted, "temperature": 1.0,
-            "max_new": args.max_new, "rollout": tail}
+            "predicted_speedup_b1": predicted, "temperature": 1.0, "sampler": args.sampler, "crossover": crossover,
+            "samplers": price, "max_new": args.max_new, "rollout": tail}
+
+
+@torch.no_grad()
+def sampler_price(args, model, drafter, pool, rows, k=4, n_prompts=64):
+    """What exact tokens cost: the accept length at k = 4 and temperature 1 of both samplers on the
+    same 64 prompts, and each sampler's best-k speedup at batch 1 (from the table for this
+    sampler, measured the same way for the other)."""
+    out = {}
+    for sampler in SAMPLERS:
+        _, st = speculative_generate(model, drafter, pool[:n_prompts], args.max_new, k=k, generator=generator(model, 1),
+                                     sampler=sampler)
+        b1 = rows[0] if rows[0]["batch"] == 1 and sampler == args.sampler else decode_row(args, model, drafter, pool[:1], sampler)
+        out[sampler] = {"accept_len_k4": st["accept_len"], "accept_rate_k4": st["accept_rate"],
+                        "best_k_b1": b1["best_k"], "speedup_b1": b1["speedup"]}
+    print(f"the samplers' price at temperature 1.0 (accept length at k = {k} on the same {n_prompts} prompts; best speedup at batch 1):")
+    for name, v in out.items():
+        print(f"  {name:9} accept length {v['accept_len_k4']:.3f} ({100 * v['accept_rate_k4']:.1f}% of drafts accepted), "
+              f"batch 1: {v['speedup_b1']:.2f}x at k = {v['best_k_b1']}")
+    return out
 
 
 def tail_workload(args, task_cfg, model, drafter, n_steps=4):
@@ -196,8 +236,10 @@ def tail_workload(args, task_cfg, model, drafter, n_steps=4):
     def run(tlt, shard, seed):
         rows, prompts = shard
         out, st = rollout(model, drafter, prompts, task_cfg.max_response_len, generator=generator(model, seed),
-                          tlt=tlt, sd_threshold=targs.sd_threshold, bandit=bandit, eos_id=task.EOS_ID)
+                          tlt=tlt, sd_threshold=targs.sd_threshold, bandit=bandit, eos_id=task.EOS_ID,
+                          sampler=targs.sampler, keys=[seed * 10_000 + i for i in range(len(prompts))])
         st["reward"] = statistics.mean(task.reward(p.prompt(), task.decode(o[0])) for p, o in zip(rows, out))
+        st["responses"] = [o[0] for o in out]
         return st
     for i, shard in enumerate(shards):  # bandit warm-up
         run(True, shard, 100 + i)
@@ -208,21 +250,24 @@ def tail_workload(args, task_cfg, model, drafter, n_steps=4):
             tlt.append(run(True, shard, 10 * r + i))
     t_plain = statistics.median([sum(s["time"] for s in plain[r * n_steps:(r + 1) * n_steps]) for r in range(args.repeats)])
     t_tlt = statistics.median([sum(s["time"] for s in tlt[r * n_steps:(r + 1) * n_steps]) for r in range(args.repeats)])
-    merged = {"batch_sizes": [b for s in plain for b in s["batch_sizes"]],
-              "step_times": [t for s in plain for t in s["step_times"]]}
-    share = tail_share(merged, targs.sd_threshold)
+    share = statistics.median(s["tail_share"] for s in plain)
     sd_steps = sum(s["sd_steps"] for s in tlt)
     accept = sum(s["sd_tokens"] for s in tlt) / sd_steps if sd_steps else None
-    print(f"\nlong-tail rollouts (rank 0's shards of the default run's first {n_steps} steps, {len(shards[0][0])} rows each): "
-          f"plain {t_plain:.2f}s, TLT {t_tlt:.2f}s, speedup {t_plain / t_tlt:.2f}x; TLT accept length "
-          f"{accept or 0:.2f}; plain decoding time with running batch <= {targs.sd_threshold}: {100 * share:.0f}%")
-    # lossless: the same prompts and random streams give rewards equal in distribution (not token for token)
+    print(f"\nlong-tail rollouts (rank 0's shards of the default run's first {n_steps} steps, {len(shards[0][0])} rows each, "
+          f"sd threshold {targs.sd_threshold}): plain {t_plain:.2f}s, TLT {t_tlt:.2f}s, speedup {t_plain / t_tlt:.2f}x; "
+          f"TLT accept length {accept or 0:.2f}; tail share of the plain rollouts {100 * share:.0f}% (median; time after "
+          f"90% of the rows had finished)")
+    # lossless: the same prompts and keys give the same responses with "gumbel" (up to float32 near-ties),
+    # rewards equal in distribution with "rejection"
     r_plain, r_tlt = statistics.mean(s["reward"] for s in plain), statistics.mean(s["reward"] for s in tlt)
-    print(f"mean reward of those rollouts ({len(plain) * len(shards[0][0])} samples each): plain {r_plain:.3f}, TLT {r_tlt:.3f}")
+    n = sum(len(s["responses"]) for s in plain)
+    same = sum(a == b for p, t in zip(plain, tlt) for a, b in zip(p["responses"], t["responses"]))
+    print(f"those rollouts ({n} samples each, sampler {targs.sampler}): mean reward plain {r_plain:.3f}, TLT {r_tlt:.3f}; "
+          f"{same} of {n} responses token-identical")
     print(f"bandit's best k per batch bucket (bucket b holds batch sizes 2^(b-1)+1 .. 2^b): {bandit.best()}")
     return {"steps": n_steps, "rows": len(shards[0][0]), "plain_time": t_plain, "tlt_time": t_tlt,
-            "speedup": t_plain / t_tlt, "accept_len": accept, "tail_time_share": share, "reward_plain": r_plain, "reward_tlt": r_tlt,
-            "bandit_best": {str(k): v for k, v in bandit.best().items()}}
+            "speedup": t_plain / t_tlt, "accept_len": accept, "tail_share": share, "reward_plain": r_plain, "reward_tlt": r_tlt,
+            "identical_responses": same, "responses": n, "bandit_best": {str(k): v for k, v in bandit.best().items()}}
 
 
 @torch.no_grad()
@@ -327,6 +372,11 @@ def e2e_bench(args, task_cfg, model, drafter):
               f"{100 * mean(n, 'rollout_share'):8.0f}% {mean(n, 'accept_len') or 0:10.2f} {mean(n, 'accept_rate') or 0:11.3f} "
               f"{mean(n, 'reward'):7.3f}")
     print(f"\nstep-time speedup over --tlt off: TLT {off / on:.2f}x, TLT with a frozen drafter {off / fr:.2f}x")
+    for n in ("on", "frozen"):  # with --sampler gumbel the three runs should generate the same tokens at every step
+        diff_r = sum(a["reward"] != b["reward"] for a, b in zip(records["off"], records[n]))
+        diff_t = sum(a["responses_digest"] != b["responses_digest"] for a, b in zip(records["off"], records[n]))
+        print(f"--tlt off vs {n}: {diff_t} of {len(records[n])} steps generated other responses, {diff_r} other rewards "
+              f"(sampler {args.sampler})")
     print("\nThose runs' bandits pick their own k, and accepted drafts per drafted token fall as k grows, so the")
     print("drafters are compared step by step in two more runs with k fixed at 4 (--draft-ks 4), same seeds:")
     print("step  accept length at k = 4: adaptive  frozen   gap     reward: off    on   frozen")
@@ -342,7 +392,10 @@ def e2e_bench(args, task_cfg, model, drafter):
                     "steps": args.e2e_steps, "nproc": args.nproc,
                     "accept_len": {n: [r["accept_len"] for r in records[n]] for n in ("on", "frozen", "on_k4", "frozen_k4")},
                     "accept_rate": {n: [r["accept_rate"] for r in records[n]] for n in ("on", "frozen", "on_k4", "frozen_k4")},
-                    "reward": {n: [r["reward"] for r in records[n]] for n in ("off", "on", "frozen")}}}
+                    "reward": {n: [r["reward"] for r in records[n]] for n in ("off", "on", "frozen")},
+                    "steps_with_other_responses": {n: sum(a["responses_digest"] != b["responses_digest"]
+                                                          for a, b in zip(records["off"], records[n])) for n in ("on", "frozen")},
+                    "sampler": args.sampler}}
 
 
 def main(argv=None):

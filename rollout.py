@@ -87,21 +87,24 @@ def sync(device):
 
 @torch.no_grad()
 def rollout(target, drafter, prompts, max_new_tokens, *, temperature=1.0, eos_id=None, generator=None,
-            tlt=True, sd_threshold=64, bandit=None):
+            tlt=True, sd_threshold=64, bandit=None, sampler="rejection", keys=None):
     """Generate for every prompt. Returns (results, stats) where results[i] is
     (generated ids, all tokens (N,), hidden states (N-1, C), prompt length) and stats has the
-    per-phase times, the running batch size per step, SD figures and a list of timeline
-    segments (kind, t_start, t_end) relative to the call."""
+    per-phase times, the running batch size per step, SD figures, the tail share (see
+    `tail_share`) and a list of timeline segments (kind, t_start, t_end) relative to the call.
+    sampler and keys: see speculative.Generation; with "gumbel", the tokens do not depend on
+    tlt, the threshold or the bandit's choices (up to rounding: see speculative.py)."""
     device = target.wte.weight.device
     stats = new_stats()
-    stats.update(prefill_time=0.0, plain_time=0.0, spec_time=0.0, batch_sizes=[], step_times=[], segments=[])
+    stats.update(prefill_time=0.0, plain_time=0.0, spec_time=0.0, batch_sizes=[], step_times=[], segments=[],
+                 tail_share=0.0)
     if not prompts:
         return [], finish_stats(stats)
     use_sd = tlt and drafter is not None
     bandit = bandit if bandit is not None else Bandit()
     t_start = time.perf_counter()
-    gen = Generation(target, prompts, max_new_tokens, temperature=temperature, eos_id=eos_id,
-                     generator=generator, max_draft=max(bandit.arms) if use_sd else 0)
+    gen = Generation(target, prompts, max_new_tokens, temperature=temperature, eos_id=eos_id, generator=generator,
+                     max_draft=max(bandit.arms) if use_sd else 0, sampler=sampler, keys=keys)
     sync(device)
     stats["prefill_time"] = time.perf_counter() - t_start
     stats["segments"].append(["plain", 0.0, stats["prefill_time"]])  # the prefill is drawn as plain decoding
@@ -131,11 +134,14 @@ def rollout(target, drafter, prompts, max_new_tokens, *, temperature=1.0, eos_id
         else:
             seg.append([kind, t0 - t_start, t1 - t_start])
     stats["time"] = time.perf_counter() - t_start
+    stats["tail_share"] = tail_share(stats["batch_sizes"], stats["step_times"], stats["time"], len(prompts))
     return gen.results, finish_stats(stats)
 
 
-def tail_share(stats, threshold):
-    """Share of decoding time spent with a running batch at or below `threshold`."""
-    total = sum(stats["step_times"])
-    tail = sum(t for b, t in zip(stats["batch_sizes"], stats["step_times"]) if b <= threshold)
-    return tail / total if total else 0.0
+def tail_share(batch_sizes, step_times, total_time, n_rows, done_frac=0.9):
+    """The share of a rollout's time spent after `done_frac` of its rows had finished (the tail,
+    as Seer measures it): with long-tailed lengths a few rows keep the whole rank busy. A step
+    that starts with at most (1 - done_frac) * n_rows rows still running is in the tail."""
+    running_max = n_rows * (1 - done_frac) + 1e-9
+    tail = sum(t for b, t in zip(batch_sizes, step_times) if b <= running_max)
+    return tail / total_time if total_time > 0 else 0.0

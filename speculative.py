@@ -6,23 +6,39 @@ The pieces, in the order one speculative step uses them:
 2. Drafting: the drafter first catches up on the target hidden states it has not read yet (a
    ragged number per row), then proposes k tokens, feeding its own predicted hidden state back.
 3. Verification: the target reads [pending token, d_1..d_k] in one forward pass (T = k + 1).
-4. `verify`: exact rejection sampling (Leviathan et al. 2023, Chen et al. 2023). Draft d_i is kept
-   with probability min(1, p(d_i) / q(d_i)); at the first rejection the next token is drawn from
-   normalise(max(p - q, 0)); if all k are kept, from p at position k+1. The emitted tokens are
-   then distributed exactly as the target's own samples, so RL stays on-policy.
+4. The verify rule, one of two samplers (both lossless; greedy decoding is the same in both):
+   - "rejection", `verify`: exact rejection sampling (Leviathan et al. 2023, Chen et al. 2023).
+     Draft d_i is kept with probability min(1, p(d_i) / q(d_i)); at the first rejection the next
+     token is drawn from normalise(max(p - q, 0)); if all k are kept, from p at position k+1.
+     The emitted tokens are then distributed exactly as the target's own samples.
+   - "gumbel", `verify_coupled`: exact-token sampling. Every row has a key, and the token at
+     position t is argmax(logits_t / T + g(key, t)), where g is a vector of Gumbel(0, 1) noise,
+     one value per token id, computed from (key, t, token id) by a counter-based hash
+     (`gumbel_noise`). By the Gumbel-max trick that argmax is a sample of softmax(logits_t / T),
+     so each token's marginal is exactly the target's. The noise depends on where a token is,
+     not on how it was computed, so plain decoding, a speculative step, a different batch order
+     or another rank all pick the same token from the same logits. The drafter drafts with the
+     same noise on its own logits; a draft is accepted iff it equals the target's noisy argmax at
+     its position, and the target's token is emitted at the first mismatch (or after all k).
+     The emitted sequence is exactly the one plain decoding would have sampled, token for token.
+     The price: a draft is accepted only if both argmaxes agree, which happens with probability
+     somewhat below sum_x min(p(x), q(x)), the rate rejection sampling achieves (the maximal
+     coupling of p and q; the Gumbel coupling is close but not maximal).
 5. Ragged acceptance: every row keeps its own number of tokens. Rolling back is assigning the
    cache lengths; no row waits for the slowest, no row is cut to the minimum.
 
 `Generation` holds the running batch (tokens, target hidden states, both caches); its
 `plain_step` and `speculative_step` are the two kinds of step, and `compact` drops finished rows
-from every tensor and cache. `autoregressive_generate` and `speculative_generate` are the two pure
-policies; rollout.py mixes them by batch size.
+from every tensor and cache. `autoregressive_generate` and `speculative_generate` each use one
+kind of step throughout; rollout.py mixes the two kinds of step by batch size.
 
 Host-device syncs are marked "sync:". On a CPU they are free; on a GPU there are a few per step
 (finding finished rows and the attention window), which is the price of a truly shrinking batch.
 
 Test: python -m pytest tests/test_speculative.py
 """
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -35,14 +51,56 @@ def probs(logits, temperature):
 
 
 def sample(p, generator=None):
-    """(B, V) probabilities, or any non-negative weights -> (B,) token ids, by inverse CDF: the
-    first token whose cumulative weight exceeds u * total. Exact like torch.multinomial (a zero-probability token is never
-    the first to exceed anything), but three kernels for the whole batch where multinomial costs
-    about 20 us per row on a CPU: 1.4 ms at batch 64, where the default target's whole decoding
-    step takes about 10 ms."""
-    cdf = p.cumsum(dim=-1)  # (B, V)
-    u = torch.rand(p.shape[0], 1, generator=generator, device=p.device, dtype=cdf.dtype) * cdf[:, -1:]
-    return torch.searchsorted(cdf, u, right=True).clamp_(max=p.shape[-1] - 1).squeeze(-1)
+    """(B, V) probabilities, or any non-negative weights -> (B,) token ids, one independent draw
+    per row, by an exponential race: token v wins with probability p_v / sum(p), since
+    E_v / p_v is exponential with rate p_v and the smallest of independent exponentials is v's
+    with exactly that probability. One elementwise pass and an argmax, the same kernels on every
+    device: a zero-weight token scores 0 and never wins, where an inverse-CDF search can land
+    on it when a parallel cumsum rounds (as CUDA's one-row scan can)."""
+    e = torch.empty_like(p, dtype=torch.float32).exponential_(generator=generator)  # (B, V)
+    return (p / e.clamp_(min=torch.finfo(torch.float32).tiny)).argmax(dim=-1)
+
+
+SAMPLERS = ("gumbel", "rejection")
+MASK32 = 0xFFFFFFFF
+
+
+def _mix32_(x):
+    """A 32-bit integer hash (Wellons' "lowbias32"), in place, on an int64 tensor holding 32-bit
+    values. Every product stays below 2^63, so nothing relies on integer overflow."""
+    x ^= x >> 16
+    x.mul_(0x7FEB352D).bitwise_and_(MASK32)
+    x ^= x >> 15
+    x.mul_(0x7B935975).neg_().bitwise_and_(MASK32)  # times 0x846CA68B mod 2^32 (= 2^32 - 0x7B935975)
+    x ^= x >> 16
+    return x
+
+
+@functools.lru_cache(maxsize=8)
+def _token_hashes(vocab_size, device):
+    return _mix32_(torch.arange(vocab_size, device=device) + 0x9E3779B9)  # (V,), distinct: the hash is a bijection
+
+
+def gumbel_noise(keys, positions, vocab_size):
+    """keys (B,) int64 >= 0 and positions (B, T) int64 -> (B, T, V) float32 Gumbel(0, 1) noise, a
+    pure function of (key, position, token id): the counter-based generator of the "gumbel" sampler.
+    A row's stream starts at a hash of its key and steps by a constant per position (SplitMix's
+    construction); each (row, position) seed is then hashed with each token's own hash. The 23 top
+    bits make a uniform in (0, 1), so a token less likely than about 1e-7 relative to the top one
+    is never drawn, the same resolution as float32 torch.rand."""
+    k = _mix32_(_mix32_(keys >> 32) ^ (keys & MASK32))  # (B,)
+    seed = _mix32_((k[:, None] + positions * 0x9E3779B9) & MASK32)  # (B, T)
+    bits = _mix32_(seed[..., None] ^ _token_hashes(vocab_size, keys.device))  # (B, T, V)
+    u = ((bits >> 9).float() + 0.5).mul_(2.0 ** -23)  # in (0, 1): never 0 or 1
+    return u.log_().neg_().log_().neg_()  # -log(-log(u))
+
+
+def gumbel_argmax(logits, temperature, noise):
+    """(..., V) logits and their (..., V) `gumbel_noise` -> (...) tokens: argmax(logits / T + noise),
+    a sample of softmax(logits / T) fixed by the noise; temperature 0 is plain argmax (noise unused)."""
+    if temperature == 0:
+        return logits.argmax(-1)
+    return (logits / temperature + noise.to(logits.dtype)).argmax(-1)
 
 
 def verify(draft_tokens, q, p, generator=None):
@@ -66,17 +124,35 @@ def verify(draft_tokens, q, p, generator=None):
     return n_accepted, sample(residual, generator)
 
 
+def verify_coupled(draft_tokens, target_tokens):
+    """The "gumbel" sampler's rule: draft_tokens (B, k), target_tokens (B, k+1) (the target's
+    noisy argmax at the same positions and one more) -> n_accepted (B,), next_token (B,). Row b
+    keeps its drafts up to the first that differs from the target's token, then emits the
+    target's token there: exactly the tokens plain decoding would have produced."""
+    k = draft_tokens.shape[1]
+    n_accepted = (draft_tokens == target_tokens[:, :k]).long().cumprod(dim=1).sum(dim=1)  # (B,)
+    return n_accepted, target_tokens.gather(1, n_accepted[:, None])[:, 0]
+
+
 class Generation:
     """The running batch of one generation: rows leave it when they finish.
 
     Per row: tokens[b, :n_tokens[b]] are prompt + generated tokens, the last one "pending" (sampled
     but not yet read by the target), so the target cache holds n_tokens - 1 positions and
-    hidden[b, j] is the target's final hidden state after reading tokens[b, j]."""
+    hidden[b, j] is the target's final hidden state after reading tokens[b, j].
+
+    sampler "rejection" draws from `generator`; sampler "gumbel" picks every token from the row's
+    key (keys[b], any int64 >= 0) and the token's position, and draws nothing from `generator`
+    except, when keys is None, one base key for rows base, base + 1, ..."""
 
     def __init__(self, target, prompts, max_new_tokens, *, temperature=1.0, eos_id=None,
-                 generator=None, max_draft=0):
+                 generator=None, max_draft=0, sampler="rejection", keys=None):
         if not prompts or any(len(p) == 0 for p in prompts):
             raise ValueError("prompts must be a non-empty list of non-empty token lists")
+        if sampler not in SAMPLERS:
+            raise ValueError(f"sampler must be one of {SAMPLERS}, got {sampler!r}")
+        if keys is not None and len(keys) != len(prompts):
+            raise ValueError(f"{len(keys)} keys for {len(prompts)} prompts")
         if max_new_tokens <= 0:
             raise ValueError(f"max_new_tokens must be positive, got {max_new_tokens}")
         longest = max(len(p) for p in prompts)
@@ -94,6 +170,13 @@ class Generation:
         self.prompt_len = torch.tensor([len(p) for p in prompts], device=dev)
         self.hidden = torch.zeros(B, W, target.config.n_embd, device=dev, dtype=target.wte.weight.dtype)
         self.row_id = torch.arange(B, device=dev)
+        self.keys = None  # per row, for the "gumbel" sampler
+        if sampler == "gumbel":
+            if keys is None:
+                keys = int(torch.randint(2 ** 62, (1,), generator=generator, device=dev)) + torch.arange(B)
+            self.keys = torch.as_tensor(keys, dtype=torch.long).to(dev)
+            if bool((self.keys < 0).any()):
+                raise ValueError("keys must be non-negative")
         self.cache = target.new_cache(B, max_len=need)
         self.dcache = None  # the drafter's cache, made on the first speculative step
         self.results = [None] * B  # per original row: (generated ids, all tokens, hidden states, prompt length)
@@ -108,7 +191,7 @@ class Generation:
         self.cache.lengths = self.prompt_len.clone()
         self.hidden[:, :longest] = hidden[inverse]
         last = logits[inverse, self.prompt_len - 1]  # (B, V)
-        first = sample(probs(last, temperature), generator)
+        first = self._choose(last[:, None], self.prompt_len[:, None])[:, 0]
         self.n_tokens = self.prompt_len.clone()
         self.done = torch.zeros(B, dtype=torch.bool, device=dev)
         self._append(first[:, None], torch.ones_like(first))
@@ -116,6 +199,19 @@ class Generation:
     @property
     def batch_size(self):
         return self.row_id.shape[0]
+
+    def _noise(self, positions):
+        """The "gumbel" sampler's noise for the tokens at positions (B, T): (B, T, V); None when
+        there is none to add (the "rejection" sampler, or greedy decoding)."""
+        if self.keys is None or self.temperature == 0:
+            return None
+        return gumbel_noise(self.keys, positions, self.target.config.vocab_size)
+
+    def _choose(self, logits, positions):
+        """The target's tokens: logits (B, T, V) for the tokens at positions (B, T) -> (B, T)."""
+        if self.keys is None:
+            return sample(probs(logits.flatten(0, 1), self.temperature), self.generator).view(logits.shape[:2])
+        return gumbel_argmax(logits, self.temperature, self._noise(positions))
 
     def _append(self, new, n_new):
         """Write new (B, W) tokens, of which row b keeps its first n_new[b], after each row's end;
@@ -142,8 +238,8 @@ class Generation:
         pending = self.tokens.gather(1, (self.n_tokens - 1)[:, None])  # (B, 1)
         logits, hidden = self.target(pending, self.cache)  # (B, 1, V), (B, 1, C)
         self.hidden[torch.arange(self.batch_size, device=hidden.device), self.n_tokens - 1] = hidden[:, 0]
-        nxt = sample(probs(logits[:, 0], self.temperature), self.generator)
-        return self._append(nxt[:, None], torch.ones_like(nxt))
+        nxt = self._choose(logits, self.n_tokens[:, None])  # (B, 1)
+        return self._append(nxt, torch.ones_like(nxt[:, 0]))
 
     @torch.no_grad()
     def speculative_step(self, drafter, k):
@@ -165,23 +261,29 @@ class Generation:
         last = (n_new - 1)[:, None, None]
         q_logits = logits.gather(1, last.expand(B, 1, logits.shape[-1]))[:, 0]  # (B, V)
         h = h_pred.gather(1, last.expand(B, 1, h_pred.shape[-1]))  # (B, 1, C)
-        # 2. draft k tokens, feeding the drafter its own hidden state
+        # 2. draft k tokens, feeding the drafter its own hidden state; draft i goes to position L + 1 + i
+        noise = self._noise(L[:, None] + 1 + torch.arange(k + 1, device=dev))  # (B, k+1, V): drafts, then the bonus
         drafts, qs = [], []
         for i in range(k):
-            q = probs(q_logits, self.temperature)
-            d = sample(q, self.generator)
+            if self.keys is None:
+                q = probs(q_logits, self.temperature)
+                d = sample(q, self.generator)
+                qs.append(q)
+            else:  # the noise the target will see at that position, on the drafter's logits
+                d = gumbel_argmax(q_logits, self.temperature, None if noise is None else noise[:, i])
             drafts.append(d)
-            qs.append(q)
             if i + 1 < k:
                 q_logits, h = drafter(h, d[:, None], self.dcache)
                 q_logits = q_logits[:, 0]
         self.dcache.lengths = L.clone()  # entries built on guessed states are redone next step
         draft = torch.stack(drafts, dim=1)  # (B, k)
-        q = torch.stack(qs, dim=1)  # (B, k, V)
         # 3. verify: the target reads the pending token and the k drafts in one pass
         pending = self.tokens.gather(1, L[:, None])  # (B, 1)
         t_logits, t_hidden = self.target(torch.cat([pending, draft], dim=1), self.cache)  # (B, k+1, .)
-        n_acc, nxt = verify(draft, q, probs(t_logits, self.temperature), self.generator)
+        if self.keys is None:
+            n_acc, nxt = verify(draft, torch.stack(qs, dim=1), probs(t_logits, self.temperature), self.generator)
+        else:
+            n_acc, nxt = verify_coupled(draft, gumbel_argmax(t_logits, self.temperature, noise))
         # 4. keep a ragged number per row: states for pending + accepted, tokens accepted + next
         self.hidden[rows[:, None], L[:, None] + torch.arange(k + 1, device=dev)] = t_hidden
         emitted = torch.cat([draft, torch.zeros_like(nxt)[:, None]], dim=1)
@@ -204,7 +306,7 @@ class Generation:
         live = (~self.done).nonzero()[:, 0]
         keep = torch.arange(live.shape[0], device=live.device)
         keep[self.done[:keep.shape[0]]] = live[live >= keep.shape[0]]
-        for name in ("tokens", "hidden", "prompt_len", "row_id", "n_tokens", "done"):
+        for name in ("tokens", "hidden", "prompt_len", "row_id", "n_tokens", "done") + (("keys",) if self.keys is not None else ()):
             setattr(self, name, getattr(self, name)[keep])
         self.cache.keep(keep)
         if self.dcache is not None:
@@ -236,9 +338,12 @@ def finish_stats(stats):
 
 
 @torch.no_grad()
-def autoregressive_generate(target, prompts, max_new_tokens, *, temperature=1.0, eos_id=None, generator=None):
-    """Plain decoding, one token per row per target pass; finished rows leave the batch."""
-    gen = Generation(target, prompts, max_new_tokens, temperature=temperature, eos_id=eos_id, generator=generator)
+def autoregressive_generate(target, prompts, max_new_tokens, *, temperature=1.0, eos_id=None, generator=None,
+                            sampler="rejection", keys=None):
+    """Plain decoding, one token per row per target pass; finished rows leave the batch.
+    sampler and keys: see Generation."""
+    gen = Generation(target, prompts, max_new_tokens, temperature=temperature, eos_id=eos_id, generator=generator,
+                     sampler=sampler, keys=keys)
     stats = new_stats()
     while gen.compact() > 0:
         stats["tokens"] += int(gen.plain_step().sum())
@@ -248,12 +353,13 @@ def autoregressive_generate(target, prompts, max_new_tokens, *, temperature=1.0,
 
 @torch.no_grad()
 def speculative_generate(target, drafter, prompts, max_new_tokens, *, k=4, temperature=1.0, eos_id=None,
-                         generator=None):
-    """Speculative decoding with a fixed k for every row and every step."""
+                         generator=None, sampler="rejection", keys=None):
+    """Speculative decoding with a fixed k for every row and every step. With sampler "gumbel"
+    and the same keys (or the same generator seed) it emits exactly autoregressive_generate's tokens."""
     if k < 1:
         raise ValueError(f"k must be >= 1, got {k}")
     gen = Generation(target, prompts, max_new_tokens, temperature=temperature, eos_id=eos_id,
-                     generator=generator, max_draft=k)
+                     generator=generator, max_draft=k, sampler=sampler, keys=keys)
     stats = new_stats()
     while gen.compact() > 0:
         n_emitted, n_acc = gen.speculative_step(drafter, k)

@@ -15,6 +15,7 @@ same command resumes from it.
 import argparse
 import copy
 import datetime
+import hashlib
 import json
 import math
 import os
@@ -37,7 +38,7 @@ from drafter import Drafter, DrafterBuffer, acceptance_proxy, make_optimizer, tr
 from model import GPT, GPTConfig
 from rollout import ARMS, Bandit, rollout, sync
 from scheduler import gather_ranks, idle_train, render_timeline, sync_drafter
-from speculative import autoregressive_generate, speculative_generate
+from speculative import SAMPLERS, autoregressive_generate, speculative_generate
 
 # a rank that dies makes its peers fail in a collective after at most this long (seconds)
 COLLECTIVE_TIMEOUT_S = int(os.environ.get("TLT_COLLECTIVE_TIMEOUT", 120))
@@ -92,6 +93,9 @@ def parse_args(argv=None):
     p.add_argument("--clip-eps", type=float, default=0.2, help="PPO clip range")
     p.add_argument("--kl-coef", type=float, default=0.0, help="weight of the KL to the warmed-up target (0: off)")
     p.add_argument("--temperature", type=float, default=1.0, help="rollout sampling temperature")
+    p.add_argument("--sampler", default="gumbel", choices=SAMPLERS, help="gumbel: every token fixed by (sequence key, "
+                   "position), so plain and speculative rollouts give the same tokens; rejection: classic "
+                   "speculative sampling, the same distribution but other samples")
     p.add_argument("--update-tokens", type=int, default=4096, help="padded tokens per GRPO micro-batch")
     # TLT
     p.add_argument("--tlt", type=on_off, default=True, metavar="on|off", help="speculative decoding in the tail (off: plain baseline)")
@@ -157,9 +161,10 @@ def compute_init(device_arg="auto"):
         torch.cuda.set_device(device)
         if local_world > n_gpus and rank == 0:
             warnings.warn(f"{local_world} ranks share {n_gpus} GPU(s): collectives go through gloo, not NCCL")
-    else:  # ranks sharing a CPU: split the cores, or they fight over them
+    else:  # ranks sharing a CPU: split the cores (unless OMP_NUM_THREADS says how many), or they fight over them
         cores = os.cpu_count() or 1
-        torch.set_num_threads(max(1, cores // local_world))
+        if "OMP_NUM_THREADS" not in os.environ:  # torchrun sets it to 1 when it starts several ranks
+            torch.set_num_threads(max(1, cores // local_world))
         if local_world > cores and rank == 0:
             warnings.warn(f"{local_world} ranks share {cores} CPU cores: steps will be slow and timings noisy")
     if ddp:
@@ -345,10 +350,13 @@ def warmup_drafter(drafter, model, args, task_cfg, ddp, rank, world_size, device
 # evaluation: greedy, sharded over ranks
 
 @torch.no_grad()
-def evaluate(model, problems, rank=0, world_size=1, drafter=None, temperature=0.0, seed=0, batch_size=64):
+def evaluate(model, problems, rank=0, world_size=1, drafter=None, temperature=0.0, seed=0, batch_size=64,
+             sampler="gumbel"):
     """Held-out accuracy by problem size, and every generated response (token ids), all ranks
     together. Greedy by default; with a drafter, decoding is speculative, which at temperature 0
-    must give exactly the same tokens. At temperature > 0 the sampling is seeded per rank."""
+    must give exactly the same tokens. At temperature > 0 problem j's key is derived from (seed, j),
+    so with sampler "gumbel" the tokens do not depend on the ranks or on the drafter; with
+    "rejection" the sampling is seeded per rank."""
     gen = torch.Generator(device=model.wte.weight.device).manual_seed(derive_seed(seed, rank, 0, 9))
     mine = list(range(rank, len(problems), world_size))
     outputs = [None] * len(problems)
@@ -356,12 +364,12 @@ def evaluate(model, problems, rank=0, world_size=1, drafter=None, temperature=0.
         idx = mine[i:i + batch_size]
         prompts = [task.encode(problems[j].prompt()) for j in idx]
         max_new = task.TaskConfig(max_n=max(problems[j].size for j in idx)).max_response_len
+        how = dict(temperature=temperature, eos_id=task.EOS_ID, generator=gen, sampler=sampler,
+                   keys=[derive_seed(seed, j, 0, 11) for j in idx])
         if drafter is None:
-            outs, _ = autoregressive_generate(model, prompts, max_new, temperature=temperature, eos_id=task.EOS_ID,
-                                              generator=gen)
+            outs, _ = autoregressive_generate(model, prompts, max_new, **how)
         else:
-            outs, _ = speculative_generate(model, drafter, prompts, max_new, k=4, temperature=temperature,
-                                           eos_id=task.EOS_ID, generator=gen)
+            outs, _ = speculative_generate(model, drafter, prompts, max_new, k=4, **how)
         for j, o in zip(idx, outs):
             outputs[j] = o
     for part in gather_ranks(outputs):  # each rank filled its own indices
@@ -370,25 +378,29 @@ def evaluate(model, problems, rank=0, world_size=1, drafter=None, temperature=0.
     return task.accuracy_by_size(problems, rewards), outputs
 
 
-def evaluate_both(model, problems, args, rank, world_size, when, drafter=None, check=False):
+def evaluate_both(model, drafter, problems, args, rank, world_size, when, check=False):
     """Greedy and sampled (temperature --temperature, as in the rollouts, --eval-samples per
-    problem) held-out accuracy. Given a drafter, the sampling decodes speculatively: lossless, and
-    faster, which pays for more samples and so for less noise. With check, also verifies that
-    speculative greedy decoding reproduces the plain greedy responses token for token."""
+    problem) held-out accuracy. With --tlt on the sampling decodes speculatively: lossless, and
+    faster, which pays for more samples and so for less noise. With check, also counts the
+    responses in which speculative decoding differs from plain decoding, greedy and sampled
+    (exact-token sampling, one sample per problem)."""
     if not problems:
         return {}
     greedy, plain_out = evaluate(model, problems, rank, world_size)
-    sampled, _ = evaluate(model, problems * args.eval_samples, rank, world_size, drafter=drafter,
-                          temperature=args.temperature, seed=args.seed)
+    sampled, _ = evaluate(model, problems * args.eval_samples, rank, world_size, drafter=drafter if args.tlt else None,
+                          temperature=args.temperature, seed=args.seed, sampler=args.sampler)
     print0(f"held-out accuracy {when} ({len(problems)} problems), greedy:  {format_accuracy(greedy)}")
     print0(f"held-out accuracy {when}, sampled at T={args.temperature:g}: {format_accuracy(sampled)}")
-    if check and drafter is not None:  # lossless in practice: the same greedy responses, token for token
-        _, sd_out = evaluate(model, problems, rank, world_size, drafter=drafter)
-        same = sum(a == b for a, b in zip(sd_out, plain_out))
-        # on a GPU, differently shaped passes may pick kernels that round differently, and a near-tie
-        # argmax can flip: count rather than just say no
-        print0(f"greedy evaluation with speculative decoding is token-identical: {sd_out == plain_out} "
-               f"({same} of {len(plain_out)} responses)")
+    if check:  # lossless in practice: speculative decoding gives the plain responses, token for token
+        _, sd_greedy = evaluate(model, problems, rank, world_size, drafter=drafter)
+        how = dict(temperature=args.temperature, seed=args.seed + 1, sampler="gumbel")
+        _, plain_sampled = evaluate(model, problems, rank, world_size, **how)
+        _, sd_sampled = evaluate(model, problems, rank, world_size, drafter=drafter, **how)
+        # float32 passes of different shapes (1 token, k + 1 tokens) round differently, so a near-tie
+        # argmax can flip and the response goes its own way from there: count rather than just say no
+        for name, a, b in (("greedy", plain_out, sd_greedy), (f"sampled at T={args.temperature:g}", plain_sampled, sd_sampled)):
+            print0(f"speculative vs plain decoding, {name}: {sum(x != y for x, y in zip(a, b))} of {len(a)} "
+                   f"held-out responses differ")
     return {"greedy": greedy, "sampled": sampled}
 
 
@@ -461,7 +473,7 @@ def drafter_meta(args, config, task_cfg):
 
 def rl_meta(args, config, task_cfg):
     keys = ("rl_seed", "drafter_online_lr", "prompts_per_step", "group_size", "rl_lr", "rl_epochs", "clip_eps", "kl_coef", "tlt", "drafter_updates",
-            "sd_threshold", "drafter_keep", "update_tokens")
+            "sd_threshold", "drafter_keep", "update_tokens", "sampler")
     return {**drafter_meta(args, config, task_cfg), **{k: getattr(args, k) for k in keys}, "draft_ks": list(args.draft_ks)}
 
 
@@ -531,7 +543,7 @@ def run(args, task_cfg, ddp, rank, world_size, device):
     t_run = time.time()
     config, model, drafter = prepare_models(args, task_cfg, ddp, rank, world_size, device)
     problems = task.eval_set(task_cfg, args.eval_per_bucket) if args.eval_per_bucket else []
-    acc0 = evaluate_both(model, problems, args, rank, world_size, "before RL", drafter if args.tlt else None)
+    acc0 = evaluate_both(model, drafter, problems, args, rank, world_size, "before RL")
 
     ref_model = copy.deepcopy(model).requires_grad_(False) if args.kl_coef > 0 else None  # frozen warm-up target
     net = DDP(model) if ddp else model
@@ -578,7 +590,8 @@ def run(args, task_cfg, ddp, rank, world_size, device):
             with open(metrics_path, "a") as f:
                 f.write(json.dumps({k: v for k, v in rec.items() if k != "timeline"}) + "\n")
         print0(f"step {step:04d}/{args.rl_steps} | reward {rec['reward']:.3f} | step {rec['step_time']:.2f}s | "
-               f"rollout {rec['rollout_time']:.2f}s ({100 * rec['rollout_share']:.0f}%) | tok/s {rec['tok_s']:,.0f} | "
+               f"rollout {rec['rollout_time']:.2f}s ({100 * rec['rollout_share']:.0f}%, tail {100 * rec['tail_share']:.0f}%) | "
+               f"tok/s {rec['tok_s']:,.0f} | "
                f"accept {rec['accept_len'] or 0:.2f} ({100 * (rec['accept_rate'] or 0):.0f}% of drafts) | "
                f"sd tok {100 * rec['sd_token_frac']:.0f}% | "
                f"idle {rec['idle_time']:.2f}s | drafter steps {rec['drafter_steps']}"
@@ -591,7 +604,7 @@ def run(args, task_cfg, ddp, rank, world_size, device):
                 save_atomic({"meta": meta, "step": step, "model": model.state_dict(), "drafter": drafter.state_dict(),
                              "opt": opt.state_dict(), "d_opt": d_opt.state_dict(), "bandits": bandits}, ckpt_path)
 
-    acc1 = evaluate_both(model, problems, args, rank, world_size, "after RL", drafter if args.tlt else None, check=True)
+    acc1 = evaluate_both(model, drafter, problems, args, rank, world_size, "after RL", check=True)
     if history:
         summary(history, acc0, acc1, time.time() - t_run)
 
@@ -607,10 +620,15 @@ def rl_step(step, args, task_cfg, model, net, drafter, opt, d_opt, bandit, buffe
     t0 = time.perf_counter()
     problems = rl_prompts(args, task_cfg, step)[rank::world_size]
     rows = [p for p in problems for _ in range(args.group_size)]
+    # a row's key is a function of the seed, the step and its index in the step's global batch (prompt
+    # rank + i * world_size, sample j), never of this rank's layout: with --sampler gumbel the tokens
+    # are the same for any number of ranks, with or without speculation
+    keys = [derive_seed(args.rl_seed, step, (rank + i * world_size) * args.group_size + j, 10)
+            for i in range(len(problems)) for j in range(args.group_size)]
     gen = torch.Generator(device=device).manual_seed(derive_seed(args.rl_seed, rank, step, 7))
     results, st = rollout(model, drafter, [task.encode(p.prompt()) for p in rows], task_cfg.max_response_len,
                           temperature=args.temperature, eos_id=task.EOS_ID, generator=gen, tlt=args.tlt,
-                          sd_threshold=args.sd_threshold, bandit=bandit)
+                          sd_threshold=args.sd_threshold, bandit=bandit, sampler=args.sampler, keys=keys)
     rollout_time = time.perf_counter() - t0
     rewards = torch.tensor([task.reward(p.prompt(), task.decode(r[0])) for p, r in zip(rows, results)])
     # 3-5: hidden states to the buffer; idle ranks train the drafter until the last rank is done
@@ -636,15 +654,20 @@ def rl_step(step, args, task_cfg, model, net, drafter, opt, d_opt, bandit, buffe
     # 7: per-rank records and the step record
     checksum = drafter.checksum()
     mine = {"rank": rank, "rollout_time": rollout_time, "idle_time": idle, "drafter_steps": d_steps,
-            "tokens": st["tokens"], "drafter_checksum": checksum, "rows": len(rows),
+            "tokens": st["tokens"], "drafter_checksum": checksum, "rows": len(rows), "tail_share": st["tail_share"],
+            "responses_digest": hashlib.sha256(json.dumps([r[0] for r in results]).encode()).hexdigest()[:16],
             "segments": st["segments"] + [[k, a + rollout_time, b + rollout_time] for k, a, b in idle_segs]}
     ranks = gather_ranks(mine)
     sums = all_sum([float(rewards.sum()), len(rows), st["sd_tokens"], st["sd_steps"], st["tokens"], st["accepted"],
                     st["drafted"]], device)
     step_time = t1 - t0
-    rollout_max = max(r["rollout_time"] for r in ranks)
+    slowest = max(ranks, key=lambda r: r["rollout_time"])
+    rollout_max = slowest["rollout_time"]
     return {
         "step": step, "step_time": step_time, "rollout_time": rollout_max, "update_time": t1 - t_roll_end,
+        "tail_share": slowest["tail_share"],
+        # one hash of every response of the step, so two runs can be compared token for token
+        "responses_digest": hashlib.sha256(" ".join(r["responses_digest"] for r in ranks).encode()).hexdigest()[:16],
         "rollout_share": rollout_max / step_time, "reward": sums[0] / max(sums[1], 1),
         "accept_len": sums[2] / sums[3] if sums[3] else None, "sd_token_frac": sums[2] / max(sums[4], 1),
         "accept_rate": sums[5] / sums[6] if sums[6] else None,
@@ -664,8 +687,15 @@ def summary(history, acc0, acc1, total_time):
     print0(f"  RL steps              {len(history)}")
     print0(f"  mean step time        {mean('step_time'):.3f}s (rollout {mean('rollout_time'):.3f}s, "
            f"update {mean('update_time'):.3f}s, rollout share {100 * mean('rollout_share'):.0f}%)")
+    shares = sorted(h["tail_share"] for h in history)
+    print0(f"  tail share            {100 * shares[len(shares) // 2]:.0f}% median (the slowest rank's rollout time after 90% "
+           f"of its rows had finished)")
     print0(f"  mean accept length    {mean('accept_len'):.2f} tokens per verify step, {100 * mean('accept_rate'):.0f}% of "
            f"drafted tokens accepted, SD token share {100 * mean('sd_token_frac'):.0f}%")
+    best = history[-1]["bandit_best"]
+    if best:
+        print0("  bandit's k per batch  " + ", ".join(f"{2 ** (b - 1) + 1 if b else 1}-{2 ** b}: k={k}" for b, k in best.items())
+               + " (rank 0, end of run)")
     n = max(1, len(history) // 10)  # a step's reward swings with its prompt mix; tenths of the run show the trend
     print0(f"  reward                {sum(h['reward'] for h in history[:n]) / n:.3f} -> "
            f"{sum(h['reward'] for h in history[-n:]) / n:.3f} (means of the first and the last {n} steps)")

@@ -48,6 +48,23 @@ def test_tlt_greedy_rollout_equals_plain(threshold):
     assert st_plain["sd_steps"] == 0 and st_plain["accept_len"] is None
 
 
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_gumbel_rollout_is_token_identical_to_plain_for_any_threshold(temperature):
+    """Exact-token sampling through the engine: plain decoding, speculation from the first step,
+    and a switch mid-rollout with the bandit choosing k (0 included) give the same tokens."""
+    target, drafter = tiny_models(3)
+    ps = prompts(12, seed=4)
+    keys = [1000 + 7 * i for i in range(len(ps))]
+    how = dict(temperature=temperature, eos_id=EOS, sampler="gumbel", keys=keys)
+    plain, _ = rollout(target, drafter, ps, 40, tlt=False, **how)
+    assert len({tuple(r[0]) for r in plain}) == len(ps)  # sampled, varied outputs
+    for threshold in (7, 100):  # a switch mid-rollout, and speculation from the first step
+        bandit = Bandit(arms=(3, 0, 1, 6), seed=threshold)  # speculates first, then tries plain steps too
+        tlt, st = rollout(target, drafter, ps, 40, tlt=True, sd_threshold=threshold, bandit=bandit, **how)
+        assert st["sd_steps"] > 0 and st["accept_hist"].get(0, 0) > 0  # speculated, and rejected some drafts
+        assert [r[0] for r in tlt] == [r[0] for r in plain]
+
+
 @pytest.mark.parametrize("tlt", [False, True])
 def test_hidden_states_align_with_tokens(tlt):
     """hidden[j] must be the target's state after reading tokens[j], in plain and SD steps."""
@@ -73,7 +90,15 @@ def test_batch_shrinks_as_rows_finish():
     assert sizes[0] <= 10 and sizes[-1] >= 1
     assert all(a >= b for a, b in zip(sizes, sizes[1:]))
     assert sizes[-1] < sizes[0]  # rows really left the batch
-    assert 0 < tail_share(st, sizes[-1]) < 1
+    assert st["tail_share"] == tail_share(sizes, st["step_times"], st["time"], 10)
+
+
+def test_tail_share_counts_the_time_after_90_percent_of_rows_finished():
+    # 20 rows: the tail starts when at most 2 are still running
+    sizes, times = [20, 20, 10, 3, 2, 2, 1], [1.0, 1.0, 1.0, 1.0, 2.0, 2.0, 1.0]
+    assert tail_share(sizes, times, total_time=10.0, n_rows=20) == pytest.approx(0.5)
+    assert tail_share(sizes, times, total_time=10.0, n_rows=20, done_frac=0.5) == pytest.approx(0.7)
+    assert tail_share([], [], total_time=0.0, n_rows=0) == 0.0
 
 
 def test_empty_rollout():

@@ -28,8 +28,8 @@ import torch
 from drafter import Drafter, DrafterBuffer, make_optimizer, train_step
 from conftest import randomize
 from model import GPT, GPTConfig
-from speculative import (Generation, autoregressive_generate, probs, speculative_generate,
-                         verify)
+from speculative import (Generation, _mix32_, autoregressive_generate, gumbel_argmax, gumbel_noise, probs,
+                         sample, speculative_generate, verify, verify_coupled)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -456,13 +456,16 @@ def empirical(outputs):
 ROWS, CALLS = 8000, 4  # N = 32000 sequences per method
 
 
-@pytest.mark.parametrize("method,k,temperature", [
-    ("speculative", 2, 1.0),
-    ("speculative", 1, 1.0),
-    ("speculative", 3, 0.7),
-    ("autoregressive", 0, 1.0),
+@pytest.mark.parametrize("method,k,temperature,sampler", [
+    ("speculative", 2, 1.0, "rejection"),
+    ("speculative", 1, 1.0, "rejection"),
+    ("speculative", 3, 0.7, "rejection"),
+    ("autoregressive", 0, 1.0, "rejection"),
+    ("speculative", 2, 1.0, "gumbel"),
+    ("speculative", 3, 0.7, "gumbel"),
+    ("autoregressive", 0, 1.0, "gumbel"),
 ])
-def test_sequence_distribution_is_the_targets(sampling_setup, method, k, temperature):
+def test_sequence_distribution_is_the_targets(sampling_setup, method, k, temperature, sampler):
     target, drafter = sampling_setup
     exact = exact_sequence_dist(target, temperature)
     assert float(exact.sum()) == pytest.approx(1.0)
@@ -472,12 +475,12 @@ def test_sequence_distribution_is_the_targets(sampling_setup, method, k, tempera
     for _ in range(CALLS):
         if method == "speculative":
             out, stats = speculative_generate(target, drafter, [PROMPT_S] * ROWS, LEN_S, k=k,
-                                              temperature=temperature, generator=g)
+                                              temperature=temperature, generator=g, sampler=sampler)
             for a, c in stats["accept_hist"].items():
                 hist[a] = hist.get(a, 0) + c
         else:
             out, _ = autoregressive_generate(target, [PROMPT_S] * ROWS, LEN_S, temperature=temperature,
-                                             generator=g)
+                                             generator=g, sampler=sampler)
         outputs += out
     N = len(outputs)
     if method == "speculative":
@@ -496,3 +499,98 @@ def test_sequence_distribution_is_the_targets(sampling_setup, method, k, tempera
     n_ab = int(round(float(e3[a, b].sum()) * N))
     assert n_ab > 3000
     assert tv(e3[a, b] / e3[a, b].sum(), x3[a, b] / x3[a, b].sum()) <= tv_tolerance(V_S, n_ab)
+
+
+# ----------------------------------------------------------------------------- exact-token sampling ("gumbel")
+
+
+def test_mix32_is_lowbias32():
+    def lowbias32(x):
+        x ^= x >> 16
+        x = (x * 0x7FEB352D) & 0xFFFFFFFF
+        x ^= x >> 15
+        x = (x * 0x846CA68B) & 0xFFFFFFFF
+        return x ^ (x >> 16)
+    xs = [0, 1, 2, 0xFFFFFFFF, 0x80000000] + [random.Random(0).getrandbits(32) for _ in range(200)]
+    assert _mix32_(torch.tensor(xs)).tolist() == [lowbias32(x) for x in xs]
+
+
+def test_gumbel_noise_is_a_function_of_key_position_and_token():
+    keys, pos = torch.tensor([3, 2 ** 40 + 3, 3]), torch.tensor([[5, 6], [5, 6], [6, 5]])
+    g = gumbel_noise(keys, pos, 7)
+    assert g.shape == (3, 2, 7) and g.dtype == torch.float32 and bool(torch.isfinite(g).all())
+    assert torch.equal(g[0, 1], g[2, 0]) and torch.equal(g[0, 0], g[2, 1])  # same (key, position): same noise
+    assert not torch.equal(g[0], g[1])  # keys that differ only in their high 32 bits: other noise
+    assert torch.equal(gumbel_noise(keys[:1], pos[:1, 1:], 7)[0, 0], g[0, 1])  # batch layout does not matter
+    assert len(set(g[:2].flatten().tolist())) == 28  # otherwise all distinct
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.5, 2.0])
+def test_gumbel_tokens_follow_softmax_at_temperature(temperature):
+    """Tokens drawn as argmax(logits / T + g(key, t)) over N keys at one position, and over N
+    positions of one key, follow softmax(logits / T). K = 5, N = 40000: TV tolerance 0.0224,
+    false failure <= exp(-22.5) per check; pairs of adjacent positions of one key (K = 25, N = 20000,
+    tolerance 0.0707, false failure <= exp(-112)) are independent."""
+    g = torch.Generator().manual_seed(31)
+    logits = torch.randn(V_V, generator=g) * 1.5
+    exact = torch.softmax(logits.double() / temperature, -1)
+    N = N_VERIFY
+    by_key = gumbel_argmax(logits.expand(N, 1, V_V), temperature,
+                           gumbel_noise(torch.arange(N) * 7919 + 11, torch.full((N, 1), 42), V_V))[:, 0]
+    by_pos = gumbel_argmax(logits.expand(1, N, V_V), temperature,
+                           gumbel_noise(torch.tensor([12345]), torch.arange(N)[None], V_V))[0]
+    for tokens in (by_key, by_pos):
+        assert tv(torch.bincount(tokens, minlength=V_V).double() / N, exact) <= tv_tolerance(V_V, N)
+    pairs = by_pos.view(-1, 2)
+    emp = torch.bincount(pairs[:, 0] * V_V + pairs[:, 1], minlength=V_V * V_V).double() / (N // 2)
+    assert tv(emp, (exact[:, None] * exact[None, :]).reshape(-1)) <= tv_tolerance(V_V * V_V, N // 2)
+
+
+def test_exponential_race_sample_is_exact_and_never_draws_zero_weight():
+    g = torch.Generator().manual_seed(32)
+    p = torch.tensor([0.5, 0.0, 0.2, 0.3, 0.0])
+    draws = sample(p.expand(N_VERIFY, -1), generator=g)
+    assert not bool(torch.isin(draws, torch.tensor([1, 4])).any())
+    assert tv(torch.bincount(draws, minlength=5).double() / N_VERIFY, p) <= tv_tolerance(5, N_VERIFY)
+
+
+def test_verify_coupled_keeps_drafts_up_to_the_first_mismatch():
+    draft = torch.tensor([[1, 2, 3], [1, 2, 3], [0, 2, 3], [1, 2, 3]])
+    target = torch.tensor([[1, 2, 3, 4], [1, 5, 3, 4], [1, 2, 3, 4], [1, 2, 0, 4]])
+    n_acc, nxt = verify_coupled(draft, target)
+    assert n_acc.tolist() == [3, 1, 0, 2] and nxt.tolist() == [4, 5, 1, 0]
+
+
+def random_drafter(target, seed):
+    torch.manual_seed(seed)
+    return randomize(Drafter(target), seed, std=0.3).double()
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.6])
+@pytest.mark.parametrize("which", ["trained", "random"])
+def test_gumbel_speculative_is_token_identical_to_plain(greedy_setup, which, temperature):
+    """float64: the same keys give the same tokens with plain decoding and with speculation at
+    every k in 1..8, for ragged prompts in a batch that shrinks (<|eos|> and the length limit),
+    with the rows in another order, and with the rows split over two calls (two ranks)."""
+    target, trained, pool, _, eos = greedy_setup
+    drafter = trained if which == "trained" else random_drafter(target, 5)
+    prompts = pool * 2
+    keys = [10 ** 12 + 37 * i for i in range(len(prompts))]
+    how = dict(temperature=temperature, eos_id=eos, sampler="gumbel")
+    plain, _ = autoregressive_generate(target, prompts, N_NEW, keys=keys, **how)
+    assert len({tuple(o) for o in plain}) == len(plain)  # sampled: every row its own response
+    assert any(o[-1] == eos for o in plain) and any(len(o) == N_NEW for o in plain)  # the batch shrinks
+    rejected = 0
+    for k in range(1, 9):
+        out, st = speculative_generate(target, drafter, prompts, N_NEW, k=k, keys=keys, **how)
+        assert out == plain, k
+        rejected += sum(c for a, c in st["accept_hist"].items() if a < k)
+    assert rejected > 0  # some drafts were rejected: the check is not vacuous
+    order = list(reversed(range(len(prompts))))
+    out, _ = speculative_generate(target, drafter, [prompts[i] for i in order], N_NEW, k=3,
+                                  keys=[keys[i] for i in order], **how)
+    assert out == [plain[i] for i in order]
+    half = len(prompts) // 2
+    first, _ = speculative_generate(target, drafter, prompts[:half], N_NEW, k=4, keys=keys[:half], **how)
+    second, _ = autoregressive_generate(target, prompts[half:], N_NEW, keys=keys[half:], **how)
+    assert first + second == plain
