@@ -85,9 +85,9 @@ def gumbel_noise(keys, positions, vocab_size):
     """keys (B,) int64 >= 0 and positions (B, T) int64 -> (B, T, V) float32 Gumbel(0, 1) noise, a
     pure function of (key, position, token id): the counter-based generator of the "gumbel" sampler.
     A row's stream starts at a hash of its key and steps by a constant per position (SplitMix's
-    construction); each (row, position) seed is then hashed with each token's own hash. The 23 top
-    bits make a uniform in (0, 1), so a token less likely than about 1e-7 relative to the top one
-    is never drawn, the same resolution as float32 torch.rand."""
+    construction); each (row, position) seed is then hashed with each token's own hash. The top 23
+    bits make a uniform in (0, 1), so the noise lies in [-2.8, 16.7] and a token less likely than
+    about 4e-9 times the most likely one is never drawn: float32 resolution, like torch.rand's."""
     k = _mix32_(_mix32_(keys >> 32) ^ (keys & MASK32))  # (B,)
     seed = _mix32_((k[:, None] + positions * 0x9E3779B9) & MASK32)  # (B, T)
     bits = _mix32_(seed[..., None] ^ _token_hashes(vocab_size, keys.device))  # (B, T, V)
@@ -107,7 +107,8 @@ def verify(draft_tokens, q, p, generator=None):
     """Exact rejection sampling over a batch.
 
     draft_tokens (B, k) drawn from q (B, k, V); p (B, k+1, V) the target's distributions.
-    Returns n_accepted (B,) and next_token (B,) as DESIGN.md defines them."""
+    Returns n_accepted (B,), the length of each row's accepted prefix, and next_token (B,), the
+    token emitted after it: from the residual at the first rejection, or from p[:, k]."""
     B, k = draft_tokens.shape
     p_d = p[:, :k].gather(-1, draft_tokens[..., None]).squeeze(-1)  # (B, k)
     q_d = q.gather(-1, draft_tokens[..., None]).squeeze(-1)  # (B, k)

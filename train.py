@@ -694,8 +694,8 @@ def summary(history, acc0, acc1, total_time):
            f"drafted tokens accepted, SD token share {100 * mean('sd_token_frac'):.0f}%")
     best = history[-1]["bandit_best"]
     if best:
-        print0("  bandit's k per batch  " + ", ".join(f"{2 ** (b - 1) + 1 if b else 1}-{2 ** b}: k={k}" for b, k in best.items())
-               + " (rank 0, end of run)")
+        sizes = {b: str(2 ** b) if b < 2 else f"{2 ** (b - 1) + 1}-{2 ** b}" for b in best}  # the bucket's batch sizes
+        print0("  bandit's k per batch  " + ", ".join(f"{sizes[b]}: {k}" for b, k in best.items()) + " (rank 0, end of run)")
     n = max(1, len(history) // 10)  # a step's reward swings with its prompt mix; tenths of the run show the trend
     print0(f"  reward                {sum(h['reward'] for h in history[:n]) / n:.3f} -> "
            f"{sum(h['reward'] for h in history[-n:]) / n:.3f} (means of the first and the last {n} steps)")
