@@ -29,6 +29,7 @@ drafters step by step; and the bench ends with a controlled comparison on one ta
 """
 import argparse
 import copy
+import dataclasses
 import json
 import os
 import random
@@ -97,7 +98,7 @@ def min_size(max_new):
 def load_models(out_dir, train_flags):
     targs = train.parse_args([*train_flags, "--out-dir", out_dir])
     train.check_out_dir(out_dir)
-    task_cfg = task.TaskConfig(max_n=targs.max_n, alpha=targs.alpha)
+    task_cfg = train.task_config(targs)
     device = torch.device("cuda" if train.wants_cuda(targs.device) else "cpu")
     _, model, drafter = train.prepare_models(targs, task_cfg, False, 0, 1, device)
     return targs, task_cfg, model.eval(), drafter.eval()
@@ -305,7 +306,7 @@ def drift_bench(targs, task_cfg, model, drafter, sft_steps=300, sft_lr=2e-3, n_s
     moved = copy.deepcopy(model).train()
     opt = torch.optim.AdamW(moved.parameters(), lr=sft_lr, betas=(0.9, 0.95), weight_decay=0.0)
     rng = random.Random(7)
-    batches = train.sft_batches(rng, task.TaskConfig(max_n=task_cfg.max_n, alpha=0.0), sft_steps, targs.warmup_tokens)
+    batches = train.sft_batches(rng, dataclasses.replace(task_cfg, alpha=0.0), sft_steps, targs.warmup_tokens)
     for batch in batches:
         train.sft_step(moved, moved, opt, batch, moved.wte.weight.device)
     moved.eval()

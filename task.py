@@ -17,6 +17,20 @@ guess several tokens ahead.
 The long tail. n is drawn from a truncated power law P(n) ~ n^-alpha on 1..max_n, so most
 responses are short and a few are very long (default: median 13 tokens, p90 58, p99 118, max 133).
 
+Re-checks (TaskConfig.recheck, max_passes). A reference trace may, after its answer, go over the
+whole sum again (" | " then a second pass and its answer), with probability `recheck` each time, up
+to `max_passes` passes: "a3=3 b7=0 c1=1 >1 | a3=3 b7=0 c1=1 >1<|eos|>". A target trained on such
+traces samples the stop-or-check-again choice itself, so the samples of one prompt differ in length
+(1, 2, 3... passes, a geometric tail) as sampled reasoning does, and a batch thins out row by row,
+not group by group. The reward still reads only the answer after the last '>'.
+
+Noise (TaskConfig.noise). Each running-sum step of a reference trace is written wrong with this
+probability (a random wrong digit; the sum goes on from the written value, so the answer is then
+usually wrong). Cross-entropy teaches the target to err at about this rate per step when sampling
+at temperature 1 while its greedy choice stays right: sampled accuracy is about (1 - noise)^n,
+which leaves RL something to fix. Only the warm-up's traces are noisy: the held-out set and the
+reward use the true answer.
+
 Tokenizer. A tiktoken Encoding built in-process: byte-level ranks, one merge per labelled digit
 ("b7" is one token), and two special tokens, <|eos|> and <|pad|>. Nothing is downloaded. The
 merges matter: with "b7" as one token, finding digit b is a single attention look-up (match the
@@ -89,32 +103,59 @@ class Problem:
     def prompt(self):
         return " ".join(f"{LABELS[i]}{d}" for i, d in enumerate(self.digits)) + ":"
 
-    def response(self):
+    def response(self, rng=None, noise=0.0):
+        """One pass: the running sum step by step, then the answer. With noise > 0, each step is
+        written wrong with that probability (a uniformly drawn wrong digit) and the sum goes on
+        from the written value, as a careless solver's would; the answer is the last written sum."""
         steps, s = [], 0
         for i, d in enumerate(self.digits):
             s = (s + d) % 10
+            if noise and rng.random() < noise:
+                s = (s + rng.randrange(1, 10)) % 10
             steps.append(f"{LABELS[i]}{d}={s}")
         return " ".join(steps) + f" >{s}"
+
+
+def reference_response(problem, cfg, rng):
+    """A training trace: the first pass, then with probability cfg.recheck one more full pass
+    (" | " between passes), again and again up to cfg.max_passes; every pass recomputes from the
+    prompt and carries its own cfg.noise."""
+    passes = [problem.response(rng, cfg.noise)]
+    while len(passes) < cfg.max_passes and rng.random() < cfg.recheck:
+        passes.append(problem.response(rng, cfg.noise))
+    return " | ".join(passes)
 
 
 @dataclass(frozen=True)
 class TaskConfig:
     max_n: int = 26       # largest problem; at most len(LABELS)
     alpha: float = 1.5    # tail exponent of P(n) ~ n^-alpha (smaller: heavier tail)
+    recheck: float = 0.0  # reference traces: probability of one more re-check pass after an answer
+    max_passes: int = 1   # reference traces: at most this many passes (the first plus re-checks)
+    noise: float = 0.0    # reference traces: probability that a running-sum step is written wrong
 
     def __post_init__(self):
         if not 1 <= self.max_n <= len(LABELS):
             raise ValueError(f"max_n must be in 1..{len(LABELS)}, got {self.max_n}")
         if self.alpha < 0:
             raise ValueError(f"alpha must be >= 0, got {self.alpha}")
+        if not 0 <= self.recheck < 1:
+            raise ValueError(f"recheck must be in [0, 1), got {self.recheck}")
+        if self.max_passes < 1:
+            raise ValueError(f"max_passes must be >= 1, got {self.max_passes}")
+        if not 0 <= self.noise < 1:
+            raise ValueError(f"noise must be in [0, 1), got {self.noise}")
 
     @property
     def max_prompt_len(self):
         return 2 * self.max_n
 
+    def response_len(self, n, passes=1):  # tokens of a reference response, <|eos|> included
+        return passes * (5 * n + 5) - 2  # each pass 5n + 2 tokens, " | " between passes, <|eos|>
+
     @property
     def max_response_len(self):  # tokens, <|eos|> included
-        return 5 * self.max_n + 3
+        return self.response_len(self.max_n, self.max_passes)
 
     @property
     def max_seq_len(self):
@@ -180,7 +221,9 @@ def accuracy_by_size(problems, rewards):
     return out
 
 
-def training_example(problem):
-    """Token ids of prompt + response + <|eos|>, and where the response starts."""
-    p, r = encode(problem.prompt()), encode(problem.response()) + [EOS_ID]
+def training_example(problem, cfg=None, rng=None):
+    """Token ids of prompt + response + <|eos|>, and where the response starts. Given a config and
+    an rng, the response is a reference trace with its re-checks and noise; else the clean pass."""
+    response = problem.response() if cfg is None else reference_response(problem, cfg, rng)
+    p, r = encode(problem.prompt()), encode(response) + [EOS_ID]
     return p + r, len(p)

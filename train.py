@@ -57,6 +57,12 @@ class OneLineParser(argparse.ArgumentParser):
         self.exit(2, f"error: {message} (see --help)\n")
 
 
+def task_config(args, warmup=False):
+    """The task as the flags define it; warmup=True: with the warm-up's problem-size exponent."""
+    return task.TaskConfig(max_n=args.max_n, alpha=args.warmup_alpha if warmup else args.alpha,
+                           recheck=args.recheck, max_passes=args.max_passes, noise=args.noise)
+
+
 def parse_args(argv=None):
     p = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     # run
@@ -68,6 +74,13 @@ def parse_args(argv=None):
     # task
     p.add_argument("--max-n", type=int, default=26, help="largest problem size (digits to sum)")
     p.add_argument("--alpha", type=float, default=1.5, help="tail exponent of the problem-size distribution")
+    p.add_argument("--recheck", type=float, default=0.0, help="reference traces: probability of one more re-check "
+                   "pass after each answer (lengths then vary between samples of one prompt)")
+    p.add_argument("--max-passes", type=int, default=1, help="reference traces: at most this many passes")
+    p.add_argument("--noise", type=float, default=0.0, help="reference traces: probability that a running-sum step "
+                   "is written wrong (the warmed-up target then errs at about this rate when sampling)")
+    p.add_argument("--warmup-alpha", type=float, default=None, help="tail exponent of the problem sizes in the "
+                   "target warm-up (default: --alpha)")
     # model
     p.add_argument("--n-layer", type=int, default=12, help="target transformer layers")
     p.add_argument("--n-head", type=int, default=4, help="attention heads")
@@ -77,6 +90,8 @@ def parse_args(argv=None):
     p.add_argument("--warmup-steps", type=int, default=2600, help="supervised optimizer steps for the target")
     p.add_argument("--warmup-tokens", type=int, default=2048, help="padded tokens per warm-up batch, all ranks together")
     p.add_argument("--warmup-lr", type=float, default=6e-3, help="peak learning rate of the target warm-up")
+    p.add_argument("--merge-init", type=on_off, default=False, metavar="on|off", help="start each labelled-digit "
+                   "token's embedding as the sum of its label's and its digit's (off: random, as every other token)")
     # drafter
     p.add_argument("--drafter-warmup-seqs", type=int, default=4096, help="target samples the drafter warms up on")
     p.add_argument("--drafter-warmup-steps", type=int, default=4000, help="drafter optimizer steps in its warm-up")
@@ -109,10 +124,10 @@ def parse_args(argv=None):
     p.add_argument("--timeline-every", type=int, default=10, help="print the per-rank timeline every N steps (0: never)")
     p.add_argument("--ckpt-every", type=int, default=10, help="write the RL checkpoint every N steps")
     args = p.parse_args(argv)
-    positive = ("max_n", "n_layer", "n_head", "n_embd", "block_size", "warmup_steps", "warmup_tokens", "warmup_lr",
+    positive = ("max_n", "max_passes", "n_layer", "n_head", "n_embd", "block_size", "warmup_steps", "warmup_tokens", "warmup_lr",
                 "drafter_warmup_seqs", "drafter_warmup_steps", "drafter_batch", "drafter_keep", "drafter_lr", "drafter_online_lr",
                 "prompts_per_step", "group_size", "rl_epochs", "rl_lr", "clip_eps", "update_tokens", "ckpt_every", "eval_samples")
-    non_negative = ("rl_steps", "kl_coef", "temperature", "sd_threshold", "timeline_every", "alpha", "eval_per_bucket")
+    non_negative = ("recheck", "noise", "rl_steps", "kl_coef", "temperature", "sd_threshold", "timeline_every", "alpha", "eval_per_bucket")
     for names, ok, what in ((positive, lambda v: v > 0, "positive"), (non_negative, lambda v: v >= 0, "non-negative")):
         for name in names:
             if not ok(getattr(args, name)):  # written so that NaN fails too
@@ -125,7 +140,12 @@ def parse_args(argv=None):
         p.error(f"--draft-ks must be distinct non-negative integers, got {args.draft_ks}")
     if args.max_n > len(task.LABELS):
         p.error(f"--max-n must be at most {len(task.LABELS)}")
-    need = task.TaskConfig(max_n=args.max_n).max_seq_len + max(args.draft_ks)
+    if args.recheck >= 1 or args.noise >= 1:
+        p.error("--recheck and --noise are probabilities below 1")
+    args.warmup_alpha = args.alpha if args.warmup_alpha is None else args.warmup_alpha
+    if not args.warmup_alpha >= 0:
+        p.error(f"--warmup-alpha must be non-negative, got {args.warmup_alpha}")
+    need = task_config(args).max_seq_len + max(args.draft_ks)
     if args.block_size < need:
         p.error(f"--block-size {args.block_size} is too small for --max-n {args.max_n}: the longest prompt + "
                 f"response + {max(args.draft_ks)} draft tokens needs {need}")
@@ -266,7 +286,7 @@ def group_by_length(items, length, token_budget):
 
 def sft_batches(rng, task_cfg, n_batches, token_budget):
     """n_batches length-grouped batches of reference traces (token ids, prompt length), shuffled."""
-    pool = [task.training_example(task.sample_problem(rng, task_cfg)) for _ in range(n_batches * 64)]
+    pool = [task.training_example(task.sample_problem(rng, task_cfg), task_cfg, rng) for _ in range(n_batches * 64)]
     batches = group_by_length(pool, lambda e: len(e[0]), token_budget)
     rng.shuffle(batches)
     return batches[:n_batches]
@@ -295,11 +315,32 @@ def sft_step(model, net, opt, batch, device):
     return loss, x.numel()
 
 
+@torch.no_grad()
+def init_merged_embeddings(model):
+    """Embedding of each labelled digit "b7" := (embedding of "b" + embedding of "7") / sqrt(2).
+
+    The task's one hard skill is the look-up: the response writes the label "b" and must copy the
+    digit of the prompt's token "b7". With random embeddings the model must first discover that the
+    520 labelled-digit tokens share a label and a digit with the plain tokens; the deep narrow
+    target sits on a loss plateau (digits at chance) until it does, for a seed-dependent time.
+    Started as sums, "b" already matches "b7" in attention and "b7" already carries the "7" that the
+    tied head reads out. Measured (max-n 12, 2000 steps, seed 1337): with it the warmed-up target
+    copied the digits right on sizes up to 12 and erred in the sums; without it, it copied wrong
+    digits from size 2 on."""
+    wte = model.wte.weight
+    for label in task.LABELS:
+        for d in "0123456789":
+            wte[task.ENC.encode_single_token(label + d)] = (wte[ord(label)] + wte[ord(d)]) / math.sqrt(2)
+
+
 def warmup_target(model, args, task_cfg, ddp, rank, world_size, device):
+    if args.merge_init:
+        init_merged_embeddings(model)  # deterministic, so still the same weights on every rank
     model.train()
     net = DDP(model) if ddp else model
     opt = torch.optim.AdamW(model.parameters(), lr=args.warmup_lr, betas=(0.9, 0.95), weight_decay=0.1)
     rng = random.Random(derive_seed(args.seed, rank, 0, 1))
+    task_cfg = task_config(args, warmup=True)
     budget = max(1, args.warmup_tokens // world_size)
     t0, tokens_seen, batches = time.time(), 0, []
     for step in range(args.warmup_steps):
@@ -351,7 +392,7 @@ def warmup_drafter(drafter, model, args, task_cfg, ddp, rank, world_size, device
 
 @torch.no_grad()
 def evaluate(model, problems, rank=0, world_size=1, drafter=None, temperature=0.0, seed=0, batch_size=64,
-             sampler="gumbel"):
+             sampler="gumbel", task_cfg=task.TaskConfig()):
     """Held-out accuracy by problem size, and every generated response (token ids), all ranks
     together. Greedy by default; with a drafter, decoding is speculative, which at temperature 0
     must give exactly the same tokens. At temperature > 0 problem j's key is derived from (seed, j),
@@ -363,7 +404,7 @@ def evaluate(model, problems, rank=0, world_size=1, drafter=None, temperature=0.
     for i in range(0, len(mine), batch_size):
         idx = mine[i:i + batch_size]
         prompts = [task.encode(problems[j].prompt()) for j in idx]
-        max_new = task.TaskConfig(max_n=max(problems[j].size for j in idx)).max_response_len
+        max_new = task_cfg.response_len(max(problems[j].size for j in idx), task_cfg.max_passes)
         how = dict(temperature=temperature, eos_id=task.EOS_ID, generator=gen, sampler=sampler,
                    keys=[derive_seed(seed, j, 0, 11) for j in idx])
         if drafter is None:
@@ -386,14 +427,15 @@ def evaluate_both(model, drafter, problems, args, rank, world_size, when, check=
     (exact-token sampling, one sample per problem)."""
     if not problems:
         return {}
-    greedy, plain_out = evaluate(model, problems, rank, world_size)
+    cfg = task_config(args)
+    greedy, plain_out = evaluate(model, problems, rank, world_size, task_cfg=cfg)
     sampled, _ = evaluate(model, problems * args.eval_samples, rank, world_size, drafter=drafter if args.tlt else None,
-                          temperature=args.temperature, seed=args.seed, sampler=args.sampler)
+                          temperature=args.temperature, seed=args.seed, sampler=args.sampler, task_cfg=cfg)
     print0(f"held-out accuracy {when} ({len(problems)} problems), greedy:  {format_accuracy(greedy)}")
     print0(f"held-out accuracy {when}, sampled at T={args.temperature:g}: {format_accuracy(sampled)}")
     if check:  # lossless in practice: speculative decoding gives the plain responses, token for token
-        _, sd_greedy = evaluate(model, problems, rank, world_size, drafter=drafter)
-        how = dict(temperature=args.temperature, seed=args.seed + 1, sampler="gumbel")
+        _, sd_greedy = evaluate(model, problems, rank, world_size, drafter=drafter, task_cfg=cfg)
+        how = dict(temperature=args.temperature, seed=args.seed + 1, sampler="gumbel", task_cfg=cfg)
         _, plain_sampled = evaluate(model, problems, rank, world_size, **how)
         _, sd_sampled = evaluate(model, problems, rank, world_size, drafter=drafter, **how)
         # float32 passes of different shapes (1 token, k + 1 tokens) round differently, so a near-tie
@@ -462,7 +504,7 @@ def grpo_update(model, net, opt, sequences, prompt_lens, advantages, args, devic
 
 def model_meta(args, config, task_cfg):
     return {"model": config.to_dict(), "task": asdict(task_cfg), "warmup_steps": args.warmup_steps,
-            "warmup_tokens": args.warmup_tokens, "warmup_lr": args.warmup_lr, "seed": args.seed}
+            "warmup_tokens": args.warmup_tokens, "warmup_lr": args.warmup_lr, "warmup_alpha": args.warmup_alpha, "merge_init": args.merge_init, "seed": args.seed}
 
 
 def drafter_meta(args, config, task_cfg):
@@ -521,7 +563,7 @@ def main(argv=None):
     args = parse_args(argv)
     check_out_dir(args.out_dir)
     check_out_dir(args.warmup_dir)
-    task_cfg = task.TaskConfig(max_n=args.max_n, alpha=args.alpha)
+    task_cfg = task_config(args)
     ddp, rank, local_rank, world_size, device = compute_init(args.device)
     try:
         run(args, task_cfg, ddp, rank, world_size, device)

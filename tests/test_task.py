@@ -243,3 +243,48 @@ def test_training_example_layout():
         assert all(0 <= i < task.VOCAB_SIZE for i in ids)
         assert task.decode(ids) == p.prompt() + p.response()
         assert len(ids) <= ALL_SIZES.max_seq_len
+
+
+# ----------------------------------------------------------------------------- re-checks and noise
+
+
+def test_reference_response_rechecks_are_geometric_and_fit():
+    cfg = TaskConfig(max_n=12, recheck=0.4, max_passes=4)
+    rng = random.Random(21)
+    passes = Counter()
+    for _ in range(4000):
+        p = task.sample_problem(rng, cfg)
+        r = task.reference_response(p, cfg, rng)
+        parts = r.split(" | ")
+        assert all(part == p.response() for part in parts)  # no noise: every pass is the clean one
+        assert len(task.encode(r)) + 1 == cfg.response_len(p.size, len(parts)) <= cfg.max_response_len
+        assert task.reward(p.prompt(), r) == 1.0
+        passes[len(parts)] += 1
+    assert set(passes) == {1, 2, 3, 4}
+    assert abs(1 - passes[1] / 4000 - 0.4) < 0.03  # P(a re-check) = recheck
+    assert cfg.max_seq_len == cfg.max_prompt_len + cfg.max_response_len
+
+
+def test_noisy_reference_errs_per_step_and_the_answer_follows_the_last_pass():
+    cfg = TaskConfig(max_n=12, recheck=0.4, max_passes=4, noise=0.1)
+    rng = random.Random(22)
+    steps = wrong = 0
+    for _ in range(3000):
+        p = task.sample_problem(rng, cfg)
+        r = task.reference_response(p, cfg, rng)
+        for part in r.split(" | "):
+            s = 0
+            for (i, d), step in zip(enumerate(p.digits), part.split(" ")):
+                written = int(step.split("=")[1])
+                steps += 1
+                wrong += written != (s + d) % 10  # the sum goes on from the written value
+                s = written
+            assert part.endswith(f" >{s}")
+        assert task.reward(p.prompt(), r) == float(r.endswith(f">{p.answer}"))
+    assert abs(wrong / steps - 0.1) < 0.01
+
+
+@pytest.mark.parametrize("kw", [{"recheck": 1.0}, {"recheck": -0.1}, {"noise": 1.0}, {"noise": -0.1}, {"max_passes": 0}])
+def test_task_config_rejects_bad_trace_settings(kw):
+    with pytest.raises(ValueError):
+        TaskConfig(**kw)

@@ -226,3 +226,22 @@ def test_non_finite_update_is_skipped_and_never_saved(tmp_path):
     with pytest.raises(RuntimeError, match="not finite"):
         train.save_atomic({"model": model.state_dict()}, str(path))
     assert digest(path) == good
+
+
+def test_merged_embeddings_start_as_label_plus_digit():
+    args = train.parse_args(TINY)
+    model = train.GPT(train.GPTConfig(vocab_size=train.task.VOCAB_SIZE, block_size=args.block_size,
+                                      n_layer=1, n_head=2, n_embd=16))
+    train.init_merged_embeddings(model)
+    w = model.wte.weight
+    b7 = train.task.ENC.encode_single_token("b7")
+    assert torch.allclose(w[b7], (w[ord("b")] + w[ord("7")]) / 2 ** 0.5)
+
+
+def test_task_flags_reach_the_task_config():
+    args = train.parse_args(TINY + ["--recheck", "0.3", "--max-passes", "2", "--noise", "0.05", "--warmup-alpha", "0.5",
+                                    "--block-size", "80"])
+    cfg, wcfg = train.task_config(args), train.task_config(args, warmup=True)
+    assert (cfg.recheck, cfg.max_passes, cfg.noise, cfg.alpha, wcfg.alpha) == (0.3, 2, 0.05, args.alpha, 0.5)
+    with pytest.raises(SystemExit):  # two passes do not fit the tiny block
+        train.parse_args(TINY + ["--max-passes", "2"])
