@@ -53,7 +53,7 @@ def parse_args(argv=None):
     p.add_argument("--out-dir", default="out", help="where the warmed-up checkpoints are (or will be made)")
     p.add_argument("--batches", default="1,2,4,8,16,32,64", help="comma-separated batch sizes")
     p.add_argument("--ks", default="1,2,3,4,6,8", help="comma-separated draft lengths")
-    p.add_argument("--max-new", type=int, default=80, help="tokens decoded per row in the decoding bench")
+    p.add_argument("--max-new", type=int, default=44, help="tokens decoded per row in the decoding bench")
     p.add_argument("--repeats", type=int, default=5, help="runs per cell; the median is reported")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: all cores)")
     p.add_argument("--sampler", choices=SAMPLERS, default=None, help="gumbel (exact tokens) or rejection sampling, for "
@@ -85,14 +85,14 @@ def parse_args(argv=None):
         args.train_flags += ["--sampler", args.sampler]
     targs = train.parse_args(args.train_flags)
     args.sampler = targs.sampler
-    if min_size(args.max_new) > targs.max_n:
+    if min_size(args.max_new, train.task_config(targs)) > targs.max_n:
         p.error(f"--max-new {args.max_new} is longer than the task's longest response")
     return args
 
 
-def min_size(max_new):
-    """Smallest problem whose reference response (5 n + 3 tokens) is longer than max_new."""
-    return max_new // 5 + 1
+def min_size(max_new, task_cfg):
+    """Smallest problem whose reference response, a single pass, is longer than max_new tokens."""
+    return next((n for n in range(1, task_cfg.max_n + 1) if task_cfg.response_len(n) > max_new), task_cfg.max_n + 1)
 
 
 def load_models(out_dir, train_flags):
@@ -168,7 +168,7 @@ def decode_row(args, model, drafter, prompts, sampler):
 
 def decode_bench(args, task_cfg, model, drafter):
     rng = random.Random(4321)
-    min_n = min_size(args.max_new)
+    min_n = min_size(args.max_new, task_cfg)
     pool = [task.encode(task.sample_problem(rng, task_cfg, rng.randint(min_n, task_cfg.max_n)).prompt())
             for _ in range(max(max(args.batches), 64))]
     t1 = forward_time(model, 1)

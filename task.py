@@ -128,11 +128,11 @@ def reference_response(problem, cfg, rng):
 
 @dataclass(frozen=True)
 class TaskConfig:
-    max_n: int = 26       # largest problem; at most len(LABELS)
-    alpha: float = 1.5    # tail exponent of P(n) ~ n^-alpha (smaller: heavier tail)
-    recheck: float = 0.0  # reference traces: probability of one more re-check pass after an answer
-    max_passes: int = 1   # reference traces: at most this many passes (the first plus re-checks)
-    noise: float = 0.0    # reference traces: probability that a running-sum step is written wrong
+    max_n: int = 10       # largest problem; at most len(LABELS)
+    alpha: float = 0.5    # tail exponent of P(n) ~ n^-alpha (smaller: heavier tail)
+    recheck: float = 0.4  # reference traces: probability of one more re-check pass after an answer
+    max_passes: int = 4   # reference traces: at most this many passes (the first plus re-checks)
+    noise: float = 0.12   # reference traces: probability that a running-sum step is written wrong
 
     def __post_init__(self):
         if not 1 <= self.max_n <= len(LABELS):

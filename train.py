@@ -72,25 +72,25 @@ def parse_args(argv=None):
     p.add_argument("--rl-seed", type=int, default=None, help="seed of the RL phase only (default: --seed), for noise estimates")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="where to run")
     # task
-    p.add_argument("--max-n", type=int, default=26, help="largest problem size (digits to sum)")
-    p.add_argument("--alpha", type=float, default=1.5, help="tail exponent of the problem-size distribution")
-    p.add_argument("--recheck", type=float, default=0.0, help="reference traces: probability of one more re-check "
+    p.add_argument("--max-n", type=int, default=task.TaskConfig.max_n, help="largest problem size (digits to sum)")
+    p.add_argument("--alpha", type=float, default=task.TaskConfig.alpha, help="tail exponent of the problem-size distribution")
+    p.add_argument("--recheck", type=float, default=task.TaskConfig.recheck, help="reference traces: probability of one more re-check "
                    "pass after each answer (lengths then vary between samples of one prompt)")
-    p.add_argument("--max-passes", type=int, default=1, help="reference traces: at most this many passes")
-    p.add_argument("--noise", type=float, default=0.0, help="reference traces: probability that a running-sum step "
+    p.add_argument("--max-passes", type=int, default=task.TaskConfig.max_passes, help="reference traces: at most this many passes")
+    p.add_argument("--noise", type=float, default=task.TaskConfig.noise, help="reference traces: probability that a running-sum step "
                    "is written wrong (the warmed-up target then errs at about this rate when sampling)")
-    p.add_argument("--warmup-alpha", type=float, default=None, help="tail exponent of the problem sizes in the "
-                   "target warm-up (default: --alpha)")
+    p.add_argument("--warmup-alpha", type=float, default=1.5, help="tail exponent of the problem sizes in the "
+                   "target warm-up: more small problems than in RL, where the look-up is learned")
     # model
     p.add_argument("--n-layer", type=int, default=12, help="target transformer layers")
     p.add_argument("--n-head", type=int, default=4, help="attention heads")
     p.add_argument("--n-embd", type=int, default=48, help="model width")
-    p.add_argument("--block-size", type=int, default=200, help="longest sequence the model holds")
+    p.add_argument("--block-size", type=int, default=256, help="longest sequence the model holds")
     # target warm-up
     p.add_argument("--warmup-steps", type=int, default=2600, help="supervised optimizer steps for the target")
     p.add_argument("--warmup-tokens", type=int, default=2048, help="padded tokens per warm-up batch, all ranks together")
     p.add_argument("--warmup-lr", type=float, default=6e-3, help="peak learning rate of the target warm-up")
-    p.add_argument("--merge-init", type=on_off, default=False, metavar="on|off", help="start each labelled-digit "
+    p.add_argument("--merge-init", type=on_off, default=True, metavar="on|off", help="start each labelled-digit "
                    "token's embedding as the sum of its label's and its digit's (off: random, as every other token)")
     # drafter
     p.add_argument("--drafter-warmup-seqs", type=int, default=4096, help="target samples the drafter warms up on")
@@ -101,7 +101,7 @@ def parse_args(argv=None):
     p.add_argument("--drafter-keep", type=int, default=32, help="RL steps of hidden states the drafter buffer keeps")
     # RL
     p.add_argument("--rl-steps", type=int, default=300, help="GRPO steps")
-    p.add_argument("--prompts-per-step", type=int, default=16, help="prompts per RL step, all ranks together")
+    p.add_argument("--prompts-per-step", type=int, default=4, help="prompts per RL step, all ranks together")
     p.add_argument("--group-size", type=int, default=8, help="responses per prompt (the GRPO group)")
     p.add_argument("--rl-lr", type=float, default=1e-4, help="learning rate of the GRPO updates")
     p.add_argument("--rl-epochs", type=int, default=1, help="optimizer passes over each rollout")
@@ -111,7 +111,7 @@ def parse_args(argv=None):
     p.add_argument("--sampler", default="gumbel", choices=SAMPLERS, help="gumbel: every token fixed by (sequence key, "
                    "position), so plain and speculative rollouts give the same tokens; rejection: classic "
                    "speculative sampling, the same distribution but other samples")
-    p.add_argument("--update-tokens", type=int, default=4096, help="padded tokens per GRPO micro-batch")
+    p.add_argument("--update-tokens", type=int, default=1024, help="padded tokens per GRPO micro-batch")
     # TLT
     p.add_argument("--tlt", type=on_off, default=True, metavar="on|off", help="speculative decoding in the tail (off: plain baseline)")
     p.add_argument("--drafter-updates", type=on_off, default=True, metavar="on|off", help="train the drafter on idle ranks (off: frozen)")
@@ -127,7 +127,7 @@ def parse_args(argv=None):
     positive = ("max_n", "max_passes", "n_layer", "n_head", "n_embd", "block_size", "warmup_steps", "warmup_tokens", "warmup_lr",
                 "drafter_warmup_seqs", "drafter_warmup_steps", "drafter_batch", "drafter_keep", "drafter_lr", "drafter_online_lr",
                 "prompts_per_step", "group_size", "rl_epochs", "rl_lr", "clip_eps", "update_tokens", "ckpt_every", "eval_samples")
-    non_negative = ("recheck", "noise", "rl_steps", "kl_coef", "temperature", "sd_threshold", "timeline_every", "alpha", "eval_per_bucket")
+    non_negative = ("recheck", "noise", "warmup_alpha", "rl_steps", "kl_coef", "temperature", "sd_threshold", "timeline_every", "alpha", "eval_per_bucket")
     for names, ok, what in ((positive, lambda v: v > 0, "positive"), (non_negative, lambda v: v >= 0, "non-negative")):
         for name in names:
             if not ok(getattr(args, name)):  # written so that NaN fails too
@@ -142,9 +142,6 @@ def parse_args(argv=None):
         p.error(f"--max-n must be at most {len(task.LABELS)}")
     if args.recheck >= 1 or args.noise >= 1:
         p.error("--recheck and --noise are probabilities below 1")
-    args.warmup_alpha = args.alpha if args.warmup_alpha is None else args.warmup_alpha
-    if not args.warmup_alpha >= 0:
-        p.error(f"--warmup-alpha must be non-negative, got {args.warmup_alpha}")
     need = task_config(args).max_seq_len + max(args.draft_ks)
     if args.block_size < need:
         p.error(f"--block-size {args.block_size} is too small for --max-n {args.max_n}: the longest prompt + "
@@ -330,7 +327,8 @@ def init_merged_embeddings(model):
     wte = model.wte.weight
     for label in task.LABELS:
         for d in "0123456789":
-            wte[task.ENC.encode_single_token(label + d)] = (wte[ord(label)] + wte[ord(d)]) / math.sqrt(2)
+            parts = [task.ENC.encode_single_token(c) for c in (label, d)]
+            wte[task.ENC.encode_single_token(label + d)] = (wte[parts[0]] + wte[parts[1]]) / math.sqrt(2)
 
 
 def warmup_target(model, args, task_cfg, ddp, rank, world_size, device):
@@ -502,13 +500,16 @@ def grpo_update(model, net, opt, sequences, prompt_lens, advantages, args, devic
 # -----------------------------------------------------------------------------
 # main
 
-def model_meta(args, config, task_cfg):
-    return {"model": config.to_dict(), "task": asdict(task_cfg), "warmup_steps": args.warmup_steps,
-            "warmup_tokens": args.warmup_tokens, "warmup_lr": args.warmup_lr, "warmup_alpha": args.warmup_alpha, "merge_init": args.merge_init, "seed": args.seed}
+def model_meta(args, config):
+    """What the target warm-up depends on: its traces (the warm-up's task config), shape, recipe, seed."""
+    return {"model": config.to_dict(), "task": asdict(task_config(args, warmup=True)), "warmup_steps": args.warmup_steps,
+            "warmup_tokens": args.warmup_tokens, "warmup_lr": args.warmup_lr, "merge_init": args.merge_init,
+            "seed": args.seed}
 
 
 def drafter_meta(args, config, task_cfg):
-    return {**model_meta(args, config, task_cfg), "drafter_warmup_seqs": args.drafter_warmup_seqs,
+    """The drafter warm-up also depends on the RL task config: it learns from the target's samples of RL prompts."""
+    return {**model_meta(args, config), "rl_task": asdict(task_cfg), "drafter_warmup_seqs": args.drafter_warmup_seqs,
             "drafter_warmup_steps": args.drafter_warmup_steps, "drafter_lr": args.drafter_lr,
             "drafter_batch": args.drafter_batch, "temperature": args.temperature}
 
@@ -530,12 +531,12 @@ def prepare_models(args, task_cfg, ddp, rank, world_size, device):
            f"(+ the target's embedding and head, shared); {config}")
     path = os.path.join(args.warmup_dir, "target_warmup.pt")
     if os.path.exists(path):
-        model.load_state_dict(load_checked(path, model_meta(args, config, task_cfg))["model"])
+        model.load_state_dict(load_checked(path, model_meta(args, config))["model"])
         print0(f"reusing the warmed-up target from {path}")
     else:
         warmup_target(model, args, task_cfg, ddp, rank, world_size, device)
         if rank == 0:
-            save_atomic({"meta": model_meta(args, config, task_cfg), "model": model.state_dict()}, path)
+            save_atomic({"meta": model_meta(args, config), "model": model.state_dict()}, path)
     model.eval()
     path = os.path.join(args.warmup_dir, "drafter_warmup.pt")
     if os.path.exists(path):
