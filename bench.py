@@ -43,6 +43,7 @@ import torch
 
 import task
 import train
+import warmup
 from drafter import Drafter, DrafterBuffer, make_optimizer, train_step
 from rollout import Bandit, rollout
 from speculative import SAMPLERS, autoregressive_generate, speculative_generate
@@ -100,7 +101,7 @@ def load_models(out_dir, train_flags):
     train.check_out_dir(out_dir)
     task_cfg = train.task_config(targs)
     device = torch.device("cuda" if train.wants_cuda(targs.device) else "cpu")
-    _, model, drafter = train.prepare_models(targs, task_cfg, False, 0, 1, device)
+    _, model, drafter = warmup.prepare_models(targs, task_cfg, train.task_config(targs, warmup=True), False, 0, 1, device)
     return targs, task_cfg, model.eval(), drafter.eval()
 
 
@@ -239,8 +240,8 @@ def tail_workload(args, task_cfg, model, drafter, n_steps=4):
         out, st = rollout(model, drafter, prompts, task_cfg.max_response_len, generator=generator(model, seed),
                           tlt=tlt, sd_threshold=targs.sd_threshold, bandit=bandit, eos_id=task.EOS_ID,
                           sampler=targs.sampler, keys=[seed * 10_000 + i for i in range(len(prompts))])
-        st["reward"] = statistics.mean(task.reward(p.prompt(), task.decode(o[0])) for p, o in zip(rows, out))
-        st["responses"] = [o[0] for o in out]
+        st["reward"] = statistics.mean(task.reward(p.prompt(), task.decode(o.response)) for p, o in zip(rows, out))
+        st["responses"] = [o.response for o in out]
         return st
     for i, shard in enumerate(shards):  # bandit warm-up
         run(True, shard, 100 + i)
@@ -252,8 +253,8 @@ def tail_workload(args, task_cfg, model, drafter, n_steps=4):
     t_plain = statistics.median([sum(s["time"] for s in plain[r * n_steps:(r + 1) * n_steps]) for r in range(args.repeats)])
     t_tlt = statistics.median([sum(s["time"] for s in tlt[r * n_steps:(r + 1) * n_steps]) for r in range(args.repeats)])
     share = statistics.median(s["tail_share"] for s in plain)
-    sd_steps = sum(s["sd_steps"] for s in tlt)
-    accept = sum(s["sd_tokens"] for s in tlt) / sd_steps if sd_steps else None
+    sd_row_steps = sum(s["sd_row_steps"] for s in tlt)
+    accept = sum(s["sd_tokens"] for s in tlt) / sd_row_steps if sd_row_steps else None
     print(f"\nlong-tail rollouts (rank 0's shards of the default run's first {n_steps} steps, {len(shards[0][0])} rows each, "
           f"sd threshold {targs.sd_threshold}): plain {t_plain:.2f}s, TLT {t_tlt:.2f}s, speedup {t_plain / t_tlt:.2f}x; "
           f"TLT accept length {accept or 0:.2f}; tail share of the plain rollouts {100 * share:.0f}% (median; time after "
@@ -306,9 +307,9 @@ def drift_bench(targs, task_cfg, model, drafter, sft_steps=300, sft_lr=2e-3, n_s
     moved = copy.deepcopy(model).train()
     opt = torch.optim.AdamW(moved.parameters(), lr=sft_lr, betas=(0.9, 0.95), weight_decay=0.0)
     rng = random.Random(7)
-    batches = train.sft_batches(rng, dataclasses.replace(task_cfg, alpha=0.0), sft_steps, targs.warmup_tokens)
+    batches = warmup.sft_batches(rng, dataclasses.replace(task_cfg, alpha=0.0), sft_steps, targs.warmup_tokens)
     for batch in batches:
-        train.sft_step(moved, moved, opt, batch, moved.wte.weight.device)
+        warmup.sft_step(moved, moved, opt, batch, moved.wte.weight.device)
     moved.eval()
     buffer, gen = DrafterBuffer(keep_steps=1), generator(model, 1)
     for _ in range(0, n_seqs, 64):
@@ -412,7 +413,7 @@ def main(argv=None):
         result = drift_bench(targs, task_cfg, model, drafter)
     elif args.drafters:
         meta, want = torch.load(os.path.join(args.drafters, "ckpt.pt"), map_location="cpu", weights_only=True)["meta"], \
-            train.drafter_meta(targs, model.config, task_cfg)
+            warmup.drafter_meta(targs, model.config, task_cfg, train.task_config(targs, warmup=True))
         differ = [k for k in want if meta.get(k) != want[k]]
         if differ:
             raise SystemExit(f"error: the run in {args.drafters} started from another warm-up than {args.out_dir} "

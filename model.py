@@ -86,7 +86,7 @@ class KVCache:
     def keep(self, rows):
         """Compaction: keep only `rows` (a long tensor of row indices), in that order: slot i gets
         row rows[i]. Only the slots whose row changes are copied, and the cache becomes a view of
-        its first len(rows) slots. Generation.compact moves the few live rows past the new end
+        its first len(rows) slots. RunningBatch.compact moves the few live rows past the new end
         into the holes that finished rows leave, so a compaction copies a few rows instead of the
         whole cache (59 MB at batch 64 with 12 layers): in a 64-row rollout, 15 ms instead of 40."""
         n = rows.shape[0]

@@ -18,8 +18,12 @@ estimator exp(ref - logp) - (ref - logp) - 1, which is non-negative and unbiased
 
 Test: python -m pytest tests/test_rl.py
 """
+from contextlib import nullcontext
+
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel
 
 
 def group_advantages(rewards, group_size, eps=1e-6):
@@ -70,3 +74,67 @@ def grpo_loss(logp, logp_old, advantages, mask, clip_eps=0.2, kl_coef=0.0, logp_
         clipped = ((ratio - 1).abs() > clip_eps).float()
         stats = {"clip_frac": float((clipped * m).sum() / n), "kl": float((kl * m).sum() / n)}
     return loss, stats
+
+
+def group_by_length(items, length, token_budget):
+    """Sort by length and cut into batches of about `token_budget` padded tokens (a batch is padded
+    to its longest item). On long-tailed lengths this keeps padding small; it batches the warm-up
+    data and the GRPO micro-batches alike. Always returns at least one (possibly empty) batch."""
+    batches, cur = [], []
+    for it in sorted(items, key=length):
+        if cur and (len(cur) + 1) * length(it) > token_budget:
+            batches.append(cur)
+            cur = []
+        cur.append(it)
+    batches.append(cur)
+    return batches
+
+
+def grpo_update(model, net, opt, sequences, prompt_lens, advantages, *, pad_id, update_tokens, epochs=1, clip_eps=0.2,
+                kl_coef=0.0, ref_model=None, device="cpu"):
+    """One GRPO update on this rank's rollouts: `sequences` (token lists, prompt + response) with
+    their prompt lengths and advantages. `net` is `model`, or its DDP wrapper under torchrun.
+    Length-grouped micro-batches of about `update_tokens` padded tokens, gradients accumulated, one
+    all-reduce (DDP), one optimizer step per epoch. A rank with no rows still takes part with a
+    zero loss, so collectives line up. Returns (loss, clip fraction, skipped) where skipped means
+    a non-finite loss or gradient, skipped on every rank."""
+    n_tokens = max(1, sum(len(s) - p for s, p in zip(sequences, prompt_lens)))
+    # rows with advantage 0 (groups whose rewards are all equal) add exactly 0 to the loss and its
+    # gradient, so skipping them changes nothing but the time (not so with a KL term)
+    active = [i for i in range(len(sequences)) if kl_coef > 0 or advantages[i] != 0]
+    micro = group_by_length(active, lambda i: len(sequences[i]), update_tokens)
+    total_loss, clip, skipped, old = 0.0, 0.0, False, {}
+    for epoch in range(epochs):
+        opt.zero_grad(set_to_none=True)
+        for m_i, rows in enumerate(micro):
+            if rows:
+                tokens, mask = collate([sequences[i] for i in rows], [prompt_lens[i] for i in rows], pad_id, device)
+                adv = advantages[rows].to(device)
+            else:  # no rows on this rank: a one-token dummy with an empty mask
+                tokens, mask = torch.zeros(1, 2, dtype=torch.long, device=device), torch.zeros(1, 1, dtype=torch.bool, device=device)
+                adv = torch.zeros(1, device=device)
+            last = m_i == len(micro) - 1
+            ctx = net.no_sync() if (isinstance(net, DistributedDataParallel) and not last) else nullcontext()
+            with ctx:
+                logp = token_logprobs(net, tokens)
+                # the rollout came from the weights of epoch 0: their log-probs are the "old" ones
+                logp_old = old.setdefault(m_i, logp.detach())
+                logp_ref = None
+                if kl_coef > 0:
+                    with torch.no_grad():
+                        logp_ref = token_logprobs(ref_model, tokens)
+                loss, st = grpo_loss(logp, logp_old, adv, mask, clip_eps, kl_coef, logp_ref)
+                # token-level mean over the rank's whole batch, not per micro-batch
+                (loss * mask.sum() / n_tokens).backward()
+            total_loss += float(loss.detach()) * float(mask.sum()) / n_tokens
+            clip += st["clip_frac"] * float(mask.sum()) / n_tokens
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        ok = torch.tensor([float(torch.isfinite(grad_norm))], device=device)
+        if dist.is_initialized():
+            dist.all_reduce(ok, op=dist.ReduceOp.MIN)  # every rank skips together, or none does
+        if ok.item() < 1:
+            opt.zero_grad(set_to_none=True)
+            skipped = True
+            continue
+        opt.step()
+    return total_loss / epochs, clip / epochs, skipped

@@ -21,7 +21,7 @@ a count is biased, so it can rank arms unlike their throughput (in our runs it p
 batch 1, where k = 4 is faster). Its state persists across RL steps and is saved in checkpoints.
 
 The switch to speculative decoding fills the drafter's cache from the target hidden states that
-Generation has recorded for every token (see speculative.py): no second target pass. Those same
+RunningBatch has recorded for every token (see speculative.py): no second target pass. Those same
 states, exactly aligned with the tokens in both kinds of step, go to the drafter buffer.
 
 Test: python -m pytest tests/test_rollout.py
@@ -32,7 +32,7 @@ from collections import deque
 
 import torch
 
-from speculative import Generation, finish_stats, new_stats, record_sd
+from speculative import RunningBatch, finish_stats, new_stats, record_sd
 
 ARMS = (0, 1, 2, 3, 4, 6, 8)
 
@@ -92,7 +92,7 @@ def rollout(target, drafter, prompts, max_new_tokens, *, temperature=1.0, eos_id
     (generated ids, all tokens (N,), hidden states (N-1, C), prompt length) and stats has the
     per-phase times, the running batch size per step, SD figures, the tail share (see
     `tail_share`) and a list of timeline segments (kind, t_start, t_end) relative to the call.
-    sampler and keys: see speculative.Generation; with "gumbel", the tokens do not depend on
+    sampler and keys: see speculative.RunningBatch; with "gumbel", the tokens do not depend on
     tlt, the threshold or the bandit's choices (up to rounding: see speculative.py)."""
     device = target.wte.weight.device
     stats = new_stats()
@@ -103,7 +103,7 @@ def rollout(target, drafter, prompts, max_new_tokens, *, temperature=1.0, eos_id
     use_sd = tlt and drafter is not None
     bandit = bandit if bandit is not None else Bandit()
     t_start = time.perf_counter()
-    gen = Generation(target, prompts, max_new_tokens, temperature=temperature, eos_id=eos_id, generator=generator,
+    gen = RunningBatch(target, prompts, max_new_tokens, temperature=temperature, eos_id=eos_id, generator=generator,
                      max_draft=max(bandit.arms) if use_sd else 0, sampler=sampler, keys=keys)
     sync(device)
     stats["prefill_time"] = time.perf_counter() - t_start

@@ -21,12 +21,44 @@ technique, not a bug: the training is free only because it fills time otherwise 
 
 Test: python -m pytest tests/test_scheduler.py   (4 gloo processes with skewed loads)
 """
+import enum
+import os
 import time
 
 import torch
 import torch.distributed as dist
 
 from drafter import train_step
+
+class Seed(enum.IntEnum):
+    """What a derived seed is for: each purpose its own random stream (the numbers only keep them apart)."""
+    TARGET_DATA = 1        # the target warm-up's reference traces
+    DRAFTER_DATA = 2       # the drafter warm-up's prompts and batches
+    DRAFTER_SAMPLES = 3    # the target's samples the drafter warms up on
+    INIT = 4               # initial weights, the same on every rank
+    BANDIT = 5             # the bandit's exploration
+    RL_PROMPTS = 6         # each RL step's prompts, the same on every rank
+    ROLLOUT = 7            # rollout sampling with --sampler rejection
+    DRAFTER_TRAINING = 8   # idle-rank drafter batches
+    EVAL = 9               # evaluation sampling with --sampler rejection
+    ROLLOUT_KEYS = 10      # each rollout row's key with --sampler gumbel
+    EVAL_KEYS = 11         # each evaluation row's key with --sampler gumbel
+
+
+def derive_seed(*parts):
+    """A seed for (base seed, rank or row, step, purpose), or any tuple of integers: each random
+    stream gets its own seed, and nothing reseeds the global generator inside a loop."""
+    h = 0
+    for x in parts:
+        h = (h * 1_000_003 + int(x)) % (2 ** 61 - 1)
+    return h
+
+
+def print0(*a, **kw):
+    """print on rank 0 only (the RANK that torchrun sets; a single process is rank 0)."""
+    if int(os.environ.get("RANK", 0)) == 0:
+        print(*a, **kw, flush=True)
+
 
 TIMELINE_CHARS = {"plain": "#", "spec": "S", "train": "t", "wait": "."}
 

@@ -27,7 +27,7 @@ The pieces, in the order one speculative step uses them:
 5. Ragged acceptance: every row keeps its own number of tokens. Rolling back is assigning the
    cache lengths; no row waits for the slowest, no row is cut to the minimum.
 
-`Generation` holds the running batch (tokens, target hidden states, both caches); its
+`RunningBatch` holds the running batch (tokens, target hidden states, both caches); its
 `plain_step` and `speculative_step` are the two kinds of step, and `compact` drops finished rows
 from every tensor and cache. `autoregressive_generate` and `speculative_generate` each use one
 kind of step throughout; rollout.py mixes the two kinds of step by batch size.
@@ -38,6 +38,7 @@ Host-device syncs are marked "sync:". On a CPU they are free; on a GPU there are
 Test: python -m pytest tests/test_speculative.py
 """
 import functools
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -135,7 +136,15 @@ def verify_coupled(draft_tokens, target_tokens):
     return n_accepted, target_tokens.gather(1, n_accepted[:, None])[:, 0]
 
 
-class Generation:
+class Sample(NamedTuple):
+    """One finished row."""
+    response: list        # the generated token ids (ending with <|eos|> when the row stopped on it)
+    tokens: torch.Tensor  # (N,) prompt + response
+    hidden: torch.Tensor  # (N - 1, C): hidden[j] is the target's final hidden state after reading tokens[j]
+    prompt_len: int
+
+
+class RunningBatch:
     """The running batch of one generation: rows leave it when they finish.
 
     Per row: tokens[b, :n_tokens[b]] are prompt + generated tokens, the last one "pending" (sampled
@@ -180,7 +189,7 @@ class Generation:
                 raise ValueError("keys must be non-negative")
         self.cache = target.new_cache(B, max_len=need)
         self.dcache = None  # the drafter's cache, made on the first speculative step
-        self.results = [None] * B  # per original row: (generated ids, all tokens, hidden states, prompt length)
+        self.results = [None] * B  # per original row, a Sample once it has finished
         # prefill: each distinct prompt once (a GRPO group repeats its prompt G times), padded, in
         # one pass; then copy its cache entries to the rows that share it and roll each row back
         # to its true length. Every row then samples its own first token.
@@ -300,8 +309,8 @@ class Generation:
             return self.batch_size
         for b in self.done.nonzero()[:, 0].tolist():
             n, plen = int(self.n_tokens[b]), int(self.prompt_len[b])
-            self.results[int(self.row_id[b])] = (self.tokens[b, plen:n].tolist(), self.tokens[b, :n].clone(),
-                                                 self.hidden[b, :n - 1].clone(), plen)
+            self.results[int(self.row_id[b])] = Sample(self.tokens[b, plen:n].tolist(), self.tokens[b, :n].clone(),
+                                                       self.hidden[b, :n - 1].clone(), plen)
         # the live rows past the new end fill the holes that finished rows leave before it, so the
         # caches copy a few rows instead of all of them (KVCache.keep); row_id keeps the order
         live = (~self.done).nonzero()[:, 0]
@@ -315,15 +324,15 @@ class Generation:
         return self.batch_size
 
     def outputs(self):
-        return [r[0] for r in self.results]
+        return [r.response for r in self.results]
 
 
 def new_stats():
-    return {"steps": 0, "tokens": 0, "sd_steps": 0, "sd_tokens": 0, "drafted": 0, "accepted": 0, "accept_hist": {}}
+    return {"steps": 0, "tokens": 0, "sd_row_steps": 0, "sd_tokens": 0, "drafted": 0, "accepted": 0, "accept_hist": {}}
 
 
 def record_sd(stats, n_emitted, n_acc, k):
-    stats["sd_steps"] += int(n_emitted.numel())
+    stats["sd_row_steps"] += int(n_emitted.numel())
     stats["sd_tokens"] += int(n_emitted.sum())
     stats["drafted"] += k * int(n_acc.numel())
     stats["accepted"] += int(n_acc.sum())
@@ -332,7 +341,7 @@ def record_sd(stats, n_emitted, n_acc, k):
 
 
 def finish_stats(stats):
-    stats["accept_len"] = stats["sd_tokens"] / stats["sd_steps"] if stats["sd_steps"] else None
+    stats["accept_len"] = stats["sd_tokens"] / stats["sd_row_steps"] if stats["sd_row_steps"] else None
     stats["accept_rate"] = stats["accepted"] / stats["drafted"] if stats["drafted"] else None  # per drafted token
     stats["accept_hist"] = dict(sorted(stats["accept_hist"].items()))
     return stats
@@ -342,8 +351,8 @@ def finish_stats(stats):
 def autoregressive_generate(target, prompts, max_new_tokens, *, temperature=1.0, eos_id=None, generator=None,
                             sampler="rejection", keys=None):
     """Plain decoding, one token per row per target pass; finished rows leave the batch.
-    sampler and keys: see Generation."""
-    gen = Generation(target, prompts, max_new_tokens, temperature=temperature, eos_id=eos_id, generator=generator,
+    sampler and keys: see RunningBatch."""
+    gen = RunningBatch(target, prompts, max_new_tokens, temperature=temperature, eos_id=eos_id, generator=generator,
                      sampler=sampler, keys=keys)
     stats = new_stats()
     while gen.compact() > 0:
@@ -359,7 +368,7 @@ def speculative_generate(target, drafter, prompts, max_new_tokens, *, k=4, tempe
     and the same keys (or the same generator seed) it emits exactly autoregressive_generate's tokens."""
     if k < 1:
         raise ValueError(f"k must be >= 1, got {k}")
-    gen = Generation(target, prompts, max_new_tokens, temperature=temperature, eos_id=eos_id,
+    gen = RunningBatch(target, prompts, max_new_tokens, temperature=temperature, eos_id=eos_id,
                      generator=generator, max_draft=k, sampler=sampler, keys=keys)
     stats = new_stats()
     while gen.compact() > 0:

@@ -30,15 +30,15 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.rendezvous import rendezvous
-from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.nn.parallel import DistributedDataParallel
 
 import rl
 import task
-from drafter import Drafter, DrafterBuffer, acceptance_proxy, make_optimizer, train_step
-from model import GPT, GPTConfig
+from drafter import DrafterBuffer, make_optimizer
 from rollout import ARMS, Bandit, rollout, sync
-from scheduler import gather_ranks, idle_train, render_timeline, sync_drafter
+from scheduler import Seed, derive_seed, gather_ranks, idle_train, print0, render_timeline, sync_drafter
 from speculative import SAMPLERS, autoregressive_generate, speculative_generate
+from warmup import drafter_meta, load_checked, prepare_models, save_atomic
 
 # a rank that dies makes its peers fail in a collective after at most this long (seconds)
 COLLECTIVE_TIMEOUT_S = int(os.environ.get("TLT_COLLECTIVE_TIMEOUT", 120))
@@ -197,192 +197,12 @@ def compute_init(device_arg="auto"):
     return ddp, rank, local_rank, world_size, device
 
 
-def print0(*a, **kw):
-    if int(os.environ.get("RANK", 0)) == 0:
-        print(*a, **kw, flush=True)
-
-
 def all_sum(values, device):
-    """Sum a list of floats over ranks."""
-    t = torch.tensor(values, dtype=torch.float64, device=device)
+    """{name: number} -> the same names, each summed over ranks."""
+    t = torch.tensor(list(values.values()), dtype=torch.float64, device=device)
     if dist.is_initialized():
         dist.all_reduce(t)
-    return t.tolist()
-
-
-def derive_seed(*parts):
-    """A seed for (base seed, rank, step, purpose): no global reseeding inside loops."""
-    h = 0
-    for x in parts:
-        h = (h * 1_000_003 + int(x)) % (2 ** 61 - 1)
-    return h
-
-
-# -----------------------------------------------------------------------------
-# checkpoints: atomic writes, safe loads, config checked
-
-def save_atomic(obj, path):
-    for name, t in _tensors(obj):
-        if t.is_floating_point() and not torch.isfinite(t).all():  # never let NaN weights replace good ones
-            raise RuntimeError(f"refusing to write {path}: {name} is not finite")
-    tmp = f"{path}.tmp"
-    torch.save(obj, tmp)
-    os.replace(tmp, path)  # a kill before this line leaves the previous file intact
-
-
-def _tensors(obj, prefix=""):
-    if isinstance(obj, torch.Tensor):
-        yield prefix, obj
-    elif isinstance(obj, dict):
-        for k, v in obj.items():
-            yield from _tensors(v, f"{prefix}.{k}" if prefix else str(k))
-    elif isinstance(obj, (list, tuple)):
-        for i, v in enumerate(obj):
-            yield from _tensors(v, f"{prefix}[{i}]")
-
-
-def _flatten(d, prefix=""):
-    out = {}
-    for k, v in d.items():
-        out.update(_flatten(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
-    return out
-
-
-def load_checked(path, expected_meta):
-    """Load a checkpoint saved with meta=expected_meta; exit with one clear line otherwise."""
-    try:
-        ckpt = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:  # truncated, corrupt, or not a checkpoint
-        raise SystemExit(f"error: cannot read checkpoint {path} ({type(e).__name__}); delete it or use another --out-dir")
-    got = ckpt.get("meta") if isinstance(ckpt, dict) else None
-    if got != expected_meta:
-        want, have = _flatten(expected_meta), _flatten(got if isinstance(got, dict) else {})
-        diff = [f"{k} {have.get(k)} there, {want.get(k)} here" for k in sorted(set(want) | set(have))
-                if want.get(k) != have.get(k)]
-        raise SystemExit(f"error: checkpoint {path} was made with a different config ({'; '.join(diff[:4])}"
-                         f"{'; ...' if len(diff) > 4 else ''}); delete it or use another --out-dir")
-    return ckpt
-
-
-# -----------------------------------------------------------------------------
-# target warm-up: supervised training on reference traces
-
-def group_by_length(items, length, token_budget):
-    """Sort by length and cut into batches of about `token_budget` padded tokens (a batch is padded
-    to its longest item). On long-tailed lengths this keeps padding small; it batches the warm-up
-    data and the GRPO micro-batches alike. Always returns at least one (possibly empty) batch."""
-    batches, cur = [], []
-    for it in sorted(items, key=length):
-        if cur and (len(cur) + 1) * length(it) > token_budget:
-            batches.append(cur)
-            cur = []
-        cur.append(it)
-    batches.append(cur)
-    return batches
-
-
-def sft_batches(rng, task_cfg, n_batches, token_budget):
-    """n_batches length-grouped batches of reference traces (token ids, prompt length), shuffled."""
-    pool = [task.training_example(task.sample_problem(rng, task_cfg), task_cfg, rng) for _ in range(n_batches * 64)]
-    batches = group_by_length(pool, lambda e: len(e[0]), token_budget)
-    rng.shuffle(batches)
-    return batches[:n_batches]
-
-
-def lr_at(step, total, peak):
-    warm = max(1, total // 20)
-    if step < warm:
-        return peak * (step + 1) / warm
-    frac = (step - warm) / max(1, total - warm)
-    return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))  # cosine down to 10% of peak
-
-
-def sft_step(model, net, opt, batch, device):
-    """One supervised step on a batch of (token ids, prompt length): next-token loss on response
-    tokens only (the prompt's digits are random). Returns (loss, padded tokens read)."""
-    ids, plens = zip(*batch)
-    tokens, mask = rl.collate(ids, plens, task.PAD_ID, device)
-    x, y = tokens[:, :-1], tokens[:, 1:].masked_fill(~mask, -100)
-    logits, _ = net(x)
-    loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1), ignore_index=-100)
-    opt.zero_grad(set_to_none=True)
-    loss.backward()
-    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-    opt.step()
-    return loss, x.numel()
-
-
-@torch.no_grad()
-def init_merged_embeddings(model):
-    """Embedding of each labelled digit "b7" := (embedding of "b" + embedding of "7") / sqrt(2).
-
-    The task's one hard skill is the look-up: the response writes the label "b" and must copy the
-    digit of the prompt's token "b7". With random embeddings the model must first discover that the
-    520 labelled-digit tokens share a label and a digit with the plain tokens; the deep narrow
-    target sits on a loss plateau (digits at chance) until it does, for a seed-dependent time.
-    Started as sums, "b" already matches "b7" in attention and "b7" already carries the "7" that the
-    tied head reads out. Measured (max-n 12, 2000 steps, seed 1337): with it the warmed-up target
-    copied the digits right on sizes up to 12 and erred in the sums; without it, it copied wrong
-    digits from size 2 on."""
-    wte = model.wte.weight
-    for label in task.LABELS:
-        for d in "0123456789":
-            parts = [task.ENC.encode_single_token(c) for c in (label, d)]
-            wte[task.ENC.encode_single_token(label + d)] = (wte[parts[0]] + wte[parts[1]]) / math.sqrt(2)
-
-
-def warmup_target(model, args, task_cfg, ddp, rank, world_size, device):
-    if args.merge_init:
-        init_merged_embeddings(model)  # deterministic, so still the same weights on every rank
-    model.train()
-    net = DDP(model) if ddp else model
-    opt = torch.optim.AdamW(model.parameters(), lr=args.warmup_lr, betas=(0.9, 0.95), weight_decay=0.1)
-    rng = random.Random(derive_seed(args.seed, rank, 0, 1))
-    task_cfg = task_config(args, warmup=True)
-    budget = max(1, args.warmup_tokens // world_size)
-    t0, tokens_seen, batches = time.time(), 0, []
-    for step in range(args.warmup_steps):
-        if not batches:
-            batches = sft_batches(rng, task_cfg, 16, budget)
-        for g in opt.param_groups:
-            g["lr"] = lr_at(step, args.warmup_steps, args.warmup_lr)
-        loss, n_tokens = sft_step(model, net, opt, batches.pop(), device)
-        tokens_seen += n_tokens * world_size
-        if step % 50 == 0 or step == args.warmup_steps - 1:
-            el = time.time() - t0
-            eta = el / (step + 1) * (args.warmup_steps - step - 1)
-            print0(f"target warmup {step:05d}/{args.warmup_steps} ({100 * (step + 1) / args.warmup_steps:.1f}%) | "
-                   f"loss {loss.item():.4f} | tok/s {tokens_seen / el:,.0f} | elapsed {el:.0f}s | eta {eta:.0f}s")
-    model.eval()
-
-
-# -----------------------------------------------------------------------------
-# drafter warm-up: the target's own samples, hidden states kept
-
-def warmup_drafter(drafter, model, args, task_cfg, ddp, rank, world_size, device):
-    rng = random.Random(derive_seed(args.seed, rank, 0, 2))
-    gen = torch.Generator(device=device).manual_seed(derive_seed(args.seed, rank, 0, 3))
-    buffer = DrafterBuffer(keep_steps=1)
-    n_local = len(range(rank, args.drafter_warmup_seqs, world_size))
-    t0 = time.time()
-    for i in range(0, n_local, 64):
-        problems = [task.sample_problem(rng, task_cfg) for _ in range(min(64, n_local - i))]
-        results, _ = rollout(model, None, [task.encode(p.prompt()) for p in problems], task_cfg.max_response_len,
-                             temperature=args.temperature, eos_id=task.EOS_ID, generator=gen, tlt=False)
-        for _, tokens, hidden, plen in results:
-            buffer.add(0, tokens, hidden, plen)
-    print0(f"drafter warmup: {buffer.num_tokens():,} tokens of target samples per rank in {time.time() - t0:.1f}s")
-    opt = make_optimizer(drafter, args.drafter_lr)
-    t0 = time.time()
-    for step in range(args.drafter_warmup_steps):
-        for g in opt.param_groups:
-            g["lr"] = lr_at(step, args.drafter_warmup_steps, args.drafter_lr)
-        loss = train_step(drafter, opt, buffer, rng, batch_size=args.drafter_batch, device=device, sync_grads=ddp)
-        if step % 100 == 0 or step == args.drafter_warmup_steps - 1:
-            el = time.time() - t0
-            print0(f"drafter warmup {step:05d}/{args.drafter_warmup_steps} | loss {loss:.4f} | "
-                   f"top-1 agreement {acceptance_proxy(drafter, buffer, rng, device=device):.3f} | elapsed {el:.0f}s | "
-                   f"eta {el / (step + 1) * (args.drafter_warmup_steps - step - 1):.0f}s")
+    return dict(zip(values, t.tolist()))
 
 
 # -----------------------------------------------------------------------------
@@ -396,7 +216,7 @@ def evaluate(model, problems, rank=0, world_size=1, drafter=None, temperature=0.
     must give exactly the same tokens. At temperature > 0 problem j's key is derived from (seed, j),
     so with sampler "gumbel" the tokens do not depend on the ranks or on the drafter; with
     "rejection" the sampling is seeded per rank."""
-    gen = torch.Generator(device=model.wte.weight.device).manual_seed(derive_seed(seed, rank, 0, 9))
+    gen = torch.Generator(device=model.wte.weight.device).manual_seed(derive_seed(seed, rank, 0, Seed.EVAL))
     mine = list(range(rank, len(problems), world_size))
     outputs = [None] * len(problems)
     for i in range(0, len(mine), batch_size):
@@ -404,7 +224,7 @@ def evaluate(model, problems, rank=0, world_size=1, drafter=None, temperature=0.
         prompts = [task.encode(problems[j].prompt()) for j in idx]
         max_new = task_cfg.response_len(max(problems[j].size for j in idx), task_cfg.max_passes)
         how = dict(temperature=temperature, eos_id=task.EOS_ID, generator=gen, sampler=sampler,
-                   keys=[derive_seed(seed, j, 0, 11) for j in idx])
+                   keys=[derive_seed(seed, j, 0, Seed.EVAL_KEYS) for j in idx])
         if drafter is None:
             outs, _ = autoregressive_generate(model, prompts, max_new, **how)
         else:
@@ -449,104 +269,13 @@ def format_accuracy(acc):
 
 
 # -----------------------------------------------------------------------------
-# one GRPO update on this rank's rollouts
-
-def grpo_update(model, net, opt, sequences, prompt_lens, advantages, args, device, ref_model=None):
-    """Length-grouped micro-batches, gradients accumulated, one all-reduce (DDP), one step per
-    epoch. A rank with no rows still takes part with a zero loss, so collectives line up.
-    Returns (loss, clip fraction, skipped) where skipped means a non-finite loss or gradient."""
-    n_tokens = max(1, sum(len(s) - p for s, p in zip(sequences, prompt_lens)))
-    # rows with advantage 0 (groups whose rewards are all equal) add exactly 0 to the loss and its
-    # gradient, so skipping them changes nothing but the time (not so with a KL term)
-    active = [i for i in range(len(sequences)) if args.kl_coef > 0 or advantages[i] != 0]
-    micro = group_by_length(active, lambda i: len(sequences[i]), args.update_tokens)
-    total_loss, clip, skipped, old = 0.0, 0.0, False, {}
-    for epoch in range(args.rl_epochs):
-        opt.zero_grad(set_to_none=True)
-        for m_i, rows in enumerate(micro):
-            if rows:
-                tokens, mask = rl.collate([sequences[i] for i in rows], [prompt_lens[i] for i in rows], task.PAD_ID, device)
-                adv = advantages[rows].to(device)
-            else:  # no rows on this rank: a one-token dummy with an empty mask
-                tokens, mask = torch.zeros(1, 2, dtype=torch.long, device=device), torch.zeros(1, 1, dtype=torch.bool, device=device)
-                adv = torch.zeros(1, device=device)
-            last = m_i == len(micro) - 1
-            ctx = net.no_sync() if (isinstance(net, DDP) and not last) else nullcontext()
-            with ctx:
-                logp = rl.token_logprobs(net, tokens)
-                # the rollout came from the weights of epoch 0: their log-probs are the "old" ones
-                logp_old = old.setdefault(m_i, logp.detach())
-                logp_ref = None
-                if args.kl_coef > 0:
-                    with torch.no_grad():
-                        logp_ref = rl.token_logprobs(ref_model, tokens)
-                loss, st = rl.grpo_loss(logp, logp_old, adv, mask, args.clip_eps, args.kl_coef, logp_ref)
-                # token-level mean over the rank's whole batch, not per micro-batch
-                (loss * mask.sum() / n_tokens).backward()
-            total_loss += float(loss.detach()) * float(mask.sum()) / n_tokens
-            clip += st["clip_frac"] * float(mask.sum()) / n_tokens
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        ok = torch.tensor([float(torch.isfinite(grad_norm))], device=device)
-        if dist.is_initialized():
-            dist.all_reduce(ok, op=dist.ReduceOp.MIN)  # every rank skips together, or none does
-        if ok.item() < 1:
-            opt.zero_grad(set_to_none=True)
-            skipped = True
-            continue
-        opt.step()
-    return total_loss / args.rl_epochs, clip / args.rl_epochs, skipped
-
-
-# -----------------------------------------------------------------------------
 # main
 
-def model_meta(args, config):
-    """What the target warm-up depends on: its traces (the warm-up's task config), shape, recipe, seed."""
-    return {"model": config.to_dict(), "task": asdict(task_config(args, warmup=True)), "warmup_steps": args.warmup_steps,
-            "warmup_tokens": args.warmup_tokens, "warmup_lr": args.warmup_lr, "merge_init": args.merge_init,
-            "seed": args.seed}
-
-
-def drafter_meta(args, config, task_cfg):
-    """The drafter warm-up also depends on the RL task config: it learns from the target's samples of RL prompts."""
-    return {**model_meta(args, config), "rl_task": asdict(task_cfg), "drafter_warmup_seqs": args.drafter_warmup_seqs,
-            "drafter_warmup_steps": args.drafter_warmup_steps, "drafter_lr": args.drafter_lr,
-            "drafter_batch": args.drafter_batch, "temperature": args.temperature}
-
-
 def rl_meta(args, config, task_cfg):
+    """What an RL checkpoint depends on: the warm-ups it started from and every RL setting."""
     keys = ("rl_seed", "drafter_online_lr", "prompts_per_step", "group_size", "rl_lr", "rl_epochs", "clip_eps", "kl_coef", "tlt", "drafter_updates",
             "sd_threshold", "drafter_keep", "update_tokens", "sampler")
-    return {**drafter_meta(args, config, task_cfg), **{k: getattr(args, k) for k in keys}, "draft_ks": list(args.draft_ks)}
-
-
-def prepare_models(args, task_cfg, ddp, rank, world_size, device):
-    """Build target and drafter; warm each up, or reuse its cached warm-up."""
-    config = GPTConfig(vocab_size=task.VOCAB_SIZE, block_size=args.block_size, n_layer=args.n_layer,
-                       n_head=args.n_head, n_embd=args.n_embd)
-    torch.manual_seed(derive_seed(args.seed, 0, 0, 4))  # same initial weights on every rank
-    model = GPT(config).to(device)
-    drafter = Drafter(model).to(device)
-    print0(f"target: {model.num_params():,} parameters; drafter: {sum(p.numel() for p in drafter.parameters()):,} "
-           f"(+ the target's embedding and head, shared); {config}")
-    path = os.path.join(args.warmup_dir, "target_warmup.pt")
-    if os.path.exists(path):
-        model.load_state_dict(load_checked(path, model_meta(args, config))["model"])
-        print0(f"reusing the warmed-up target from {path}")
-    else:
-        warmup_target(model, args, task_cfg, ddp, rank, world_size, device)
-        if rank == 0:
-            save_atomic({"meta": model_meta(args, config), "model": model.state_dict()}, path)
-    model.eval()
-    path = os.path.join(args.warmup_dir, "drafter_warmup.pt")
-    if os.path.exists(path):
-        drafter.load_state_dict(load_checked(path, drafter_meta(args, config, task_cfg))["drafter"])
-        print0(f"reusing the warmed-up drafter from {path}")
-    else:
-        warmup_drafter(drafter, model, args, task_cfg, ddp, rank, world_size, device)
-        if rank == 0:
-            save_atomic({"meta": drafter_meta(args, config, task_cfg), "drafter": drafter.state_dict()}, path)
-    return config, model, drafter
+    return {**drafter_meta(args, config, task_cfg, task_config(args, warmup=True)), **{k: getattr(args, k) for k in keys}, "draft_ks": list(args.draft_ks)}
 
 
 def check_out_dir(out_dir):
@@ -584,15 +313,15 @@ def main(argv=None):
 
 def run(args, task_cfg, ddp, rank, world_size, device):
     t_run = time.time()
-    config, model, drafter = prepare_models(args, task_cfg, ddp, rank, world_size, device)
+    config, model, drafter = prepare_models(args, task_cfg, task_config(args, warmup=True), ddp, rank, world_size, device)
     problems = task.eval_set(task_cfg, args.eval_per_bucket) if args.eval_per_bucket else []
     acc0 = evaluate_both(model, drafter, problems, args, rank, world_size, "before RL")
 
     ref_model = copy.deepcopy(model).requires_grad_(False) if args.kl_coef > 0 else None  # frozen warm-up target
-    net = DDP(model) if ddp else model
+    net = DistributedDataParallel(model) if ddp else model
     opt = torch.optim.AdamW(model.parameters(), lr=args.rl_lr, betas=(0.9, 0.95), weight_decay=0.0)
     d_opt = make_optimizer(drafter, args.drafter_online_lr)
-    bandit = Bandit(args.draft_ks, seed=derive_seed(args.rl_seed, rank, 0, 5))
+    bandit = Bandit(args.draft_ks, seed=derive_seed(args.rl_seed, rank, 0, Seed.BANDIT))
     buffer = DrafterBuffer(keep_steps=args.drafter_keep)
     ckpt_path = os.path.join(args.out_dir, "ckpt.pt")
     metrics_path = os.path.join(args.out_dir, "metrics.jsonl")
@@ -654,70 +383,80 @@ def run(args, task_cfg, ddp, rank, world_size, device):
 
 def rl_prompts(args, task_cfg, step):
     """The step's prompts, the same on every rank (each rank takes every world_size-th one)."""
-    prng = random.Random(derive_seed(args.rl_seed, 0, step, 6))
+    prng = random.Random(derive_seed(args.rl_seed, 0, step, Seed.RL_PROMPTS))
     return [task.sample_problem(prng, task_cfg) for _ in range(args.prompts_per_step)]
 
 
 def rl_step(step, args, task_cfg, model, net, drafter, opt, d_opt, bandit, buffer, rank, world_size, device,
             ref_model=None):
+    """One RL step on this rank, in the seven steps of the README; returns the step's record."""
     t0 = time.perf_counter()
+    # 1. this rank's shard of the step's prompts, G samples each. A row's key depends on the seed, the
+    # step and its index in the step's global batch (prompt rank + i * world_size, sample j), never on
+    # this rank's layout: with --sampler gumbel the tokens are the same on any number of ranks, with
+    # or without speculation
     problems = rl_prompts(args, task_cfg, step)[rank::world_size]
     rows = [p for p in problems for _ in range(args.group_size)]
-    # a row's key is a function of the seed, the step and its index in the step's global batch (prompt
-    # rank + i * world_size, sample j), never of this rank's layout: with --sampler gumbel the tokens
-    # are the same for any number of ranks, with or without speculation
-    keys = [derive_seed(args.rl_seed, step, (rank + i * world_size) * args.group_size + j, 10)
+    keys = [derive_seed(args.rl_seed, step, (rank + i * world_size) * args.group_size + j, Seed.ROLLOUT_KEYS)
             for i in range(len(problems)) for j in range(args.group_size)]
-    gen = torch.Generator(device=device).manual_seed(derive_seed(args.rl_seed, rank, step, 7))
-    results, st = rollout(model, drafter, [task.encode(p.prompt()) for p in rows], task_cfg.max_response_len,
+    # 2. roll out: plain steps while the running batch is large, speculative ones in the tail; score
+    gen = torch.Generator(device=device).manual_seed(derive_seed(args.rl_seed, rank, step, Seed.ROLLOUT))
+    samples, st = rollout(model, drafter, [task.encode(p.prompt()) for p in rows], task_cfg.max_response_len,
                           temperature=args.temperature, eos_id=task.EOS_ID, generator=gen, tlt=args.tlt,
                           sd_threshold=args.sd_threshold, bandit=bandit, sampler=args.sampler, keys=keys)
     rollout_time = time.perf_counter() - t0
-    rewards = torch.tensor([task.reward(p.prompt(), task.decode(r[0])) for p, r in zip(rows, results)])
-    # 3-5: hidden states to the buffer; idle ranks train the drafter until the last rank is done
+    rewards = torch.tensor([task.reward(p.prompt(), task.decode(s.response)) for p, s in zip(rows, samples)])
+    # 3. the rollout's hidden states go to the drafter buffer
     train_drafter = args.tlt and args.drafter_updates
     if train_drafter:
-        for _, tokens, hidden, plen in results:
-            buffer.add(step, tokens, hidden, plen)
-    drng = random.Random(derive_seed(args.rl_seed, rank, step, 8))
+        for s in samples:
+            buffer.add(step, s.tokens, s.hidden, s.prompt_len)
+    # 4. idle: train the drafter until the last rank has finished its rollout
+    drng = random.Random(derive_seed(args.rl_seed, rank, step, Seed.DRAFTER_TRAINING))
     d_steps, idle, idle_segs = idle_train(drafter, d_opt, buffer, drng, enabled=train_drafter,
                                           batch_size=args.drafter_batch, device=device,
                                           timeout_s=COLLECTIVE_TIMEOUT_S)
+    # 5. every rank ends with the same drafter
     if train_drafter:
         sync_drafter(drafter, d_steps)
-    t_roll_end = time.perf_counter()
-    # 6: GRPO update
+    t_update = time.perf_counter()
+    # 6. group-normalised advantages and one GRPO update of the target under DDP
     adv = rl.group_advantages(rewards, args.group_size) if len(rows) else torch.zeros(0)
     model.train()
-    loss, clip, skipped = grpo_update(model, net, opt, [r[1].tolist() for r in results], [r[3] for r in results],
-                                      adv, args, device, ref_model)
+    loss, clip, skipped = rl.grpo_update(model, net, opt, [s.tokens.tolist() for s in samples],
+                                         [s.prompt_len for s in samples], adv, pad_id=task.PAD_ID,
+                                         update_tokens=args.update_tokens, epochs=args.rl_epochs,
+                                         clip_eps=args.clip_eps, kl_coef=args.kl_coef, ref_model=ref_model, device=device)
     model.eval()
     sync(device)  # the optimizer step may still be queued on a GPU
     t1 = time.perf_counter()
-    # 7: per-rank records and the step record
+    # 7. the step's record: per rank, then totals over ranks (rank 0 logs it)
     checksum = drafter.checksum()
     mine = {"rank": rank, "rollout_time": rollout_time, "idle_time": idle, "drafter_steps": d_steps,
             "tokens": st["tokens"], "drafter_checksum": checksum, "rows": len(rows), "tail_share": st["tail_share"],
-            "responses_digest": hashlib.sha256(json.dumps([r[0] for r in results]).encode()).hexdigest()[:16],
+            "responses_digest": hashlib.sha256(json.dumps([s.response for s in samples]).encode()).hexdigest()[:16],
             "segments": st["segments"] + [[k, a + rollout_time, b + rollout_time] for k, a, b in idle_segs]}
     ranks = gather_ranks(mine)
-    sums = all_sum([float(rewards.sum()), len(rows), st["sd_tokens"], st["sd_steps"], st["tokens"], st["accepted"],
-                    st["drafted"]], device)
+    if len({r["drafter_checksum"] for r in ranks}) > 1:
+        warnings.warn(f"step {step}: the ranks' drafters differ after the sync ({[r['drafter_checksum'] for r in ranks]})")
+    total = all_sum({"reward": float(rewards.sum()), "rows": len(rows), "tokens": st["tokens"],
+                     "sd_tokens": st["sd_tokens"], "sd_row_steps": st["sd_row_steps"], "accepted": st["accepted"],
+                     "drafted": st["drafted"]}, device)
     step_time = t1 - t0
     slowest = max(ranks, key=lambda r: r["rollout_time"])
     rollout_max = slowest["rollout_time"]
     return {
-        "step": step, "step_time": step_time, "rollout_time": rollout_max, "update_time": t1 - t_roll_end,
-        "tail_share": slowest["tail_share"],
+        "step": step, "step_time": step_time, "rollout_time": rollout_max, "update_time": t1 - t_update,
+        "tail_share": slowest["tail_share"], "rollout_share": rollout_max / step_time,
         # one hash of every response of the step, so two runs can be compared token for token
         "responses_digest": hashlib.sha256(" ".join(r["responses_digest"] for r in ranks).encode()).hexdigest()[:16],
-        "rollout_share": rollout_max / step_time, "reward": sums[0] / max(sums[1], 1),
-        "accept_len": sums[2] / sums[3] if sums[3] else None, "sd_token_frac": sums[2] / max(sums[4], 1),
-        "accept_rate": sums[5] / sums[6] if sums[6] else None,
-        "tok_s": sums[4] / max(rollout_max, 1e-9), "idle_time": max(r["idle_time"] for r in ranks),
-        "drafter_steps": sum(r["drafter_steps"] for r in ranks), "drafter_checksum": checksum,
-        "loss": loss, "clip_frac": clip, "skipped_update": skipped, "bandit_best": bandit.best(),
-        "ranks": [{k: v for k, v in r.items() if k != "segments"} for r in ranks],
+        "reward": total["reward"] / max(total["rows"], 1),
+        "accept_len": total["sd_tokens"] / total["sd_row_steps"] if total["sd_row_steps"] else None,
+        "accept_rate": total["accepted"] / total["drafted"] if total["drafted"] else None,
+        "sd_token_frac": total["sd_tokens"] / max(total["tokens"], 1), "tok_s": total["tokens"] / max(rollout_max, 1e-9),
+        "idle_time": max(r["idle_time"] for r in ranks), "drafter_steps": sum(r["drafter_steps"] for r in ranks),
+        "drafter_checksum": checksum, "loss": loss, "clip_frac": clip, "skipped_update": skipped,
+        "bandit_best": bandit.best(), "ranks": [{k: v for k, v in r.items() if k != "segments"} for r in ranks],
         "timeline": render_timeline(ranks),
     }
 

@@ -33,7 +33,7 @@ def tiny_pair(seed):
 
 
 def test_drafter_comparison_shares_prompts_and_random_stream(tmp_path):
-    task_cfg = task.TaskConfig(max_n=4)
+    task_cfg = task.TaskConfig(max_n=4, max_passes=1)  # fits the tiny block
     target, drafter = tiny_pair(0)
     torch.save({"model": target.state_dict(), "drafter": drafter.state_dict()}, tmp_path / "ckpt.pt")
     warm_target, _ = tiny_pair(1)  # another target: the comparison must use the checkpoint's
@@ -47,12 +47,13 @@ def test_drafter_comparison_shares_prompts_and_random_stream(tmp_path):
 
 
 def test_drift_moves_a_copy_of_the_target_and_trains_a_copy_of_the_drafter():
-    task_cfg = task.TaskConfig(max_n=4)
+    task_cfg = task.TaskConfig(max_n=4, max_passes=1)  # fits the tiny block
     target, drafter = tiny_pair(0)
     randomize(target, 0, std=0.3)  # far from the near-uniform init, where every draft is accepted before and after
     before = {k: v.clone() for k, v in target.state_dict().items()}
     d_before = {k: v.clone() for k, v in drafter.state_dict().items()}
-    targs = train.parse_args(["--max-n", "4", "--block-size", "40", "--warmup-tokens", "256", "--drafter-batch", "4"])
+    targs = train.parse_args(["--max-n", "4", "--max-passes", "1", "--block-size", "40", "--warmup-tokens", "256",
+                              "--drafter-batch", "4"])
     out = bench.drift_bench(targs, task_cfg, target, drafter, sft_steps=3, n_seqs=64, online_steps=3, n_prompts=8,
                             seeds=(0, 1))["drift"]
     # the originals are untouched: the move and the online training happen on copies

@@ -16,7 +16,7 @@ from drafter import (Drafter, DrafterBuffer, acceptance_proxy, drafter_loss, mak
                      train_step)
 from conftest import randomize
 from model import GPT, GPTConfig
-from speculative import Generation, speculative_generate
+from speculative import RunningBatch, speculative_generate
 
 V, C = 16, 16
 TOL = 1e-10
@@ -46,11 +46,11 @@ def make_drafter(target, seed):
 
 
 def rollout_buffer(target, seed, n_prompts=32, max_new=30, step=0, buf=None):
-    """Sampled rollouts of the target, recorded by speculative.Generation, into a DrafterBuffer."""
+    """Sampled rollouts of the target, recorded by speculative.RunningBatch, into a DrafterBuffer."""
     g = torch.Generator().manual_seed(seed)
     prompts = [torch.randint(0, V, (int(n),), generator=g).tolist()
                for n in torch.randint(1, 8, (n_prompts,), generator=g)]
-    gen = Generation(target, prompts, max_new, temperature=1.0, generator=g)
+    gen = RunningBatch(target, prompts, max_new, temperature=1.0, generator=g)
     while gen.compact() > 0:
         gen.plain_step()
     buf = DrafterBuffer(keep_steps=2) if buf is None else buf

@@ -28,7 +28,7 @@ import torch
 from drafter import Drafter, DrafterBuffer, make_optimizer, train_step
 from conftest import randomize
 from model import GPT, GPTConfig
-from speculative import (Generation, _mix32_, autoregressive_generate, gumbel_argmax, gumbel_noise, probs,
+from speculative import (RunningBatch, _mix32_, autoregressive_generate, gumbel_argmax, gumbel_noise, probs,
                          sample, speculative_generate, verify, verify_coupled)
 
 
@@ -76,7 +76,7 @@ def greedy_setup():
     torch.manual_seed(3)
     drafter = Drafter(target)
     train_prompts = [torch.randint(0, V_G, (n,), generator=g).tolist() for n in PROMPT_LENS * 4]
-    gen = Generation(target, train_prompts, 30, temperature=1.0, generator=g)
+    gen = RunningBatch(target, train_prompts, 30, temperature=1.0, generator=g)
     while gen.compact() > 0:
         gen.plain_step()
     buf = DrafterBuffer(keep_steps=1)
@@ -135,13 +135,13 @@ def test_greedy_speculative_equals_autoregressive(greedy_setup, B, k):
 
     # stats: accept_len is tokens emitted per (row, verify step); the first token of every row
     # comes from the prefill, every other one from a verify step
-    assert stats["sd_steps"] > 0
-    assert stats["accept_len"] == pytest.approx(stats["sd_tokens"] / stats["sd_steps"])
+    assert stats["sd_row_steps"] > 0
+    assert stats["accept_len"] == pytest.approx(stats["sd_tokens"] / stats["sd_row_steps"])
     assert 1.0 <= stats["accept_len"] <= k + 1
     assert stats["sd_tokens"] == stats["tokens"] == sum(len(o) for o in sd) - B
     hist = stats["accept_hist"]
     assert set(hist) <= set(range(k + 1)), hist
-    assert sum(hist.values()) == stats["sd_steps"]
+    assert sum(hist.values()) == stats["sd_row_steps"]
     assert stats["sd_tokens"] <= sum((a + 1) * c for a, c in hist.items())  # truncation only removes
     if B > 1:
         assert len(hist) > 1, f"drafts were all accepted or all rejected: {hist}"
@@ -155,7 +155,7 @@ def test_mixed_plain_and_speculative_steps_are_lossless(greedy_setup):
     up on every hidden state recorded by plain steps (a ragged, longer-than-k+1 catch-up)."""
     target, drafter, pool, free, eos = greedy_setup
     ar, _ = autoregressive_generate(target, pool, N_NEW, temperature=0, eos_id=eos)
-    gen = Generation(target, pool, N_NEW, temperature=0, eos_id=eos, max_draft=3)
+    gen = RunningBatch(target, pool, N_NEW, temperature=0, eos_id=eos, max_draft=3)
     schedule = itertools.cycle([None, None, 3, None, 1, 2, 2])
     kinds = set()
     while gen.compact() > 0:
@@ -189,7 +189,7 @@ def test_drafts_come_from_the_drafter_on_the_recorded_history(greedy_setup, monk
     monkeypatch.setattr(speculative, "verify", spy)
     g = torch.Generator().manual_seed(6)
     temperature = 0.7  # the drafter samples at the generation's temperature too
-    gen = Generation(target, pool, N_NEW, temperature=temperature, eos_id=eos, generator=g, max_draft=3)
+    gen = RunningBatch(target, pool, N_NEW, temperature=temperature, eos_id=eos, generator=g, max_draft=3)
     schedule = itertools.cycle([3, None, 1, 2, None, None, 3, 2])
     checked = 0
     while gen.compact() > 0:
@@ -220,7 +220,7 @@ def test_compact_drops_finished_rows_keeps_original_order(greedy_setup):
     target, drafter, pool, free, eos = greedy_setup
     alone = [autoregressive_generate(target, [p], N_NEW, temperature=0, eos_id=eos)[0][0] for p in pool]
     for k in (0, 2):  # plain steps, then speculative steps
-        gen = Generation(target, pool, N_NEW, temperature=0, eos_id=eos, max_draft=k)
+        gen = RunningBatch(target, pool, N_NEW, temperature=0, eos_id=eos, max_draft=k)
         sizes = []
         while True:
             n = gen.compact()
@@ -251,7 +251,7 @@ def test_compact_drops_finished_rows_keeps_original_order(greedy_setup):
 def test_compact_moves_marked_rows_to_results():
     target = tiny(V_G, seed=4).double()
     prompts = [[1, 2, 3], [4], [5, 6], [7, 8, 9, 10]]
-    gen = Generation(target, prompts, 5, temperature=0)
+    gen = RunningBatch(target, prompts, 5, temperature=0)
     before_tokens = gen.tokens.clone()
     before_k = gen.cache.k.clone()
     before_len = gen.cache.lengths.clone()
@@ -283,7 +283,7 @@ def test_recorded_hidden_states_match_a_full_forward(greedy_setup, k, copies):
     target, drafter, pool, free, eos = greedy_setup
     g = torch.Generator().manual_seed(5)
     prompts = [p for p in pool for _ in range(copies)]
-    gen = Generation(target, prompts, N_NEW, temperature=1.0, eos_id=eos, generator=g, max_draft=k)
+    gen = RunningBatch(target, prompts, N_NEW, temperature=1.0, eos_id=eos, generator=g, max_draft=k)
     while gen.compact() > 0:
         gen.plain_step() if k == 0 else gen.speculative_step(drafter, k)
     for ids, tokens, hidden, plen in gen.results:

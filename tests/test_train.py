@@ -14,8 +14,9 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 import train  # noqa: E402
+import warmup  # noqa: E402
 
-TINY = ["--max-n", "4", "--block-size", "40", "--n-layer", "1", "--n-head", "2", "--n-embd", "16",
+TINY = ["--max-n", "4", "--max-passes", "1", "--block-size", "40", "--n-layer", "1", "--n-head", "2", "--n-embd", "16",
         "--warmup-steps", "10", "--warmup-tokens", "256", "--drafter-warmup-seqs", "16", "--drafter-warmup-steps", "5",
         "--drafter-batch", "4", "--prompts-per-step", "4", "--group-size", "2", "--eval-per-bucket", "2",
         "--ckpt-every", "1", "--timeline-every", "0"]
@@ -212,27 +213,27 @@ def test_non_finite_update_is_skipped_and_never_saved(tmp_path):
     before = [p.detach().clone() for p in model.parameters()]
     seqs, plens = [[1, 2, 3, 4], [1, 2, 5, 6]], [2, 2]
     adv = torch.tensor([float("nan"), 1.0])
-    loss, _, skipped = train.grpo_update(model, model, opt, seqs, plens, adv, args, torch.device("cpu"))
+    how = dict(pad_id=0, update_tokens=args.update_tokens)
+    loss, _, skipped = train.rl.grpo_update(model, model, opt, seqs, plens, adv, **how)
     assert skipped
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
-    loss, _, skipped = train.grpo_update(model, model, opt, seqs, plens, torch.tensor([1.0, -1.0]), args,
-                                         torch.device("cpu"))
+    loss, _, skipped = train.rl.grpo_update(model, model, opt, seqs, plens, torch.tensor([1.0, -1.0]), **how)
     assert not skipped and not all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
     path = tmp_path / "x.pt"
-    train.save_atomic({"model": model.state_dict()}, str(path))
+    warmup.save_atomic({"model": model.state_dict()}, str(path))
     good = digest(path)
     with torch.no_grad():
         next(model.parameters())[0, 0] = float("nan")
     with pytest.raises(RuntimeError, match="not finite"):
-        train.save_atomic({"model": model.state_dict()}, str(path))
+        warmup.save_atomic({"model": model.state_dict()}, str(path))
     assert digest(path) == good
 
 
 def test_merged_embeddings_start_as_label_plus_digit():
     args = train.parse_args(TINY)
-    model = train.GPT(train.GPTConfig(vocab_size=train.task.VOCAB_SIZE, block_size=args.block_size,
-                                      n_layer=1, n_head=2, n_embd=16))
-    train.init_merged_embeddings(model)
+    model = warmup.GPT(warmup.GPTConfig(vocab_size=train.task.VOCAB_SIZE, block_size=args.block_size,
+                                        n_layer=1, n_head=2, n_embd=16))
+    warmup.init_merged_embeddings(model)
     w = model.wte.weight
     b7 = train.task.ENC.encode_single_token("b7")
     assert torch.allclose(w[b7], (w[ord("b")] + w[ord("7")]) / 2 ** 0.5)

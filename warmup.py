@@ -1,0 +1,239 @@
+"""The warm-ups, cached: supervised training of the target on reference traces, then training of
+the drafter on the target's own samples. RL starts from both.
+
+    target:  reference traces (task.reference_response: re-check passes, noisy steps) -> next-token loss
+    drafter: the warmed-up target's samples of RL prompts, hidden states kept -> drafter.train_step
+
+Each is saved in --warmup-dir (target_warmup.pt, drafter_warmup.pt) with the settings it depends on
+(its "meta") and reused by any later run whose settings match, so that runs which differ only in
+their RL settings (the --tlt off / on comparison, other RL seeds) start from the same models.
+A checkpoint made with other settings is refused with one line that names the difference.
+
+Why the embedding init (`init_merged_embeddings`). The task's one hard skill is the look-up: a
+response writes the label "b" and must copy the digit of the prompt's token "b7". With random
+embeddings the 12 x 48 target first has to discover that the 520 labelled-digit tokens share a
+label and a digit with the plain tokens, and it sits on a loss plateau (digits at chance) until it
+does, for a time that depended on the seed and on the machine's rounding: the same recipe gave
+greedy accuracies from 32% to 70%. Started as the sum of their parts, "b" already matches "b7" in
+attention and "b7" already carries the "7" that the tied head reads out, and the plateau is short.
+
+Test: python -m pytest tests/test_train.py   (the warm-ups run there on tiny configs)
+"""
+import math
+import os
+import random
+import time
+from dataclasses import asdict
+
+import torch
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import rl
+import task
+from drafter import Drafter, DrafterBuffer, acceptance_proxy, make_optimizer, train_step
+from model import GPT, GPTConfig
+from rollout import rollout
+from scheduler import Seed, derive_seed, print0
+
+
+# -----------------------------------------------------------------------------
+# checkpoints: atomic writes, safe loads, settings checked
+
+def save_atomic(obj, path):
+    for name, t in _tensors(obj):
+        if t.is_floating_point() and not torch.isfinite(t).all():  # never let NaN weights replace good ones
+            raise RuntimeError(f"refusing to write {path}: {name} is not finite")
+    tmp = f"{path}.tmp"
+    torch.save(obj, tmp)
+    os.replace(tmp, path)  # a kill before this line leaves the previous file intact
+
+
+def _tensors(obj, prefix=""):
+    if isinstance(obj, torch.Tensor):
+        yield prefix, obj
+    elif isinstance(obj, dict):
+        for k, v in obj.items():
+            yield from _tensors(v, f"{prefix}.{k}" if prefix else str(k))
+    elif isinstance(obj, (list, tuple)):
+        for i, v in enumerate(obj):
+            yield from _tensors(v, f"{prefix}[{i}]")
+
+
+def _flatten(d, prefix=""):
+    out = {}
+    for k, v in d.items():
+        out.update(_flatten(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
+    return out
+
+
+def load_checked(path, expected_meta):
+    """Load a checkpoint saved with meta=expected_meta; exit with one clear line otherwise."""
+    try:
+        ckpt = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # truncated, corrupt, or not a checkpoint
+        raise SystemExit(f"error: cannot read checkpoint {path} ({type(e).__name__}); delete it or use another --out-dir")
+    got = ckpt.get("meta") if isinstance(ckpt, dict) else None
+    if got != expected_meta:
+        want, have = _flatten(expected_meta), _flatten(got if isinstance(got, dict) else {})
+        diff = [f"{k} {have.get(k)} there, {want.get(k)} here" for k in sorted(set(want) | set(have))
+                if want.get(k) != have.get(k)]
+        raise SystemExit(f"error: checkpoint {path} was made with a different config ({'; '.join(diff[:4])}"
+                         f"{'; ...' if len(diff) > 4 else ''}); delete it or use another --out-dir")
+    return ckpt
+
+
+# -----------------------------------------------------------------------------
+# target warm-up: supervised training on reference traces
+
+def sft_batches(rng, task_cfg, n_batches, token_budget):
+    """n_batches length-grouped batches of reference traces (token ids, prompt length), shuffled."""
+    pool = [task.training_example(task.sample_problem(rng, task_cfg), task_cfg, rng) for _ in range(n_batches * 64)]
+    batches = rl.group_by_length(pool, lambda e: len(e[0]), token_budget)
+    rng.shuffle(batches)
+    return batches[:n_batches]
+
+
+def lr_at(step, total, peak):
+    warm = max(1, total // 20)
+    if step < warm:
+        return peak * (step + 1) / warm
+    frac = (step - warm) / max(1, total - warm)
+    return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))  # cosine down to 10% of peak
+
+
+def sft_step(model, net, opt, batch, device):
+    """One supervised step on a batch of (token ids, prompt length): next-token loss on response
+    tokens only (the prompt's digits are random). Returns (loss, padded tokens read)."""
+    ids, plens = zip(*batch)
+    tokens, mask = rl.collate(ids, plens, task.PAD_ID, device)
+    x, y = tokens[:, :-1], tokens[:, 1:].masked_fill(~mask, -100)
+    logits, _ = net(x)
+    loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1), ignore_index=-100)
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step()
+    return loss, x.numel()
+
+
+@torch.no_grad()
+def init_merged_embeddings(model):
+    """Embedding of each labelled digit "b7" := (embedding of "b" + embedding of "7") / sqrt(2).
+
+    The task's one hard skill is the look-up: the response writes the label "b" and must copy the
+    digit of the prompt's token "b7". With random embeddings the model must first discover that the
+    520 labelled-digit tokens share a label and a digit with the plain tokens; the deep narrow
+    target sits on a loss plateau (digits at chance) until it does, for a seed-dependent time.
+    Started as sums, "b" already matches "b7" in attention and "b7" already carries the "7" that the
+    tied head reads out. Measured (max-n 12, 2000 steps, seed 1337): with it the warmed-up target
+    copied the digits right on sizes up to 12 and erred in the sums; without it, it copied wrong
+    digits from size 2 on."""
+    wte = model.wte.weight
+    for label in task.LABELS:
+        for d in "0123456789":
+            parts = [task.ENC.encode_single_token(c) for c in (label, d)]
+            wte[task.ENC.encode_single_token(label + d)] = (wte[parts[0]] + wte[parts[1]]) / math.sqrt(2)
+
+
+def warmup_target(model, args, warmup_cfg, ddp, rank, world_size, device):
+    """Supervised training on reference traces of the warm-up's task config, all ranks under DDP."""
+    if args.merge_init:
+        init_merged_embeddings(model)  # deterministic, so still the same weights on every rank
+    model.train()
+    net = DDP(model) if ddp else model
+    opt = torch.optim.AdamW(model.parameters(), lr=args.warmup_lr, betas=(0.9, 0.95), weight_decay=0.1)
+    rng = random.Random(derive_seed(args.seed, rank, 0, Seed.TARGET_DATA))
+    budget = max(1, args.warmup_tokens // world_size)
+    t0, tokens_seen, batches = time.time(), 0, []
+    for step in range(args.warmup_steps):
+        if not batches:
+            batches = sft_batches(rng, warmup_cfg, 16, budget)
+        for g in opt.param_groups:
+            g["lr"] = lr_at(step, args.warmup_steps, args.warmup_lr)
+        loss, n_tokens = sft_step(model, net, opt, batches.pop(), device)
+        tokens_seen += n_tokens * world_size
+        if step % 50 == 0 or step == args.warmup_steps - 1:
+            el = time.time() - t0
+            eta = el / (step + 1) * (args.warmup_steps - step - 1)
+            print0(f"target warmup {step:05d}/{args.warmup_steps} ({100 * (step + 1) / args.warmup_steps:.1f}%) | "
+                   f"loss {loss.item():.4f} | tok/s {tokens_seen / el:,.0f} | elapsed {el:.0f}s | eta {eta:.0f}s")
+    model.eval()
+
+
+# -----------------------------------------------------------------------------
+# drafter warm-up: the target's own samples, hidden states kept
+
+def warmup_drafter(drafter, model, args, task_cfg, ddp, rank, world_size, device):
+    """The target samples RL prompts (--drafter-warmup-seqs, split over ranks); the drafter trains on
+    them with gradients averaged over ranks."""
+    rng = random.Random(derive_seed(args.seed, rank, 0, Seed.DRAFTER_DATA))
+    gen = torch.Generator(device=device).manual_seed(derive_seed(args.seed, rank, 0, Seed.DRAFTER_SAMPLES))
+    buffer = DrafterBuffer(keep_steps=1)
+    n_local = len(range(rank, args.drafter_warmup_seqs, world_size))
+    t0 = time.time()
+    for i in range(0, n_local, 64):
+        problems = [task.sample_problem(rng, task_cfg) for _ in range(min(64, n_local - i))]
+        results, _ = rollout(model, None, [task.encode(p.prompt()) for p in problems], task_cfg.max_response_len,
+                             temperature=args.temperature, eos_id=task.EOS_ID, generator=gen, tlt=False)
+        for _, tokens, hidden, plen in results:
+            buffer.add(0, tokens, hidden, plen)
+    print0(f"drafter warmup: {buffer.num_tokens():,} tokens of target samples per rank in {time.time() - t0:.1f}s")
+    opt = make_optimizer(drafter, args.drafter_lr)
+    t0 = time.time()
+    for step in range(args.drafter_warmup_steps):
+        for g in opt.param_groups:
+            g["lr"] = lr_at(step, args.drafter_warmup_steps, args.drafter_lr)
+        loss = train_step(drafter, opt, buffer, rng, batch_size=args.drafter_batch, device=device, sync_grads=ddp)
+        if step % 100 == 0 or step == args.drafter_warmup_steps - 1:
+            el = time.time() - t0
+            print0(f"drafter warmup {step:05d}/{args.drafter_warmup_steps} | loss {loss:.4f} | "
+                   f"top-1 agreement {acceptance_proxy(drafter, buffer, rng, device=device):.3f} | elapsed {el:.0f}s | "
+                   f"eta {el / (step + 1) * (args.drafter_warmup_steps - step - 1):.0f}s")
+
+
+# -----------------------------------------------------------------------------
+# both, cached
+
+def model_meta(args, config, warmup_cfg):
+    """What the target warm-up depends on: its traces (the warm-up's task config), shape, recipe, seed."""
+    return {"model": config.to_dict(), "task": asdict(warmup_cfg), "warmup_steps": args.warmup_steps,
+            "warmup_tokens": args.warmup_tokens, "warmup_lr": args.warmup_lr, "merge_init": args.merge_init,
+            "seed": args.seed}
+
+
+def drafter_meta(args, config, task_cfg, warmup_cfg):
+    """The drafter warm-up also depends on the RL task config: it learns from the target's samples of RL prompts."""
+    return {**model_meta(args, config, warmup_cfg), "rl_task": asdict(task_cfg), "drafter_warmup_seqs": args.drafter_warmup_seqs,
+            "drafter_warmup_steps": args.drafter_warmup_steps, "drafter_lr": args.drafter_lr,
+            "drafter_batch": args.drafter_batch, "temperature": args.temperature}
+
+
+def prepare_models(args, task_cfg, warmup_cfg, ddp, rank, world_size, device):
+    """Build target and drafter; warm each up, or reuse its cached warm-up. task_cfg is the RL
+    task, warmup_cfg the target warm-up's (the same task with more small problems)."""
+    config = GPTConfig(vocab_size=task.VOCAB_SIZE, block_size=args.block_size, n_layer=args.n_layer,
+                       n_head=args.n_head, n_embd=args.n_embd)
+    torch.manual_seed(derive_seed(args.seed, 0, 0, Seed.INIT))  # same initial weights on every rank
+    model = GPT(config).to(device)
+    drafter = Drafter(model).to(device)
+    print0(f"target: {model.num_params():,} parameters; drafter: {sum(p.numel() for p in drafter.parameters()):,} "
+           f"(+ the target's embedding and head, shared); {config}")
+    path = os.path.join(args.warmup_dir, "target_warmup.pt")
+    if os.path.exists(path):
+        model.load_state_dict(load_checked(path, model_meta(args, config, warmup_cfg))["model"])
+        print0(f"reusing the warmed-up target from {path}")
+    else:
+        warmup_target(model, args, warmup_cfg, ddp, rank, world_size, device)
+        if rank == 0:
+            save_atomic({"meta": model_meta(args, config, warmup_cfg), "model": model.state_dict()}, path)
+    model.eval()
+    path = os.path.join(args.warmup_dir, "drafter_warmup.pt")
+    if os.path.exists(path):
+        drafter.load_state_dict(load_checked(path, drafter_meta(args, config, task_cfg, warmup_cfg))["drafter"])
+        print0(f"reusing the warmed-up drafter from {path}")
+    else:
+        warmup_drafter(drafter, model, args, task_cfg, ddp, rank, world_size, device)
+        if rank == 0:
+            save_atomic({"meta": drafter_meta(args, config, task_cfg, warmup_cfg), "drafter": drafter.state_dict()}, path)
+    return config, model, drafter
