@@ -17,27 +17,24 @@ import copy
 import datetime
 import hashlib
 import json
-import math
 import os
 import random
 import sys
 import time
 import warnings
-from contextlib import nullcontext
-from dataclasses import asdict
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch.distributed.rendezvous import rendezvous
 from torch.nn.parallel import DistributedDataParallel
 
 import rl
 import task
 from drafter import DrafterBuffer, make_optimizer
+from evaluate import evaluate_both, format_accuracy
 from rollout import ARMS, Bandit, rollout, sync
 from scheduler import Seed, derive_seed, gather_ranks, idle_train, print0, render_timeline, sync_drafter
-from speculative import SAMPLERS, autoregressive_generate, speculative_generate
+from speculative import SAMPLERS
 from warmup import drafter_meta, load_checked, prepare_models, save_atomic
 
 # a rank that dies makes its peers fail in a collective after at most this long (seconds)
@@ -206,69 +203,6 @@ def all_sum(values, device):
 
 
 # -----------------------------------------------------------------------------
-# evaluation: greedy, sharded over ranks
-
-@torch.no_grad()
-def evaluate(model, problems, rank=0, world_size=1, drafter=None, temperature=0.0, seed=0, batch_size=64,
-             sampler="gumbel", task_cfg=task.TaskConfig()):
-    """Held-out accuracy by problem size, and every generated response (token ids), all ranks
-    together. Greedy by default; with a drafter, decoding is speculative, which at temperature 0
-    must give exactly the same tokens. At temperature > 0 problem j's key is derived from (seed, j),
-    so with sampler "gumbel" the tokens do not depend on the ranks or on the drafter; with
-    "rejection" the sampling is seeded per rank."""
-    gen = torch.Generator(device=model.wte.weight.device).manual_seed(derive_seed(seed, rank, 0, Seed.EVAL))
-    mine = list(range(rank, len(problems), world_size))
-    outputs = [None] * len(problems)
-    for i in range(0, len(mine), batch_size):
-        idx = mine[i:i + batch_size]
-        prompts = [task.encode(problems[j].prompt()) for j in idx]
-        max_new = task_cfg.response_len(max(problems[j].size for j in idx), task_cfg.max_passes)
-        how = dict(temperature=temperature, eos_id=task.EOS_ID, generator=gen, sampler=sampler,
-                   keys=[derive_seed(seed, j, 0, Seed.EVAL_KEYS) for j in idx])
-        if drafter is None:
-            outs, _ = autoregressive_generate(model, prompts, max_new, **how)
-        else:
-            outs, _ = speculative_generate(model, drafter, prompts, max_new, k=4, **how)
-        for j, o in zip(idx, outs):
-            outputs[j] = o
-    for part in gather_ranks(outputs):  # each rank filled its own indices
-        outputs = [o if o is not None else p for o, p in zip(outputs, part)]
-    rewards = [task.reward(p.prompt(), task.decode(o)) for p, o in zip(problems, outputs)]
-    return task.accuracy_by_size(problems, rewards), outputs
-
-
-def evaluate_both(model, drafter, problems, args, rank, world_size, when, check=False):
-    """Greedy and sampled (temperature --temperature, as in the rollouts, --eval-samples per
-    problem) held-out accuracy. With --tlt on the sampling decodes speculatively: lossless, and
-    faster, which pays for more samples and so for less noise. With check, also counts the
-    responses in which speculative decoding differs from plain decoding, greedy and sampled
-    (exact-token sampling, one sample per problem)."""
-    if not problems:
-        return {}
-    cfg = task_config(args)
-    greedy, plain_out = evaluate(model, problems, rank, world_size, task_cfg=cfg)
-    sampled, _ = evaluate(model, problems * args.eval_samples, rank, world_size, drafter=drafter if args.tlt else None,
-                          temperature=args.temperature, seed=args.seed, sampler=args.sampler, task_cfg=cfg)
-    print0(f"held-out accuracy {when} ({len(problems)} problems), greedy:  {format_accuracy(greedy)}")
-    print0(f"held-out accuracy {when}, sampled at T={args.temperature:g}: {format_accuracy(sampled)}")
-    if check:  # lossless in practice: speculative decoding gives the plain responses, token for token
-        _, sd_greedy = evaluate(model, problems, rank, world_size, drafter=drafter, task_cfg=cfg)
-        how = dict(temperature=args.temperature, seed=args.seed + 1, sampler="gumbel", task_cfg=cfg)
-        _, plain_sampled = evaluate(model, problems, rank, world_size, **how)
-        _, sd_sampled = evaluate(model, problems, rank, world_size, drafter=drafter, **how)
-        # float32 passes of different shapes (1 token, k + 1 tokens) round differently, so a near-tie
-        # argmax can flip and the response goes its own way from there: count rather than just say no
-        for name, a, b in (("greedy", plain_out, sd_greedy), (f"sampled at T={args.temperature:g}", plain_sampled, sd_sampled)):
-            print0(f"speculative vs plain decoding, {name}: {sum(x != y for x, y in zip(a, b))} of {len(a)} "
-                   f"held-out responses differ")
-    return {"greedy": greedy, "sampled": sampled}
-
-
-def format_accuracy(acc):
-    return " | ".join(f"{k} {100 * v:5.1f}%" for k, v in acc.items())
-
-
-# -----------------------------------------------------------------------------
 # main
 
 def rl_meta(args, config, task_cfg):
@@ -315,7 +249,7 @@ def run(args, task_cfg, ddp, rank, world_size, device):
     t_run = time.time()
     config, model, drafter = prepare_models(args, task_cfg, task_config(args, warmup=True), ddp, rank, world_size, device)
     problems = task.eval_set(task_cfg, args.eval_per_bucket) if args.eval_per_bucket else []
-    acc0 = evaluate_both(model, drafter, problems, args, rank, world_size, "before RL")
+    acc0 = evaluate_both(model, drafter, problems, args, task_cfg, rank, world_size, "before RL")
 
     ref_model = copy.deepcopy(model).requires_grad_(False) if args.kl_coef > 0 else None  # frozen warm-up target
     net = DistributedDataParallel(model) if ddp else model
@@ -376,7 +310,7 @@ def run(args, task_cfg, ddp, rank, world_size, device):
                 save_atomic({"meta": meta, "step": step, "model": model.state_dict(), "drafter": drafter.state_dict(),
                              "opt": opt.state_dict(), "d_opt": d_opt.state_dict(), "bandits": bandits}, ckpt_path)
 
-    acc1 = evaluate_both(model, drafter, problems, args, rank, world_size, "after RL", check=True)
+    acc1 = evaluate_both(model, drafter, problems, args, task_cfg, rank, world_size, "after RL", check=True)
     if history:
         summary(history, acc0, acc1, time.time() - t_run)
 
