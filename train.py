@@ -90,14 +90,14 @@ def parse_args(argv=None):
     p.add_argument("--merge-init", type=on_off, default=True, metavar="on|off", help="start each labelled-digit "
                    "token's embedding as the sum of its label's and its digit's (off: random, as every other token)")
     # drafter
-    p.add_argument("--drafter-warmup-seqs", type=int, default=4096, help="target samples the drafter warms up on")
-    p.add_argument("--drafter-warmup-steps", type=int, default=4000, help="drafter optimizer steps in its warm-up")
+    p.add_argument("--drafter-warmup-seqs", type=int, default=2048, help="target samples the drafter warms up on")
+    p.add_argument("--drafter-warmup-steps", type=int, default=2500, help="drafter optimizer steps in its warm-up")
     p.add_argument("--drafter-lr", type=float, default=2e-3, help="peak drafter learning rate of the warm-up")
     p.add_argument("--drafter-online-lr", type=float, default=5e-5, help="drafter learning rate on idle ranks during RL")
     p.add_argument("--drafter-batch", type=int, default=8, help="sequences per drafter training step")
     p.add_argument("--drafter-keep", type=int, default=32, help="RL steps of hidden states the drafter buffer keeps")
     # RL
-    p.add_argument("--rl-steps", type=int, default=300, help="GRPO steps")
+    p.add_argument("--rl-steps", type=int, default=200, help="GRPO steps")
     p.add_argument("--prompts-per-step", type=int, default=4, help="prompts per RL step, all ranks together")
     p.add_argument("--group-size", type=int, default=8, help="responses per prompt (the GRPO group)")
     p.add_argument("--rl-lr", type=float, default=1e-4, help="learning rate of the GRPO updates")
@@ -117,7 +117,7 @@ def parse_args(argv=None):
                    "step); one value fixes k, e.g. to compare two drafters at the same k")
     # logging, evaluation, checkpoints
     p.add_argument("--eval-per-bucket", type=int, default=40, help="held-out problems per size bucket (0: no evaluation)")
-    p.add_argument("--eval-samples", type=int, default=16, help="samples per held-out problem for the sampled accuracy")
+    p.add_argument("--eval-samples", type=int, default=8, help="samples per held-out problem for the sampled accuracy")
     p.add_argument("--timeline-every", type=int, default=10, help="print the per-rank timeline every N steps (0: never)")
     p.add_argument("--ckpt-every", type=int, default=10, help="write the RL checkpoint every N steps")
     args = p.parse_args(argv)
