@@ -45,7 +45,7 @@ import task
 import train
 import warmup
 from drafter import Drafter, DrafterBuffer, make_optimizer, train_step
-from rollout import Bandit, rollout
+from rollout import Bandit, rollout, sync
 from speculative import SAMPLERS, autoregressive_generate, speculative_generate
 
 
@@ -105,27 +105,21 @@ def load_models(out_dir, train_flags):
     return targs, task_cfg, model.eval(), drafter.eval()
 
 
-def sync():
-    """Wait for queued GPU work, so that a timer reads the work's end, not its launch."""
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
 def generator(model, seed):
     return torch.Generator(device=model.wte.weight.device).manual_seed(seed)
 
 
-def interleaved(runs, repeats):
+def interleaved(runs, repeats, device=torch.device("cpu")):
     """Median wall time of each run over `repeats` rounds, the runs taking turns within a round,
     so that a slow spell of a shared machine hits all of them alike. Returns ({name: seconds},
-    {name: last output})."""
+    {name: last output}). Timers wait for queued work on `device`."""
     times, outs = {name: [] for name in runs}, {}
     for _ in range(repeats):
         for name, fn in runs.items():
-            sync()
+            sync(device)
             t0 = time.perf_counter()
             outs[name] = fn()
-            sync()
+            sync(device)
             times[name].append(time.perf_counter() - t0)
     return {name: statistics.median(t) for name, t in times.items()}, outs
 
@@ -140,12 +134,12 @@ def forward_time(model, T, drafter=None, repeats=200):
     fn, cache = (lambda c: drafter(h, x, c), drafter.new_cache(1)) if drafter else (lambda c: model(x, c), model.new_cache(1))
     best = float("inf")
     for _ in range(5):
-        sync()
+        sync(device)
         t0 = time.perf_counter()
         for _ in range(repeats):
             cache.lengths.fill_(20)
             fn(cache)
-        sync()
+        sync(device)
         best = min(best, time.perf_counter() - t0)
     return best / repeats
 
@@ -158,7 +152,7 @@ def decode_row(args, model, drafter, prompts, sampler):
     for k in args.ks:
         runs[k] = lambda k=k: speculative_generate(model, drafter, prompts, args.max_new, k=k, generator=gen,
                                                    sampler=sampler)
-    times, outs = interleaved(runs, args.repeats)
+    times, outs = interleaved(runs, args.repeats, model.wte.weight.device)
     ar = sum(len(o) for o in outs[0][0]) / times[0]
     per_k = {k: (sum(len(o) for o in outs[k][0]) / times[k], outs[k][1]["accept_len"]) for k in args.ks}
     best = max(per_k, key=lambda k: per_k[k][0])
@@ -273,7 +267,7 @@ def tail_workload(args, task_cfg, model, drafter, n_steps=4):
 
 
 @torch.no_grad()
-def drafter_vs_target(task_cfg, model, warm_drafter, run_dir, n_prompts=64, k=4):
+def drafter_vs_target(task_cfg, model, warm_drafter, run_dir, n_prompts=64, k=4, sampler="gumbel"):
     """The controlled comparison: the target as a --tlt on run left it, decoded with k = 4 at
     temperature 1.0 on held-out prompts, once with that run's drafter (trained on idle ranks)
     and once with the warm-up drafter (what --drafter-updates off keeps); same prompts, same
@@ -289,7 +283,7 @@ def drafter_vs_target(task_cfg, model, warm_drafter, run_dir, n_prompts=64, k=4)
     prompts = [task.encode(p.prompt()) for p in random.Random(5).sample(problems, min(n_prompts, len(problems)))]
     out = {}
     for name, d in (("adaptive", adaptive), ("frozen", frozen)):
-        _, st = speculative_generate(target.eval(), d, prompts, task_cfg.max_response_len, k=k, eos_id=task.EOS_ID,
+        _, st = speculative_generate(target.eval(), d, prompts, task_cfg.max_response_len, k=k, eos_id=task.EOS_ID, sampler=sampler,
                                      generator=generator(target, 0))
         out[name] = st["accept_len"]
     return out
@@ -332,7 +326,7 @@ def drift_bench(targs, task_cfg, model, drafter, sft_steps=300, sft_lr=2e-3, n_s
     with torch.no_grad():
         for name, t, d in (("before the move", model, drafter), ("moved, frozen drafter", moved, frozen),
                            ("moved, adapted drafter", moved, adapted)):
-            out[name] = [speculative_generate(t, d, prompts, task_cfg.max_response_len, k=4, eos_id=task.EOS_ID,
+            out[name] = [speculative_generate(t, d, prompts, task_cfg.max_response_len, k=4, eos_id=task.EOS_ID, sampler=targs.sampler,
                                               generator=generator(t, seed))[1]["accept_len"] for seed in seeds]
             print(f"{name:24} accept length {statistics.mean(out[name]):.3f} (k = 4, {len(prompts)} held-out prompts; "
                   f"{min(out[name]):.3f} to {max(out[name]):.3f} over {len(seeds)} random streams)", flush=True)
@@ -385,8 +379,8 @@ def e2e_bench(args, task_cfg, model, drafter):
     for a, b, c, d, e in zip(records["on_k4"], records["frozen_k4"], records["off"], records["on"], records["frozen"]):
         print(f"{a['step']:4d}                          {a['accept_len'] or 0:5.3f}   {b['accept_len'] or 0:5.3f} "
               f"{(a['accept_len'] or 0) - (b['accept_len'] or 0):+6.3f}             {c['reward']:5.3f} {d['reward']:5.3f}  {e['reward']:5.3f}")
-    final = drafter_vs_target(task_cfg, model, drafter, os.path.join(root, "on"))
-    print(f"\nthe target after the --tlt on run's {args.e2e_steps} steps, k = 4, temperature 1.0, 64 held-out prompts: "
+    final = drafter_vs_target(task_cfg, model, drafter, os.path.join(root, "on"), sampler=args.sampler)
+    print(f"\nthe target after the --tlt on run's {args.e2e_steps} steps, k = 4, temperature 1.0, {min(64, len(task.eval_set(task_cfg)))} held-out prompts: "
           f"accept length {final['adaptive']:.3f} with the drafter trained on idle ranks, {final['frozen']:.3f} with "
           f"the warm-up drafter")
     return {"e2e": {"final_accept_len": final, "off_step_time": off, "on_step_time": on, "frozen_step_time": fr, "speedup": off / on,
@@ -404,9 +398,10 @@ def main(argv=None):
     args = parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    print(f"bench on {torch.get_num_threads()} CPU thread(s)" if not torch.cuda.is_available() else
-          f"bench on {torch.cuda.get_device_name()}")
     targs, task_cfg, model, drafter = load_models(args.out_dir, args.train_flags)
+    device = model.wte.weight.device
+    print(f"bench on {torch.get_num_threads()} CPU thread(s)" if device.type == "cpu" else
+          f"bench on {torch.cuda.get_device_name(device)}")
     if args.e2e:
         result = e2e_bench(args, task_cfg, model, drafter)
     elif args.drift:
@@ -418,8 +413,9 @@ def main(argv=None):
         if differ:
             raise SystemExit(f"error: the run in {args.drafters} started from another warm-up than {args.out_dir} "
                              f"({', '.join(differ)} differ); pass that run's --out-dir and --train-args")
-        result = {"drafters": drafter_vs_target(task_cfg, model, drafter, args.drafters, n_prompts=200)}
-        print(f"the target in {args.drafters}/ckpt.pt, k = 4, temperature 1.0, 200 held-out prompts: accept length "
+        n = min(200, len(task.eval_set(task_cfg)))
+        result = {"drafters": drafter_vs_target(task_cfg, model, drafter, args.drafters, n_prompts=n, sampler=args.sampler)}
+        print(f"the target in {args.drafters}/ckpt.pt, k = 4, temperature 1.0, {n} held-out prompts: accept length "
               f"{result['drafters']['adaptive']:.3f} with the run's drafter, {result['drafters']['frozen']:.3f} with "
               f"the warm-up drafter")
     else:

@@ -40,6 +40,7 @@ from model import KVCache, RotaryStack
 
 HIDDEN_WEIGHT = 1.0
 CE_WEIGHT = 0.1
+DRAFTER_BATCH = 8  # sequences per training step: short steps, so an idle rank is preempted within one
 
 
 class Drafter(nn.Module):
@@ -136,7 +137,7 @@ def drafter_loss(drafter, h_in, x_next, h_tgt, mask):
     return total / 2
 
 
-def train_step(drafter, optimizer, buffer, rng, batch_size=16, device="cpu", sync_grads=False):
+def train_step(drafter, optimizer, buffer, rng, batch_size=DRAFTER_BATCH, device="cpu", sync_grads=False):
     """One optimizer step on a batch from the buffer; returns the loss. Short on purpose: the
     idle-rank loop checks for preemption between steps. sync_grads averages gradients over ranks
     (the warm-up, where all ranks train together); idle-rank training is local, then synced."""

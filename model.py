@@ -22,7 +22,7 @@ batch a decoding step costs its kernel launches, about 20 per layer, far more th
 the one-layer drafter costs about one layer's share of the target. Twelve layers make that share
 c = 0.15, near what a one-layer drafter costs against a large target on a GPU, so speculative
 decoding pays here for the reasons it pays there. Four layers of width 128 learn the task as well,
-but give c = 0.35, and speculative decoding then barely pays (README, "Why the target is deep").
+but give c = 0.35, and speculative decoding then barely pays (RESULTS.md, the earlier workload).
 
 Simplifications on purpose: rotary position embeddings (positions are per row, so RoPE is a
 gather, not a slice, and one complex multiply), LayerNorm without bias and GPT-2's tanh GELU (on a
@@ -43,7 +43,7 @@ import torch.nn.functional as F
 @dataclass
 class GPTConfig:
     vocab_size: int = 778   # task.VOCAB_SIZE
-    block_size: int = 200   # longest prompt + response (+ draft) the model and its cache hold
+    block_size: int = 256   # longest prompt + response (+ draft) the model and its cache hold
     n_layer: int = 12
     n_head: int = 4
     n_embd: int = 48

@@ -12,7 +12,7 @@ token-level mean: long responses are not down-weighted per token).
 With one optimizer step per rollout (the default) logp_old equals logp detached, the ratio is 1
 and the loss is plain REINFORCE with a group baseline; clipping matters once the same rollout is
 reused for several epochs (--rl-epochs). KL to a frozen reference is off by default (beta = 0):
-our reward is exact and cannot be hacked, and a reference copy would cost a third forward pass,
+our reward is exact and cannot be hacked, and a reference copy would cost one more forward pass per update,
 which on a CPU is time taken from the rollouts this project is about. When on, it is the k3
 estimator exp(ref - logp) - (ref - logp) - 1, which is non-negative and unbiased.
 

@@ -93,7 +93,7 @@ def rollout(target, drafter, prompts, max_new_tokens, *, temperature=1.0, eos_id
     per-phase times, the running batch size per step, SD figures, the tail share (see
     `tail_share`) and a list of timeline segments (kind, t_start, t_end) relative to the call.
     sampler and keys: see speculative.RunningBatch; with "gumbel", the tokens do not depend on
-    tlt, the threshold or the bandit's choices (up to rounding: see speculative.py)."""
+    tlt, the threshold or the bandit's choices (up to float32 rounding: see speculative.py)."""
     device = target.wte.weight.device
     stats = new_stats()
     stats.update(prefill_time=0.0, plain_time=0.0, spec_time=0.0, batch_sizes=[], step_times=[], segments=[],

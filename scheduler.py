@@ -28,7 +28,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from drafter import train_step
+from drafter import DRAFTER_BATCH, train_step
 
 class Seed(enum.IntEnum):
     """What a derived seed is for: each purpose its own random stream (the numbers only keep them apart)."""
@@ -63,7 +63,7 @@ def print0(*a, **kw):
 TIMELINE_CHARS = {"plain": "#", "spec": "S", "train": "t", "wait": "."}
 
 
-def idle_train(drafter, optimizer, buffer, rng, *, enabled=True, batch_size=16, device="cpu",
+def idle_train(drafter, optimizer, buffer, rng, *, enabled=True, batch_size=DRAFTER_BATCH, device="cpu",
                timeout_s=300.0, grace_s=0.02):
     """Train the drafter until every rank has reached this point. Returns (steps, idle seconds,
     segments) with segments as [kind, start, end] relative to the call."""

@@ -20,12 +20,17 @@ The pieces, in the order one speculative step uses them:
      or another rank all pick the same token from the same logits. The drafter drafts with the
      same noise on its own logits; a draft is accepted iff it equals the target's noisy argmax at
      its position, and the target's token is emitted at the first mismatch (or after all k).
-     The emitted sequence is exactly the one plain decoding would have sampled, token for token.
+     The emitted sequence is the one plain decoding would have sampled, token for token: exactly
+     so in float64; in float32 a pass of k + 1 tokens may round differently from one-token passes
+     and flip a near-tie, which evaluate.py counts at the end of every run (0 so far).
      The price: a draft is accepted only if both argmaxes agree, which happens with probability
      somewhat below sum_x min(p(x), q(x)), the rate rejection sampling achieves (the maximal
      coupling of p and q; the Gumbel coupling is close but not maximal).
 5. Ragged acceptance: every row keeps its own number of tokens. Rolling back is assigning the
    cache lengths; no row waits for the slowest, no row is cut to the minimum.
+
+The library functions default to "rejection" (the textbook rule); train.py and bench.py default
+to "gumbel".
 
 `RunningBatch` holds the running batch (tokens, target hidden states, both caches); its
 `plain_step` and `speculative_step` are the two kinds of step, and `compact` drops finished rows
@@ -56,8 +61,8 @@ def sample(p, generator=None):
     per row, by an exponential race: token v wins with probability p_v / sum(p), since
     E_v / p_v is exponential with rate p_v and the smallest of independent exponentials is v's
     with exactly that probability. One elementwise pass and an argmax, the same kernels on every
-    device: a zero-weight token scores 0 and never wins, where an inverse-CDF search can land
-    on it when a parallel cumsum rounds (as CUDA's one-row scan can)."""
+    device, and a zero-weight token scores 0 and never wins (an inverse-CDF search over a cumsum
+    can land on one where a parallel scan rounds, as CUDA's one-row scan can)."""
     e = torch.empty_like(p, dtype=torch.float32).exponential_(generator=generator)  # (B, V)
     return (p / e.clamp_(min=torch.finfo(torch.float32).tiny)).argmax(dim=-1)
 
@@ -145,7 +150,7 @@ class Sample(NamedTuple):
 
 
 class RunningBatch:
-    """The running batch of one generation: rows leave it when they finish.
+    """The running batch of one generate or rollout call: rows leave it when they finish.
 
     Per row: tokens[b, :n_tokens[b]] are prompt + generated tokens, the last one "pending" (sampled
     but not yet read by the target), so the target cache holds n_tokens - 1 positions and

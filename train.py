@@ -1,10 +1,10 @@
 """Warm up a small GPT on the running-sum task, then improve it with GRPO and TLT rollouts.
 
     python train.py                                    # one process, CPU or one GPU
-    torchrun --standalone --nproc_per_node=2 train.py  # several ranks (gloo on CPU, nccl on CUDA)
+    torchrun --standalone --nproc_per_node=2 train.py  # several ranks (gloo; NCCL when each has its own GPU)
 
 (1) Supervised warm-up of the target on reference traces; (2) warm-up of the drafter on the
-target's own samples; both cached in --out-dir and reused when their config matches.
+target's own samples; both cached in --warmup-dir (default: --out-dir) and reused when their settings match.
 (3) --rl-steps of GRPO. Each step: every rank rolls out its shard (speculative decoding in the
 long tail with --tlt on), ranks that finish early train the drafter until the last one finishes
 (--drafter-updates on), the drafters are synced, then one GRPO update of the target under DDP.
@@ -19,6 +19,7 @@ import hashlib
 import json
 import os
 import random
+import socket
 import sys
 import time
 import warnings
@@ -30,7 +31,8 @@ from torch.nn.parallel import DistributedDataParallel
 
 import rl
 import task
-from drafter import DrafterBuffer, make_optimizer
+from drafter import DRAFTER_BATCH, DrafterBuffer, make_optimizer
+from model import GPTConfig
 from evaluate import evaluate_both, format_accuracy
 from rollout import ARMS, Bandit, rollout, sync
 from scheduler import Seed, derive_seed, gather_ranks, idle_train, print0, render_timeline, sync_drafter
@@ -94,7 +96,7 @@ def parse_args(argv=None):
     p.add_argument("--drafter-warmup-steps", type=int, default=2500, help="drafter optimizer steps in its warm-up")
     p.add_argument("--drafter-lr", type=float, default=2e-3, help="peak drafter learning rate of the warm-up")
     p.add_argument("--drafter-online-lr", type=float, default=5e-5, help="drafter learning rate on idle ranks during RL")
-    p.add_argument("--drafter-batch", type=int, default=8, help="sequences per drafter training step")
+    p.add_argument("--drafter-batch", type=int, default=DRAFTER_BATCH, help="sequences per drafter training step")
     p.add_argument("--drafter-keep", type=int, default=32, help="RL steps of hidden states the drafter buffer keeps")
     # RL
     p.add_argument("--rl-steps", type=int, default=200, help="GRPO steps")
@@ -121,10 +123,10 @@ def parse_args(argv=None):
     p.add_argument("--timeline-every", type=int, default=10, help="print the per-rank timeline every N steps (0: never)")
     p.add_argument("--ckpt-every", type=int, default=10, help="write the RL checkpoint every N steps")
     args = p.parse_args(argv)
-    positive = ("max_n", "max_passes", "n_layer", "n_head", "n_embd", "block_size", "warmup_steps", "warmup_tokens", "warmup_lr",
-                "drafter_warmup_seqs", "drafter_warmup_steps", "drafter_batch", "drafter_keep", "drafter_lr", "drafter_online_lr",
-                "prompts_per_step", "group_size", "rl_epochs", "rl_lr", "clip_eps", "update_tokens", "ckpt_every", "eval_samples")
-    non_negative = ("recheck", "noise", "warmup_alpha", "rl_steps", "kl_coef", "temperature", "sd_threshold", "timeline_every", "alpha", "eval_per_bucket")
+    positive = ("warmup_steps", "warmup_tokens", "warmup_lr", "drafter_warmup_seqs", "drafter_warmup_steps", "drafter_batch",
+                "drafter_keep", "drafter_lr", "drafter_online_lr", "prompts_per_step", "group_size", "rl_epochs", "rl_lr",
+                "clip_eps", "update_tokens", "ckpt_every", "eval_samples")
+    non_negative = ("rl_steps", "kl_coef", "temperature", "sd_threshold", "timeline_every", "eval_per_bucket")
     for names, ok, what in ((positive, lambda v: v > 0, "positive"), (non_negative, lambda v: v >= 0, "non-negative")):
         for name in names:
             if not ok(getattr(args, name)):  # written so that NaN fails too
@@ -135,16 +137,16 @@ def parse_args(argv=None):
         p.error(f"--draft-ks takes comma-separated integers, got {args.draft_ks!r}")
     if min(args.draft_ks) < 0 or len(set(args.draft_ks)) != len(args.draft_ks):
         p.error(f"--draft-ks must be distinct non-negative integers, got {args.draft_ks}")
-    if args.max_n > len(task.LABELS):
-        p.error(f"--max-n must be at most {len(task.LABELS)}")
-    if args.recheck >= 1 or args.noise >= 1:
-        p.error("--recheck and --noise are probabilities below 1")
+    try:  # the task and model configs check their own fields; a bad one is a flag error here
+        task_config(args), task_config(args, warmup=True)
+        GPTConfig(vocab_size=task.VOCAB_SIZE, block_size=args.block_size, n_layer=args.n_layer, n_head=args.n_head,
+                  n_embd=args.n_embd)
+    except ValueError as e:
+        p.error(str(e))
     need = task_config(args).max_seq_len + max(args.draft_ks)
     if args.block_size < need:
         p.error(f"--block-size {args.block_size} is too small for --max-n {args.max_n}: the longest prompt + "
                 f"response + {max(args.draft_ks)} draft tokens needs {need}")
-    if args.n_embd % args.n_head or (args.n_embd // args.n_head) % 2:
-        p.error(f"--n-embd {args.n_embd} must split into --n-head {args.n_head} heads of even size")
     args.warmup_dir = args.warmup_dir or args.out_dir
     args.rl_seed = args.seed if args.rl_seed is None else args.rl_seed
     return args
@@ -160,7 +162,8 @@ def wants_cuda(device_arg):
 
 def compute_init(device_arg="auto"):
     """-> (ddp, rank, local_rank, world_size, device). Under torchrun (RANK set) this joins the
-    process group: nccl on CUDA, gloo on CPU. Without torchrun it is rank 0 of 1, same code path."""
+    process group: NCCL when every rank has a GPU of its own, else gloo (which also reduces CUDA
+    tensors, so it serves ranks that share GPUs). Without torchrun it is rank 0 of 1, same code path."""
     ddp = "RANK" in os.environ
     rank = int(os.environ.get("RANK", 0))
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
@@ -173,8 +176,6 @@ def compute_init(device_arg="auto"):
     device = torch.device(f"cuda:{local_rank % n_gpus}" if use_cuda else "cpu")
     if use_cuda:  # more ranks than GPUs: they share them round-robin
         torch.cuda.set_device(device)
-        if local_world > n_gpus and rank == 0:
-            warnings.warn(f"{local_world} ranks share {n_gpus} GPU(s): collectives go through gloo, not NCCL")
     else:  # ranks sharing a CPU: split the cores (unless OMP_NUM_THREADS says how many), or they fight over them
         cores = os.cpu_count() or 1
         if "OMP_NUM_THREADS" not in os.environ:  # torchrun sets it to 1 when it starts several ranks
@@ -186,11 +187,19 @@ def compute_init(device_arg="auto"):
         store, _, _ = next(rendezvous("env://", rank, world_size, timeout=timeout))
         # after torchrun restarts a failed group (--max-restarts), the agent's store still holds the
         # dead group's addresses; a prefix per attempt keeps the new group from dialling them
-        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-        # NCCL needs a GPU of its own per rank; gloo also reduces CUDA tensors, so it serves shared GPUs
-        nccl = use_cuda and local_world <= n_gpus
-        dist.init_process_group("nccl" if nccl else "gloo", store=dist.PrefixStore(f"tlt/attempt{attempt}", store),
-                                rank=rank, world_size=world_size, timeout=timeout, device_id=device if nccl else None)
+        store = dist.PrefixStore(f"tlt/attempt{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
+        # NCCL needs a GPU of its own per rank. Whether the GPUs are distinct is a fact about the
+        # machines, not about the GPUs one rank sees (a scheduler may show each rank only its own):
+        # every rank posts its (host, GPU uuid) and all compare
+        nccl = False
+        if use_cuda:
+            store.set(f"gpu/{rank}", f"{socket.gethostname()}/{torch.cuda.get_device_properties(device).uuid}")
+            owners = {store.get(f"gpu/{r}") for r in range(world_size)}  # get() waits for the key
+            nccl = len(owners) == world_size
+            if not nccl and rank == 0:
+                warnings.warn(f"{world_size} ranks share {len(owners)} GPU(s): collectives go through gloo, not NCCL")
+        dist.init_process_group("nccl" if nccl else "gloo", store=store, rank=rank, world_size=world_size,
+                                timeout=timeout, device_id=device if nccl else None)
     return ddp, rank, local_rank, world_size, device
 
 
@@ -349,7 +358,7 @@ def rl_step(step, args, task_cfg, model, net, drafter, opt, d_opt, bandit, buffe
     drng = random.Random(derive_seed(args.rl_seed, rank, step, Seed.DRAFTER_TRAINING))
     d_steps, idle, idle_segs = idle_train(drafter, d_opt, buffer, drng, enabled=train_drafter,
                                           batch_size=args.drafter_batch, device=device,
-                                          timeout_s=COLLECTIVE_TIMEOUT_S)
+                                          timeout_s=0.9 * COLLECTIVE_TIMEOUT_S)  # before the watchdog's, so its message wins
     # 5. every rank ends with the same drafter
     if train_drafter:
         sync_drafter(drafter, d_steps)

@@ -13,9 +13,11 @@ Why the embedding init (`init_merged_embeddings`). The task's one hard skill is 
 response writes the label "b" and must copy the digit of the prompt's token "b7". With random
 embeddings the 12 x 48 target first has to discover that the 520 labelled-digit tokens share a
 label and a digit with the plain tokens, and it sits on a loss plateau (digits at chance) until it
-does, for a time that depended on the seed and on the machine's rounding: the same recipe gave
-greedy accuracies from 32% to 70%. Started as the sum of their parts, "b" already matches "b7" in
-attention and "b7" already carries the "7" that the tied head reads out, and the plateau is short.
+does, for a time that depends on the seed and on the machine's rounding (on the earlier workload
+the same recipe gave greedy accuracies from 32% to 70%; see RESULTS.md). Started as the sum of
+their parts, "b" already matches "b7" in attention and "b7" already carries the "7" that the tied
+head reads out, and the plateau is shorter: seeds 1337 and 7 leave it by step 700. Seed 3 still
+leaves it late (step 1500) and learns sizes 6-10 only in part.
 
 Test: python -m pytest tests/test_train.py   (the warm-ups run there on tiny configs)
 """
@@ -126,7 +128,7 @@ def init_merged_embeddings(model):
     520 labelled-digit tokens share a label and a digit with the plain tokens; the deep narrow
     target sits on a loss plateau (digits at chance) until it does, for a seed-dependent time.
     Started as sums, "b" already matches "b7" in attention and "b7" already carries the "7" that the
-    tied head reads out. Measured (max-n 12, 2000 steps, seed 1337): with it the warmed-up target
+    tied head reads out. Measured (max-n 12, 2000 steps, seed 1337, an earlier setting): with it the target
     copied the digits right on sizes up to 12 and erred in the sums; without it, it copied wrong
     digits from size 2 on."""
     wte = model.wte.weight

@@ -85,7 +85,7 @@ def greedy_setup():
     opt = make_optimizer(drafter, lr=1e-2)
     rng = random.Random(0)
     for _ in range(60):
-        train_step(drafter, opt, buf, rng)
+        train_step(drafter, opt, buf, rng, batch_size=16)
     target.double()
     drafter.double()
 
