@@ -219,9 +219,9 @@ def sampler_price(args, model, drafter, pool, rows, k=4, n_prompts=64):
 
 
 def tail_workload(args, task_cfg, model, drafter, n_steps=4):
-    """Rank 0's rollouts of the default 2-rank run's first RL steps, plain vs TLT, same prompts,
-    same machine, alternating. The bandit learns during one unmeasured TLT pass first, as it
-    would have during earlier RL steps."""
+    """Rollouts of rank 0's prompts (2-rank sharding) of the run's first RL steps, plain vs TLT, the
+    same prompts and keys (the bench's own), alternating on one machine. The bandit learns during
+    one unmeasured TLT pass first, as it would have during earlier RL steps."""
     targs = train.parse_args(args.train_flags)
     shards = []
     for step in range(n_steps):

@@ -14,10 +14,17 @@ progress. A step must be short, since the slowest rank waits at most one step fo
 
 Then every rank must hold the same drafter again: parameters are averaged, weighted by each
 rank's number of local steps (a rank that trained 0 steps contributes nothing; if nobody trained,
-nothing changes). All-reduce gives every rank bit-identical sums, so the checksums match.
+nothing changes). All-reduce gives every rank bit-identical sums, so the checksums match, and
+train.py warns if they ever do not. Only the weights are synced: each rank's AdamW moments stay
+its own, built from its own steps, which is harmless (they only scale that rank's next updates,
+whose result is averaged again). A checkpoint holds rank 0's optimizer state, and after a resume
+every rank starts from it; the drafter buffer is not saved and refills from the next steps.
 
 A single process has no idle time and therefore never trains the drafter online; that is the
 technique, not a bug: the training is free only because it fills time otherwise wasted.
+
+Also here, because they concern ranks: `derive_seed` (a seed per rank or row, step and purpose)
+and `print0` (only rank 0 prints).
 
 Test: python -m pytest tests/test_scheduler.py   (4 gloo processes with skewed loads)
 """
