@@ -80,6 +80,8 @@ def parse_args(argv=None):
                    "is written wrong (the warmed-up target then errs at about this rate when sampling)")
     p.add_argument("--warmup-alpha", type=float, default=1.5, help="tail exponent of the problem sizes in the "
                    "target warm-up: more small problems than in RL, where the look-up is learned")
+    p.add_argument("--warmup-alpha-end", type=float, default=None, help="a curriculum: the exponent moves from "
+                   "--warmup-alpha to this over the warm-up (default: no change; 2.0 -> 0.5 was more robust over seeds)")
     # model
     p.add_argument("--n-layer", type=int, default=12, help="target transformer layers")
     p.add_argument("--n-head", type=int, default=4, help="attention heads")
@@ -139,6 +141,7 @@ def parse_args(argv=None):
         p.error(f"--draft-ks must be distinct non-negative integers, got {args.draft_ks}")
     try:  # the task and model configs check their own fields; a bad one is a flag error here
         task_config(args), task_config(args, warmup=True)
+        task.TaskConfig(alpha=args.alpha if args.warmup_alpha_end is None else args.warmup_alpha_end)
         GPTConfig(vocab_size=task.VOCAB_SIZE, block_size=args.block_size, n_layer=args.n_layer, n_head=args.n_head,
                   n_embd=args.n_embd)
     except ValueError as e:
@@ -148,6 +151,7 @@ def parse_args(argv=None):
         p.error(f"--block-size {args.block_size} is too small for --max-n {args.max_n}: the longest prompt + "
                 f"response + {max(args.draft_ks)} draft tokens needs {need}")
     args.warmup_dir = args.warmup_dir or args.out_dir
+    args.warmup_alpha_end = args.warmup_alpha if args.warmup_alpha_end is None else args.warmup_alpha_end
     args.rl_seed = args.seed if args.rl_seed is None else args.rl_seed
     return args
 

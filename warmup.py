@@ -21,6 +21,7 @@ leaves it late (step 1500) and learns sizes 6-10 only in part.
 
 Test: python -m pytest tests/test_train.py   (the warm-ups run there on tiny configs)
 """
+import dataclasses
 import math
 import os
 import random
@@ -150,7 +151,9 @@ def warmup_target(model, args, warmup_cfg, ddp, rank, world_size, device):
     t0, tokens_seen, batches = time.time(), 0, []
     for step in range(args.warmup_steps):
         if not batches:
-            batches = sft_batches(rng, warmup_cfg, 16, budget)
+            # the problem-size exponent moves from --warmup-alpha to --warmup-alpha-end over the warm-up
+            alpha = warmup_cfg.alpha + (args.warmup_alpha_end - warmup_cfg.alpha) * step / args.warmup_steps
+            batches = sft_batches(rng, dataclasses.replace(warmup_cfg, alpha=alpha), 16, budget)
         for g in opt.param_groups:
             g["lr"] = lr_at(step, args.warmup_steps, args.warmup_lr)
         loss, n_tokens = sft_step(model, net, opt, batches.pop(), device)
@@ -200,7 +203,8 @@ def warmup_drafter(drafter, model, args, task_cfg, ddp, rank, world_size, device
 def model_meta(args, config, warmup_cfg):
     """What the target warm-up depends on: its traces (the warm-up's task config), shape, recipe, seed."""
     return {"model": config.to_dict(), "task": asdict(warmup_cfg), "warmup_steps": args.warmup_steps,
-            "warmup_tokens": args.warmup_tokens, "warmup_lr": args.warmup_lr, "merge_init": args.merge_init,
+            "warmup_tokens": args.warmup_tokens, "warmup_lr": args.warmup_lr, "warmup_alpha_end": args.warmup_alpha_end,
+            "merge_init": args.merge_init,
             "seed": args.seed}
 
 

@@ -246,3 +246,11 @@ def test_task_flags_reach_the_task_config():
     assert (cfg.recheck, cfg.max_passes, cfg.noise, cfg.alpha, wcfg.alpha) == (0.3, 2, 0.05, args.alpha, 0.5)
     with pytest.raises(SystemExit):  # two passes do not fit the tiny block
         train.parse_args(TINY + ["--max-passes", "2"])
+
+
+def test_warmup_curriculum_flag_defaults_to_none_and_keys_the_cache():
+    plain, curriculum = train.parse_args(TINY), train.parse_args(TINY + ["--warmup-alpha-end", "0.5"])
+    assert plain.warmup_alpha_end == plain.warmup_alpha and curriculum.warmup_alpha_end == 0.5
+    config = warmup.GPTConfig(vocab_size=train.task.VOCAB_SIZE, block_size=40, n_layer=1, n_head=2, n_embd=16)
+    metas = [warmup.model_meta(a, config, train.task_config(a, warmup=True)) for a in (plain, curriculum)]
+    assert metas[0] != metas[1]  # a warm-up cached with another curriculum is refused, not reused
