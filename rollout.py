@@ -104,7 +104,7 @@ def rollout(target, drafter, prompts, max_new_tokens, *, temperature=1.0, eos_id
     bandit = bandit if bandit is not None else Bandit()
     t_start = time.perf_counter()
     gen = RunningBatch(target, prompts, max_new_tokens, temperature=temperature, eos_id=eos_id, generator=generator,
-                     max_draft=max(bandit.arms) if use_sd else 0, sampler=sampler, keys=keys)
+                       max_draft=max(bandit.arms) if use_sd else 0, sampler=sampler, keys=keys)
     sync(device)
     stats["prefill_time"] = time.perf_counter() - t_start
     stats["segments"].append(["plain", 0.0, stats["prefill_time"]])  # the prefill is drawn as plain decoding

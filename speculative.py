@@ -185,13 +185,13 @@ class RunningBatch:
         self.prompt_len = torch.tensor([len(p) for p in prompts], device=dev)
         self.hidden = torch.zeros(B, W, target.config.n_embd, device=dev, dtype=target.wte.weight.dtype)
         self.row_id = torch.arange(B, device=dev)
-        self.keys = None  # per row, for the "gumbel" sampler
-        if sampler == "gumbel":
-            if keys is None:
-                keys = int(torch.randint(2 ** 62, (1,), generator=generator, device=dev)) + torch.arange(B)
-            self.keys = torch.as_tensor(keys, dtype=torch.long).to(dev)
-            if bool((self.keys < 0).any()):
-                raise ValueError("keys must be non-negative")
+        self.sampler = sampler
+        if keys is None:  # "rejection" never reads them, so it draws nothing for them
+            keys = torch.arange(B) + (int(torch.randint(2 ** 62, (1,), generator=generator, device=dev))
+                                      if sampler == "gumbel" else 0)
+        self.keys = torch.as_tensor(keys, dtype=torch.long).to(dev)  # (B,), one per row
+        if bool((self.keys < 0).any()):
+            raise ValueError("keys must be non-negative")
         self.cache = target.new_cache(B, max_len=need)
         self.dcache = None  # the drafter's cache, made on the first speculative step
         self.results = [None] * B  # per original row, a Sample once it has finished
@@ -218,13 +218,13 @@ class RunningBatch:
     def _noise(self, positions):
         """The "gumbel" sampler's noise for the tokens at positions (B, T): (B, T, V); None when
         there is none to add (the "rejection" sampler, or greedy decoding)."""
-        if self.keys is None or self.temperature == 0:
+        if self.sampler != "gumbel" or self.temperature == 0:
             return None
         return gumbel_noise(self.keys, positions, self.target.config.vocab_size)
 
     def _choose(self, logits, positions):
         """The target's tokens: logits (B, T, V) for the tokens at positions (B, T) -> (B, T)."""
-        if self.keys is None:
+        if self.sampler == "rejection":
             return sample(probs(logits.flatten(0, 1), self.temperature), self.generator).view(logits.shape[:2])
         return gumbel_argmax(logits, self.temperature, self._noise(positions))
 
@@ -280,7 +280,7 @@ class RunningBatch:
         noise = self._noise(L[:, None] + 1 + torch.arange(k + 1, device=dev))  # (B, k+1, V): drafts, then the bonus
         drafts, qs = [], []
         for i in range(k):
-            if self.keys is None:
+            if self.sampler == "rejection":
                 q = probs(q_logits, self.temperature)
                 d = sample(q, self.generator)
                 qs.append(q)
@@ -295,7 +295,7 @@ class RunningBatch:
         # 3. verify: the target reads the pending token and the k drafts in one pass
         pending = self.tokens.gather(1, L[:, None])  # (B, 1)
         t_logits, t_hidden = self.target(torch.cat([pending, draft], dim=1), self.cache)  # (B, k+1, .)
-        if self.keys is None:
+        if self.sampler == "rejection":
             n_acc, nxt = verify(draft, torch.stack(qs, dim=1), probs(t_logits, self.temperature), self.generator)
         else:
             n_acc, nxt = verify_coupled(draft, gumbel_argmax(t_logits, self.temperature, noise))
@@ -321,7 +321,7 @@ class RunningBatch:
         live = (~self.done).nonzero()[:, 0]
         keep = torch.arange(live.shape[0], device=live.device)
         keep[self.done[:keep.shape[0]]] = live[live >= keep.shape[0]]
-        for name in ("tokens", "hidden", "prompt_len", "row_id", "n_tokens", "done") + (("keys",) if self.keys is not None else ()):
+        for name in ("tokens", "hidden", "prompt_len", "row_id", "n_tokens", "done", "keys"):
             setattr(self, name, getattr(self, name)[keep])
         self.cache.keep(keep)
         if self.dcache is not None:

@@ -139,9 +139,10 @@ def parse_args(argv=None):
         p.error(f"--draft-ks takes comma-separated integers, got {args.draft_ks!r}")
     if min(args.draft_ks) < 0 or len(set(args.draft_ks)) != len(args.draft_ks):
         p.error(f"--draft-ks must be distinct non-negative integers, got {args.draft_ks}")
+    args.warmup_alpha_end = args.warmup_alpha if args.warmup_alpha_end is None else args.warmup_alpha_end
     try:  # the task and model configs check their own fields; a bad one is a flag error here
         task_config(args), task_config(args, warmup=True)
-        task.TaskConfig(alpha=args.alpha if args.warmup_alpha_end is None else args.warmup_alpha_end)
+        task.TaskConfig(alpha=args.warmup_alpha_end)
         GPTConfig(vocab_size=task.VOCAB_SIZE, block_size=args.block_size, n_layer=args.n_layer, n_head=args.n_head,
                   n_embd=args.n_embd)
     except ValueError as e:
@@ -151,7 +152,6 @@ def parse_args(argv=None):
         p.error(f"--block-size {args.block_size} is too small for --max-n {args.max_n}: the longest prompt + "
                 f"response + {max(args.draft_ks)} draft tokens needs {need}")
     args.warmup_dir = args.warmup_dir or args.out_dir
-    args.warmup_alpha_end = args.warmup_alpha if args.warmup_alpha_end is None else args.warmup_alpha_end
     args.rl_seed = args.seed if args.rl_seed is None else args.rl_seed
     return args
 
