@@ -78,10 +78,10 @@ def parse_args(argv=None):
     p.add_argument("--max-passes", type=int, default=task.TaskConfig.max_passes, help="reference traces: at most this many passes")
     p.add_argument("--noise", type=float, default=task.TaskConfig.noise, help="reference traces: probability that a running-sum step "
                    "is written wrong (the warmed-up target then errs at about this rate when sampling)")
-    p.add_argument("--warmup-alpha", type=float, default=1.5, help="tail exponent of the problem sizes in the "
-                   "target warm-up: more small problems than in RL, where the look-up is learned")
-    p.add_argument("--warmup-alpha-end", type=float, default=None, help="a curriculum: the exponent moves from "
-                   "--warmup-alpha to this over the warm-up (default: no change; 2.0 -> 0.5 was more robust over seeds)")
+    p.add_argument("--warmup-alpha", type=float, default=2.0, help="tail exponent of the problem sizes at the start "
+                   "of the target warm-up: mostly small problems, where the look-up is learned")
+    p.add_argument("--warmup-alpha-end", type=float, default=0.5, help="the exponent moves linearly from "
+                   "--warmup-alpha to this over the warm-up, a curriculum toward long problems (equal: none)")
     # model
     p.add_argument("--n-layer", type=int, default=12, help="target transformer layers")
     p.add_argument("--n-head", type=int, default=4, help="attention heads")
@@ -139,7 +139,6 @@ def parse_args(argv=None):
         p.error(f"--draft-ks takes comma-separated integers, got {args.draft_ks!r}")
     if min(args.draft_ks) < 0 or len(set(args.draft_ks)) != len(args.draft_ks):
         p.error(f"--draft-ks must be distinct non-negative integers, got {args.draft_ks}")
-    args.warmup_alpha_end = args.warmup_alpha if args.warmup_alpha_end is None else args.warmup_alpha_end
     try:  # the task and model configs check their own fields; a bad one is a flag error here
         task_config(args), task_config(args, warmup=True)
         task.TaskConfig(alpha=args.warmup_alpha_end)

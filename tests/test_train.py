@@ -248,9 +248,9 @@ def test_task_flags_reach_the_task_config():
         train.parse_args(TINY + ["--max-passes", "2"])
 
 
-def test_warmup_curriculum_flag_defaults_to_none_and_keys_the_cache():
-    plain, curriculum = train.parse_args(TINY), train.parse_args(TINY + ["--warmup-alpha-end", "0.5"])
-    assert plain.warmup_alpha_end == plain.warmup_alpha and curriculum.warmup_alpha_end == 0.5
+def test_warmup_curriculum_keys_the_cache():
+    curriculum, plain = train.parse_args(TINY), train.parse_args(TINY + ["--warmup-alpha-end", "2.0"])
+    assert curriculum.warmup_alpha_end != curriculum.warmup_alpha and plain.warmup_alpha_end == plain.warmup_alpha
     config = warmup.GPTConfig(vocab_size=train.task.VOCAB_SIZE, block_size=40, n_layer=1, n_head=2, n_embd=16)
     metas = [warmup.model_meta(a, config, train.task_config(a, warmup=True)) for a in (plain, curriculum)]
     assert metas[0] != metas[1]  # a warm-up cached with another curriculum is refused, not reused
