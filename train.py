@@ -88,7 +88,7 @@ def parse_args(argv=None):
     p.add_argument("--n-embd", type=int, default=48, help="model width")
     p.add_argument("--block-size", type=int, default=256, help="longest sequence the model holds")
     # target warm-up
-    p.add_argument("--warmup-steps", type=int, default=2600, help="supervised optimizer steps for the target")
+    p.add_argument("--warmup-steps", type=int, default=2400, help="supervised optimizer steps for the target")
     p.add_argument("--warmup-tokens", type=int, default=2048, help="padded tokens per warm-up batch, all ranks together")
     p.add_argument("--warmup-lr", type=float, default=6e-3, help="peak learning rate of the target warm-up")
     p.add_argument("--merge-init", type=on_off, default=True, metavar="on|off", help="start each labelled-digit "
