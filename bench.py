@@ -64,7 +64,7 @@ def parse_args(argv=None):
     mode.add_argument("--drift", action="store_true", help="run the moved-target drafter comparison instead")
     mode.add_argument("--drafters", metavar="RUN_DIR", help="compare the drafter a train.py run left in RUN_DIR/ckpt.pt "
                    "with the warm-up drafter, on that run's final target")
-    p.add_argument("--e2e-steps", type=int, default=20, help="RL steps per end-to-end run")
+    p.add_argument("--e2e-steps", type=int, default=30, help="RL steps per end-to-end run")
     p.add_argument("--train-args", default="", help="train.py flags for the checkpoints' config, the long-tail workload "
                    "and all three --e2e runs, e.g. --train-args='--rl-lr 3e-4'")
     p.add_argument("--nproc", type=int, default=2, help="ranks per end-to-end run")
@@ -361,13 +361,23 @@ def e2e_bench(args, task_cfg, model, drafter):
     def mean(name, key):
         vals = [r[key] for r in records[name][1:] if r[key] is not None]
         return sum(vals) / len(vals) if vals else None
+
+    def median(name, key):  # step 0 is left out of both: it pays for the first allocations
+        return statistics.median(r[key] for r in records[name][1:])
     off, on, fr = (mean(n, "step_time") for n in ("off", "on", "frozen"))
-    print(f"\n{'':8} {'step s':>7} {'rollout s':>9} {'update s':>8} {'rollout %':>9} {'accept len':>10} {'accept rate':>11} {'reward':>7}")
+    m_off, m_on, m_fr = (median(n, "step_time") for n in ("off", "on", "frozen"))
+    print(f"\n{'':8} {'step s':>7} {'median':>7} {'rollout s':>9} {'update s':>8} {'rollout %':>9} {'tail %':>6} "
+          f"{'accept len':>10} {'accept rate':>11} {'reward':>7}")
     for n in ("off", "on", "frozen"):
-        print(f"{n:8} {mean(n, 'step_time'):7.3f} {mean(n, 'rollout_time'):9.3f} {mean(n, 'update_time'):8.3f} "
-              f"{100 * mean(n, 'rollout_share'):8.0f}% {mean(n, 'accept_len') or 0:10.2f} {mean(n, 'accept_rate') or 0:11.3f} "
-              f"{mean(n, 'reward'):7.3f}")
-    print(f"\nstep-time speedup over --tlt off: TLT {off / on:.2f}x, TLT with a frozen drafter {off / fr:.2f}x")
+        print(f"{n:8} {mean(n, 'step_time'):7.3f} {median(n, 'step_time'):7.3f} {mean(n, 'rollout_time'):9.3f} "
+              f"{mean(n, 'update_time'):8.3f} {100 * mean(n, 'rollout_share'):8.0f}% {100 * median(n, 'tail_share'):5.0f}% "
+              f"{mean(n, 'accept_len') or 0:10.2f} {mean(n, 'accept_rate') or 0:11.3f} {mean(n, 'reward'):7.3f}")
+    print("(step s, rollout s, update s, rollout %, accept, reward: means over steps 1..; median: the median step; "
+          "tail %: median tail share)")
+    print(f"\nstep-time speedup over --tlt off, mean (median step): TLT {off / on:.2f}x ({m_off / m_on:.2f}x), TLT with a "
+          f"frozen drafter {off / fr:.2f}x ({m_off / m_fr:.2f}x); rollout alone {mean('off', 'rollout_time') / mean('on', 'rollout_time'):.2f}x")
+    print(f"--tlt off: rollout is {100 * median('off', 'rollout_time') / m_off:.0f}% of the median step "
+          f"(median rollout time / median step time)")
     for n in ("on", "frozen"):  # with --sampler gumbel the three runs should generate the same tokens at every step
         diff_r = sum(a["reward"] != b["reward"] for a, b in zip(records["off"], records[n]))
         diff_t = sum(a["responses_digest"] != b["responses_digest"] for a, b in zip(records["off"], records[n]))
@@ -384,7 +394,8 @@ def e2e_bench(args, task_cfg, model, drafter):
           f"accept length {final['adaptive']:.3f} with the drafter trained on idle ranks, {final['frozen']:.3f} with "
           f"the warm-up drafter")
     return {"e2e": {"final_accept_len": final, "off_step_time": off, "on_step_time": on, "frozen_step_time": fr, "speedup": off / on,
-                    "frozen_speedup": off / fr, "off_rollout_share": mean("off", "rollout_share"),
+                    "frozen_speedup": off / fr, "median_speedup": m_off / m_on, "off_rollout_share": mean("off", "rollout_share"),
+                    "tail_share": {n: median(n, "tail_share") for n in ("off", "on")},
                     "steps": args.e2e_steps, "nproc": args.nproc,
                     "accept_len": {n: [r["accept_len"] for r in records[n]] for n in ("on", "frozen", "on_k4", "frozen_k4")},
                     "accept_rate": {n: [r["accept_rate"] for r in records[n]] for n in ("on", "frozen", "on_k4", "frozen_k4")},
