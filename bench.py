@@ -10,7 +10,7 @@ train.py's defaults plus --train-args), on the GPU when there is one, print a ta
 one JSON line holding every figure. Checkpoints made with other flags need the same flags here, e.g.
     python bench.py --out-dir out_4x128 --train-args "--n-layer 4 --n-embd 128 --warmup-lr 3e-3 --warmup-steps 900"
 
-Decoding bench. Held-out prompts whose reference responses are longer than --max-new tokens, so
+Decoding bench. Fresh prompts (not the training ones) whose reference responses are longer than --max-new tokens, so
 every row decodes exactly --max-new tokens (no row leaves early and the batch size is what the
 table says). Temperature 1.0, as in the RL rollouts. Each cell is the median of --repeats rounds
 in which plain decoding and every k take turns, so a slow spell of a shared machine hits them alike.

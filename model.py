@@ -20,7 +20,7 @@ finish leave the batch with `cache.keep(rows)` (compaction), so a shrinking batc
 Shape: 12 layers of width 48 (0.37 M parameters), deep and narrow on purpose. On a CPU at small
 batch a decoding step costs its kernel launches, about 20 per layer, far more than its FLOPs, so
 the one-layer drafter costs about one layer's share of the target. Twelve layers make that share
-c = 0.15, near what a one-layer drafter costs against a large target on a GPU, so speculative
+c = 0.13-0.15, near what a one-layer drafter costs against a large target on a GPU, so speculative
 decoding pays here for the reasons it pays there. Four layers of width 128 learn the task as well,
 but give c = 0.35, and speculative decoding then barely pays (RESULTS.md, the earlier workload).
 

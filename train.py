@@ -92,7 +92,7 @@ def parse_args(argv=None):
     p.add_argument("--warmup-tokens", type=int, default=2048, help="padded tokens per warm-up batch, all ranks together")
     p.add_argument("--warmup-lr", type=float, default=6e-3, help="peak learning rate of the target warm-up")
     p.add_argument("--merge-init", type=on_off, default=True, metavar="on|off", help="start each labelled-digit "
-                   "token's embedding as the sum of its label's and its digit's (off: random, as every other token)")
+                   "token's embedding as (label + digit) / sqrt(2) (off: random, as every other token)")
     # drafter
     p.add_argument("--drafter-warmup-seqs", type=int, default=2048, help="target samples the drafter warms up on")
     p.add_argument("--drafter-warmup-steps", type=int, default=2500, help="drafter optimizer steps in its warm-up")
