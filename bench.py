@@ -10,9 +10,9 @@ train.py's defaults plus --train-args), on the GPU when there is one, print a ta
 one JSON line holding every figure. Checkpoints made with other flags need the same flags here, e.g.
     python bench.py --out-dir out_4x128 --train-args "--n-layer 4 --n-embd 128 --warmup-lr 3e-3 --warmup-steps 900"
 
-Decoding bench. Fresh prompts (not the training ones) whose reference responses are longer than --max-new tokens, so
-every row decodes exactly --max-new tokens (no row leaves early and the batch size is what the
-table says). Temperature 1.0, as in the RL rollouts. Each cell is the median of --repeats rounds
+Decoding bench. Fresh prompts (not the training ones) whose reference responses are longer than
+--max-new tokens, so every row decodes exactly --max-new tokens (no row leaves early and the batch
+size is what the table says). Temperature 1.0, as in the RL rollouts. Each cell is the median of --repeats rounds
 in which plain decoding and every k take turns, so a slow spell of a shared machine hits them alike.
 The cost ratio c is the drafter's time per one-token forward over the target's, at batch 1. The
 standard formula predicts a speedup of accept_len / (1 + k c), assuming a verify pass of k+1
@@ -24,10 +24,10 @@ own process group (torchrun with --nproc ranks): --tlt off, --tlt on, and --tlt 
 drafter. Means and medians skip the first step (the bandit's exploration and allocator warm-up)
 and rollout share is rollout time over step time. With exact-token sampling the runs generate the
 same tokens at every step, so step i of two runs is a pair: the median of the per-step ratios
-compares the modes on the same work, steadier than a ratio of two medians. Their bandits pick their own k, and accept
-lengths depend on k, so two more runs (adaptive and frozen drafter) fix k = 4 to compare the
-drafters step by step; and the bench ends with a controlled comparison on one target
-(drafter_vs_target).
+compares the modes on the same work, steadier than a ratio of two medians. Their bandits pick
+their own k, and accept lengths depend on k, so two more runs (adaptive and frozen drafter) fix
+k = 4 to compare the drafters step by step; and the bench ends with a controlled comparison on
+one target (drafter_vs_target).
 """
 import argparse
 import copy
@@ -262,7 +262,7 @@ def tail_workload(args, task_cfg, model, drafter, n_steps=4):
     same = sum(a == b for p, t in zip(plain, tlt) for a, b in zip(p["responses"], t["responses"]))
     print(f"those rollouts ({n} samples each, sampler {targs.sampler}): mean reward plain {r_plain:.3f}, TLT {r_tlt:.3f}; "
           f"{same} of {n} responses token-identical")
-    print(f"bandit's best k per batch bucket (bucket b holds batch sizes 2^(b-1)+1 .. 2^b): {bandit.best()}")
+    print("bandit's best k per batch size: " + ", ".join(f"{Bandit.bucket_sizes(b)}: {k}" for b, k in bandit.best().items()))
     return {"steps": n_steps, "rows": len(shards[0][0]), "plain_time": t_plain, "tlt_time": t_tlt,
             "speedup": t_plain / t_tlt, "accept_len": accept, "tail_share": share, "reward_plain": r_plain, "reward_tlt": r_tlt,
             "identical_responses": same, "responses": n, "bandit_best": {str(k): v for k, v in bandit.best().items()}}
@@ -311,8 +311,8 @@ def drift_bench(targs, task_cfg, model, drafter, sft_steps=300, sft_lr=2e-3, n_s
     for _ in range(0, n_seqs, 64):
         prompts = [task.encode(task.sample_problem(rng, task_cfg).prompt()) for _ in range(64)]
         results, _ = rollout(moved, None, prompts, task_cfg.max_response_len, eos_id=task.EOS_ID, generator=gen, tlt=False)
-        for _, tokens, hidden, plen in results:
-            buffer.add(0, tokens, hidden, plen)
+        for s in results:
+            buffer.add(0, s.tokens, s.hidden, s.prompt_len)
     device = moved.wte.weight.device
     frozen = Drafter(moved).to(device).eval()
     frozen.load_state_dict(drafter.state_dict())
@@ -385,10 +385,12 @@ def e2e_bench(args, task_cfg, model, drafter):
               f"{paired[n][-1]:.2f}x (each step generates the same tokens in both runs: a paired comparison)")
     print(f"--tlt off: rollout is {100 * median('off', 'rollout_time') / median('off', 'step_time'):.0f}% of the median step "
           f"(median rollout time / median step time)")
-    for n in ("on", "frozen"):  # with --sampler gumbel the three runs should generate the same tokens at every step
+    # with --sampler gumbel the three runs should generate the same tokens at every step
+    other = {n: sum(a["responses_digest"] != b["responses_digest"] for a, b in zip(records["off"], records[n]))
+             for n in ("on", "frozen")}
+    for n in ("on", "frozen"):
         diff_r = sum(a["reward"] != b["reward"] for a, b in zip(records["off"], records[n]))
-        diff_t = sum(a["responses_digest"] != b["responses_digest"] for a, b in zip(records["off"], records[n]))
-        print(f"--tlt off vs {n}: {diff_t} of {len(records[n])} steps generated other responses, {diff_r} other rewards "
+        print(f"--tlt off vs {n}: {other[n]} of {len(records[n])} steps generated other responses, {diff_r} other rewards "
               f"(sampler {args.sampler})")
     print("\nThose runs' bandits pick their own k, and accepted drafts per drafted token fall as k grows, so the")
     print("drafters are compared step by step in two more runs with k fixed at 4 (--draft-ks 4), same seeds:")
@@ -401,14 +403,14 @@ def e2e_bench(args, task_cfg, model, drafter):
           f"accept length {final['adaptive']:.3f} with the drafter trained on idle ranks, {final['frozen']:.3f} with "
           f"the warm-up drafter")
     return {"e2e": {"final_accept_len": final, "off_step_time": off, "on_step_time": on, "frozen_step_time": fr, "speedup": off / on,
-                    "frozen_speedup": off / fr, "median_paired_speedup": {n: statistics.median(p) for n, p in paired.items()}, "off_rollout_share": mean("off", "rollout_share"),
+                    "frozen_speedup": off / fr, "off_rollout_share": mean("off", "rollout_share"),
+                    "median_paired_speedup": {n: statistics.median(p) for n, p in paired.items()},
                     "tail_share": {n: median(n, "tail_share") for n in ("off", "on")},
                     "steps": args.e2e_steps, "nproc": args.nproc,
                     "accept_len": {n: [r["accept_len"] for r in records[n]] for n in ("on", "frozen", "on_k4", "frozen_k4")},
                     "accept_rate": {n: [r["accept_rate"] for r in records[n]] for n in ("on", "frozen", "on_k4", "frozen_k4")},
                     "reward": {n: [r["reward"] for r in records[n]] for n in ("off", "on", "frozen")},
-                    "steps_with_other_responses": {n: sum(a["responses_digest"] != b["responses_digest"]
-                                                          for a, b in zip(records["off"], records[n])) for n in ("on", "frozen")},
+                    "steps_with_other_responses": other,
                     "sampler": args.sampler}}
 
 

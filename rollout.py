@@ -49,6 +49,11 @@ class Bandit:
     def bucket(batch_size):
         return max(batch_size - 1, 0).bit_length()  # 1 -> 0, 2 -> 1, 3..4 -> 2, 5..8 -> 3, ...
 
+    @staticmethod
+    def bucket_sizes(bucket):
+        """The batch sizes a bucket holds, for logs: 0 -> "1", 1 -> "2", 2 -> "3-4", 3 -> "5-8", ..."""
+        return str(2 ** bucket) if bucket < 2 else f"{2 ** (bucket - 1) + 1}-{2 ** bucket}"
+
     def score(self, bucket, arm):
         r = self.rewards.get((bucket, arm))
         return sum(n for n, _ in r) / sum(t for _, t in r) if r else None  # tokens per second
@@ -88,8 +93,8 @@ def sync(device):
 @torch.no_grad()
 def rollout(target, drafter, prompts, max_new_tokens, *, temperature=1.0, eos_id=None, generator=None,
             tlt=True, sd_threshold=64, bandit=None, sampler="rejection", keys=None):
-    """Generate for every prompt. Returns (results, stats) where results[i] is
-    (generated ids, all tokens (N,), hidden states (N-1, C), prompt length) and stats has the
+    """Generate for every prompt. Returns (results, stats) where results[i] is a speculative.Sample
+    (response ids, tokens (N,), hidden states (N-1, C), prompt_len) and stats has the
     per-phase times, the running batch size per step, SD figures, the tail share (see
     `tail_share`) and a list of timeline segments (kind, t_start, t_end) relative to the call.
     sampler and keys: see speculative.RunningBatch; with "gumbel", the tokens do not depend on

@@ -87,16 +87,26 @@ def _token_hashes(vocab_size, device):
     return _mix32_(torch.arange(vocab_size, device=device) + 0x9E3779B9)  # (V,), distinct: the hash is a bijection
 
 
+def row_streams(keys):
+    """keys (B,) int64 >= 0 -> (B,) where each row's noise stream starts: a hash of its 64-bit key.
+    A RunningBatch computes it once per row, not once per decoding step."""
+    return _mix32_(_mix32_(keys >> 32) ^ (keys & MASK32))
+
+
 def gumbel_noise(keys, positions, vocab_size):
     """keys (B,) int64 >= 0 and positions (B, T) int64 -> (B, T, V) float32 Gumbel(0, 1) noise, a
-    pure function of (key, position, token id): the counter-based generator of the "gumbel" sampler.
-    A row's stream starts at a hash of its key and steps by a constant per position (SplitMix's
-    construction); each (row, position) seed is then hashed with each token's own hash. The top 23
-    bits make a uniform in (0, 1), so the noise lies in [-2.8, 16.7] and a token less likely than
-    about 4e-9 times the most likely one is never drawn: float32 resolution, like torch.rand's."""
-    k = _mix32_(_mix32_(keys >> 32) ^ (keys & MASK32))  # (B,)
-    seed = _mix32_((k[:, None] + positions * 0x9E3779B9) & MASK32)  # (B, T)
-    bits = _mix32_(seed[..., None] ^ _token_hashes(vocab_size, keys.device))  # (B, T, V)
+    pure function of (key, position, token id): the counter-based generator of the "gumbel" sampler."""
+    return stream_noise(row_streams(keys), positions, vocab_size)
+
+
+def stream_noise(streams, positions, vocab_size):
+    """`gumbel_noise` from the rows' `row_streams`. A row's stream steps by a constant per position
+    (SplitMix's construction); each (row, position) seed is then hashed with each token's own hash.
+    The top 23 bits make a uniform in (0, 1), so the noise lies in [-2.8, 16.7] and a token less
+    likely than about 4e-9 times the most likely one is never drawn: float32 resolution, like
+    torch.rand's."""
+    seed = _mix32_((streams[:, None] + positions * 0x9E3779B9) & MASK32)  # (B, T)
+    bits = _mix32_(seed[..., None] ^ _token_hashes(vocab_size, streams.device))  # (B, T, V)
     u = ((bits >> 9).float() + 0.5).mul_(2.0 ** -23)  # in (0, 1): never 0 or 1
     return u.log_().neg_().log_().neg_()  # -log(-log(u))
 
@@ -189,9 +199,9 @@ class RunningBatch:
         if keys is None:  # "rejection" never reads them, so it draws nothing for them
             keys = torch.arange(B) + (int(torch.randint(2 ** 62, (1,), generator=generator, device=dev))
                                       if sampler == "gumbel" else 0)
-        self.keys = torch.as_tensor(keys, dtype=torch.long).to(dev)  # (B,), one per row
-        if bool((self.keys < 0).any()):
+        elif min(keys) < 0:
             raise ValueError("keys must be non-negative")
+        self.streams = row_streams(torch.as_tensor(keys, dtype=torch.long).to(dev))  # (B,), one per row
         self.cache = target.new_cache(B, max_len=need)
         self.dcache = None  # the drafter's cache, made on the first speculative step
         self.results = [None] * B  # per original row, a Sample once it has finished
@@ -220,7 +230,7 @@ class RunningBatch:
         there is none to add (the "rejection" sampler, or greedy decoding)."""
         if self.sampler != "gumbel" or self.temperature == 0:
             return None
-        return gumbel_noise(self.keys, positions, self.target.config.vocab_size)
+        return stream_noise(self.streams, positions, self.target.config.vocab_size)
 
     def _choose(self, logits, positions):
         """The target's tokens: logits (B, T, V) for the tokens at positions (B, T) -> (B, T)."""
@@ -321,7 +331,7 @@ class RunningBatch:
         live = (~self.done).nonzero()[:, 0]
         keep = torch.arange(live.shape[0], device=live.device)
         keep[self.done[:keep.shape[0]]] = live[live >= keep.shape[0]]
-        for name in ("tokens", "hidden", "prompt_len", "row_id", "n_tokens", "done", "keys"):
+        for name in ("tokens", "hidden", "prompt_len", "row_id", "n_tokens", "done", "streams"):
             setattr(self, name, getattr(self, name)[keep])
         self.cache.keep(keep)
         if self.dcache is not None:

@@ -20,6 +20,7 @@ import json
 import os
 import random
 import socket
+import statistics
 import sys
 import time
 import warnings
@@ -415,15 +416,14 @@ def summary(history, acc0, acc1, total_time):
     print0(f"  RL steps              {len(history)}")
     print0(f"  mean step time        {mean('step_time'):.3f}s (rollout {mean('rollout_time'):.3f}s, "
            f"update {mean('update_time'):.3f}s, rollout share {100 * mean('rollout_share'):.0f}%)")
-    shares = sorted(h["tail_share"] for h in history)
-    print0(f"  tail share            {100 * shares[len(shares) // 2]:.0f}% median (the slowest rank's rollout time after 90% "
+    print0(f"  tail share            {100 * statistics.median(h['tail_share'] for h in history):.0f}% median (the slowest rank's rollout time after 90% "
            f"of its rows had finished)")
     print0(f"  mean accept length    {mean('accept_len'):.2f} tokens per verify step, {100 * mean('accept_rate'):.0f}% of "
            f"drafted tokens accepted, SD token share {100 * mean('sd_token_frac'):.0f}%")
     best = history[-1]["bandit_best"]
     if best:
-        sizes = {b: str(2 ** b) if b < 2 else f"{2 ** (b - 1) + 1}-{2 ** b}" for b in best}  # the bucket's batch sizes
-        print0("  bandit's k per batch  " + ", ".join(f"{sizes[b]}: {k}" for b, k in best.items()) + " (rank 0, end of run)")
+        print0("  bandit's k per batch  " + ", ".join(f"{Bandit.bucket_sizes(b)}: {k}" for b, k in best.items())
+               + " (rank 0, end of run)")
     n = max(1, len(history) // 10)  # a step's reward swings with its prompt mix; tenths of the run show the trend
     print0(f"  reward                {sum(h['reward'] for h in history[:n]) / n:.3f} -> "
            f"{sum(h['reward'] for h in history[-n:]) / n:.3f} (means of the first and the last {n} steps)")

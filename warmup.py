@@ -9,14 +9,10 @@ Each is saved in --warmup-dir (target_warmup.pt, drafter_warmup.pt) with the set
 their RL settings (the --tlt off / on comparison, other RL seeds) start from the same models.
 A checkpoint made with other settings is refused with one line that names the difference.
 
-Why the embedding init (`init_merged_embeddings`). The task's one hard skill is the look-up: a
-response writes the label "b" and must copy the digit of the prompt's token "b7". With random
-embeddings the 12 x 48 target first has to discover that the 520 labelled-digit tokens share a
-label and a digit with the plain tokens, and it sits on a loss plateau (digits at chance) until it
-does, for a time that depends on the seed and on the machine's rounding (on the earlier workload
-the same recipe gave greedy accuracies from 32% to 70%; see RESULTS.md). Started as (label +
-digit) / sqrt(2), "b" already matches "b7" in attention and "b7" already carries the "7" that the
-tied head reads out, and the plateau is shorter: seeds 1337 and 7 leave it by step 700.
+Why the embedding init: see `init_merged_embeddings`. Without it the loss plateau before the
+look-up is learned lasts a seed- and machine-dependent time (on the earlier workload the same
+recipe gave greedy accuracies from 32% to 70%; see RESULTS.md); with it seeds 1337 and 7 leave it
+by step 700.
 
 Why the curriculum (--warmup-alpha 2.0 -> --warmup-alpha-end 0.5). With a fixed mix of sizes
 seed 3 still left the plateau late (step 1500) and never learned the rarest labels (h, i, j) on
@@ -185,8 +181,8 @@ def warmup_drafter(drafter, model, args, task_cfg, ddp, rank, world_size, device
         problems = [task.sample_problem(rng, task_cfg) for _ in range(min(64, n_local - i))]
         results, _ = rollout(model, None, [task.encode(p.prompt()) for p in problems], task_cfg.max_response_len,
                              temperature=args.temperature, eos_id=task.EOS_ID, generator=gen, tlt=False)
-        for _, tokens, hidden, plen in results:
-            buffer.add(0, tokens, hidden, plen)
+        for s in results:
+            buffer.add(0, s.tokens, s.hidden, s.prompt_len)
     print0(f"drafter warmup: {buffer.num_tokens():,} tokens of target samples per rank in {time.time() - t0:.1f}s")
     opt = make_optimizer(drafter, args.drafter_lr)
     t0 = time.time()

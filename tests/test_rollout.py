@@ -157,3 +157,11 @@ def test_bandit_tries_every_arm_first_and_round_trips_state():
     clone = Bandit(seed=99)
     clone.load_state_dict(bandit.state_dict())
     assert [clone.choose(4) for _ in range(50)] == [bandit.choose(4) for _ in range(50)]
+
+
+def test_bucket_sizes_name_the_batch_sizes_of_each_bucket():
+    for n in range(1, 130):
+        label = Bandit.bucket_sizes(Bandit.bucket(n))
+        lo, hi = (int(x) for x in label.split("-")) if "-" in label else (int(label), int(label))
+        assert lo <= n <= hi
+    assert [Bandit.bucket_sizes(b) for b in range(5)] == ["1", "2", "3-4", "5-8", "9-16"]
