@@ -98,75 +98,112 @@ class DrafterBuffer:
         return sum(t.shape[0] for _, t, _, _ in self.items)
 
     def sample(self, batch_size, rng, device="cpu"):
-        """A padded batch of whole sequences: inputs (h_t, x_{t+1}), targets h_{t+1}, loss mask."""
-        # similar lengths together (a random window of the length-sorted buffer): on long-tailed
-        # lengths, a uniform batch would be mostly padding
+        """A padded batch of similar-length sequences: see `pairs` for what it holds.
+
+        Similar lengths go together (a window of the length-sorted buffer), since on long-tailed
+        lengths a uniform batch would be mostly padding. The window's start is uniform over
+        -(batch_size - 1) .. len - 1 and the window is cut to the buffer, so every sequence lies in
+        exactly batch_size of the possible windows: the longest sequences, the tail that
+        speculation serves, are drawn as often as the median ones (a window kept whole would draw
+        the two ends batch_size times less often)."""
         by_len = sorted(self.items, key=lambda it: it[1].shape[0])
-        start = rng.randrange(max(1, len(by_len) - batch_size + 1))
-        chosen = by_len[start:start + batch_size]
-        T = max(h.shape[0] for _, _, h, _ in chosen) - 1  # pairs per sequence: one fewer than states
-        C, batch_size = chosen[0][2].shape[1], len(chosen)
-        h_in = torch.zeros(batch_size, T, C)
-        x_next = torch.zeros(batch_size, T, dtype=torch.long)
-        h_tgt = torch.zeros(batch_size, T, C)
-        mask = torch.zeros(batch_size, T, dtype=torch.bool)
-        for b, (_, tokens, hidden, plen) in enumerate(chosen):
-            n = hidden.shape[0] - 1
-            h_in[b, :n] = hidden[:-1]
-            x_next[b, :n] = tokens[1:n + 1]
-            h_tgt[b, :n] = hidden[1:]
-            mask[b, max(plen - 1, 0):n] = True  # position t predicts x_{t+2}: count it when that is a drafted response token
-        return h_in.to(device), x_next.to(device), h_tgt.to(device), mask.to(device)
+        start = rng.randrange(-(batch_size - 1), len(by_len))
+        chosen = by_len[max(start, 0):start + batch_size]
+        return pairs([(tokens, hidden, plen) for _, tokens, hidden, plen in chosen], device)
 
 
-def drafter_loss(drafter, h_in, x_next, h_tgt, mask):
-    """Loss of one teacher-forced pass plus one pass fed with its own predictions (see docstring)."""
+def pairs(seqs, device="cpu"):
+    """The drafter's training pairs of whole sequences, one per row, right-padded.
+
+    seqs: (tokens (N,), hidden (N-1, C), prompt_len) with hidden[j] the target's state after
+    reading tokens[j]. Row b, position t holds the pair (h_t, x_{t+1}), whose target is h_{t+1}:
+
+        tokens   x_0  x_1  x_2 ... x_{N-1}
+        hidden   h_0  h_1  h_2 ... h_{N-2}          (x_{N-1}, the last, is never read)
+        pair t   (h_t, x_{t+1}) -> h_{t+1}, and so x_{t+2},  for t = 0 .. N-3
+
+    mask[b, t] is True from t = prompt_len - 1 on: x_{t+2} is then a response token after the
+    first, which is what the drafter drafts (the first response token comes from the prefill).
+    Returns h_in (B, T, C), x_next (B, T), h_tgt (B, T, C),
+    mask (B, T) bool."""
+    T = max(h.shape[0] for _, h, _ in seqs) - 1  # pairs per sequence: one fewer than states
+    B, C = len(seqs), seqs[0][1].shape[1]
+    h_in = torch.zeros(B, T, C)
+    x_next = torch.zeros(B, T, dtype=torch.long)
+    h_tgt = torch.zeros(B, T, C)
+    mask = torch.zeros(B, T, dtype=torch.bool)
+    for b, (tokens, hidden, plen) in enumerate(seqs):
+        n = hidden.shape[0] - 1
+        h_in[b, :n] = hidden[:-1]
+        x_next[b, :n] = tokens[1:n + 1]
+        h_tgt[b, :n] = hidden[1:]
+        mask[b, max(plen - 1, 0):n] = True
+    return h_in.to(device), x_next.to(device), h_tgt.to(device), mask.to(device)
+
+
+def drafter_loss(drafter, h_in, x_next, h_tgt, mask, n_positions=None):
+    """Loss of one teacher-forced pass plus one pass fed with its own predictions (see docstring),
+    summed over the masked positions and divided by n_positions (default: this batch's count;
+    when ranks train together, the count over all of them, so the mean is the global one)."""
     with torch.no_grad():
         p_target = F.softmax(F.linear(h_tgt, drafter.target.lm_head.weight), dim=-1)  # (B, T, V)
     m = mask.float()
-    denom = m.sum().clamp(min=1.0)
+    n = m.sum() if n_positions is None else torch.as_tensor(float(n_positions))
     total = 0.0
     h_feed = h_in
     for _ in range(2):
         logits, h_pred = drafter(h_feed, x_next)
         reg = F.smooth_l1_loss(h_pred, h_tgt, reduction="none").mean(-1)  # (B, T)
         ce = -(p_target * F.log_softmax(logits, dim=-1)).sum(-1)  # (B, T)
-        total = total + ((HIDDEN_WEIGHT * reg + CE_WEIGHT * ce) * m).sum() / denom
+        total = total + ((HIDDEN_WEIGHT * reg + CE_WEIGHT * ce) * m).sum()
         # the next pass sees, at position t, the drafter's own guess of h_t (made at t-1)
         h_feed = torch.cat([h_in[:, :1], h_pred[:, :-1].detach()], dim=1)
-    return total / 2
+    return total / (2 * n.clamp(min=1.0))
 
 
 def train_step(drafter, optimizer, buffer, rng, batch_size=DRAFTER_BATCH, device="cpu", sync_grads=False):
-    """One optimizer step on a batch from the buffer; returns the loss. Short on purpose: the
-    idle-rank loop checks for preemption between steps. sync_grads averages gradients over ranks
-    (the warm-up, where all ranks train together); idle-rank training is local, then synced."""
+    """One optimizer step on a batch from the buffer; returns (loss, applied). Short on purpose:
+    the idle-rank loop checks for preemption between steps. sync_grads: all ranks train together
+    (the warm-up) on the mean over every rank's positions, with gradients summed over ranks;
+    idle-rank training is local, then synced. A step whose gradient is not finite is not applied
+    (applied False); under sync_grads every rank sees the same summed gradient and skips with it."""
     batch = buffer.sample(batch_size, rng, device)
-    loss = drafter_loss(drafter, *batch)
+    n_positions = None
+    if sync_grads:
+        n_positions = batch[3].sum().double()
+        dist.all_reduce(n_positions)
+    loss = drafter_loss(drafter, *batch, n_positions=n_positions)
     optimizer.zero_grad(set_to_none=True)
     loss.backward()
     if sync_grads:
-        grads = [p.grad for p in drafter.parameters()]
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        dist.all_reduce(flat)
-        flat /= dist.get_world_size()
-        i = 0
-        for g in grads:
-            g.copy_(flat[i:i + g.numel()].view_as(g))
-            i += g.numel()
-    torch.nn.utils.clip_grad_norm_(drafter.parameters(), 1.0)
-    optimizer.step()
-    return loss.item()
+        for p in drafter.parameters():  # a handful of small tensors: one all-reduce each
+            dist.all_reduce(p.grad)
+    grad_norm = torch.nn.utils.clip_grad_norm_(drafter.parameters(), 1.0)
+    applied = bool(torch.isfinite(grad_norm))  # sync: one flag per step
+    if applied:
+        optimizer.step()
+    return loss.item(), applied
 
 
 @torch.no_grad()
-def acceptance_proxy(drafter, buffer, rng, batch_size=32, device="cpu"):
-    """Teacher-forced top-1 agreement of drafter and target on buffered sequences: a cheap
-    health signal for logs (the real figure is the accept length measured while decoding)."""
-    h_in, x_next, h_tgt, mask = buffer.sample(batch_size, rng, device)
+def top1_agreement(drafter, h_in, x_next, h_tgt, mask):
+    """Teacher-forced top-1 agreement: over the masked positions, how often the drafter's argmax
+    for x_{t+2} is the target's. Returns (agreeing positions, positions), to be summed over
+    ranks. Independent of k and of sampling: the drafter's health, not an accept length."""
     logits, _ = drafter(h_in, x_next)
     agree = logits.argmax(-1) == F.linear(h_tgt, drafter.target.lm_head.weight).argmax(-1)
-    return float(agree[mask].float().mean()) if mask.any() else float("nan")
+    return int((agree & mask).sum()), int(mask.sum())
+
+
+@torch.no_grad()
+def fresh_agreement(drafter, samples, chunk=64, device="cpu"):
+    """`top1_agreement` over a rollout's samples (speculative.Sample), in chunks of sequences."""
+    agree = total = 0
+    for i in range(0, len(samples), chunk):
+        seqs = [(s.tokens, s.hidden, s.prompt_len) for s in samples[i:i + chunk]]
+        a, n = top1_agreement(drafter, *pairs(seqs, device))
+        agree, total = agree + a, total + n
+    return agree, total
 
 
 def make_optimizer(drafter, lr=3e-3):

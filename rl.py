@@ -3,8 +3,10 @@
 For each prompt the rollout draws G responses (a group). A response's advantage is its reward
 minus the group's mean, divided by the group's standard deviation; a group whose rewards are all
 equal carries no signal and gets advantage 0 (not a division by zero). The loss is PPO's clipped
-surrogate on per-token importance ratios, averaged over every response token of the batch (the
-token-level mean: long responses are not down-weighted per token).
+surrogate on per-token importance ratios, averaged over every response token of the global batch
+(the token-level mean: long responses are not down-weighted per token), all ranks together: each
+rank scales its summed loss by W / N with N the all-reduced token count (`global_mean_scale`), so
+the update is the same on 1, 2 or 8 ranks.
 
     ratio_t = exp(logp_t - logp_old_t)
     loss    = -mean_t min(ratio_t * A, clip(ratio_t, 1 - eps, 1 + eps) * A)   [+ beta * KL_t]
@@ -76,6 +78,21 @@ def grpo_loss(logp, logp_old, advantages, mask, clip_eps=0.2, kl_coef=0.0, logp_
     return loss, stats
 
 
+def global_mean_scale(n_local, device="cpu"):
+    """W / N for a token-level mean over every rank: N is the all-reduced count of the tokens the
+    loss sums (n_local on this rank), W the world size. A rank that scales its summed loss by it
+    and lets DDP average the gradients (divide by W) gets sum_t g_t / N, the gradient of the mean
+    over the global batch, whatever the number of ranks and however the tokens are dealt. Dividing
+    by each rank's own count instead gives (1/W) sum_r (1/n_r) sum_t g_t: the tokens of a rank of
+    short responses would weigh more, and the update would change with the world size."""
+    n = torch.tensor(float(n_local), dtype=torch.float64, device=device)
+    world = 1
+    if dist.is_initialized():
+        dist.all_reduce(n)  # sync: one small all-reduce per update
+        world = dist.get_world_size()
+    return world / max(n.item(), 1.0)
+
+
 def group_by_length(items, length, token_budget):
     """Sort by length and cut into batches of about `token_budget` padded tokens (a batch is padded
     to its longest item). On long-tailed lengths this keeps padding small; it batches the warm-up
@@ -98,7 +115,8 @@ def grpo_update(model, net, opt, sequences, prompt_lens, advantages, *, pad_id, 
     all-reduce (DDP), one optimizer step per epoch. A rank with no rows still takes part with a
     zero loss, so collectives line up. Returns (loss, clip fraction, skipped) where skipped means
     a non-finite loss or gradient, skipped on every rank."""
-    n_tokens = max(1, sum(len(s) - p for s, p in zip(sequences, prompt_lens)))
+    n_local = sum(len(s) - p for s, p in zip(sequences, prompt_lens))
+    scale = global_mean_scale(n_local, device)  # the token-level mean is over every rank's tokens
     # rows with advantage 0 (groups whose rewards are all equal) add exactly 0 to the loss and its
     # gradient, so skipping them changes nothing but the time (not so with a KL term)
     active = [i for i in range(len(sequences)) if kl_coef > 0 or advantages[i] != 0]
@@ -124,10 +142,10 @@ def grpo_update(model, net, opt, sequences, prompt_lens, advantages, *, pad_id, 
                     with torch.no_grad():
                         logp_ref = token_logprobs(ref_model, tokens)
                 loss, st = grpo_loss(logp, logp_old, adv, mask, clip_eps, kl_coef, logp_ref)
-                # token-level mean over the rank's whole batch, not per micro-batch
-                (loss * mask.sum() / n_tokens).backward()
-            total_loss += float(loss.detach()) * float(mask.sum()) / n_tokens
-            clip += st["clip_frac"] * float(mask.sum()) / n_tokens
+                # token-level mean over the global batch, not per micro-batch or per rank
+                (loss * mask.sum() * scale).backward()
+            total_loss += float(loss.detach()) * float(mask.sum()) / max(n_local, 1)  # this rank's mean, for the log
+            clip += st["clip_frac"] * float(mask.sum()) / max(n_local, 1)
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         ok = torch.tensor([float(torch.isfinite(grad_norm))], device=device)
         if dist.is_initialized():

@@ -38,12 +38,17 @@ ARMS = (0, 1, 2, 3, 4, 6, 8)
 
 
 class Bandit:
-    """Bucketed epsilon-greedy choice of the draft length k."""
+    """Bucketed epsilon-greedy choice of the draft length k.
 
-    def __init__(self, arms=ARMS, epsilon=0.1, window=16, seed=0):
+    An arm's first play in a bucket only marks it tried: it pays for first-time costs (allocations,
+    CUDA's lazy initialisation) that would weigh on the arm's score for a whole window. The window
+    is short (8 plays) because the best arm moves: a drafter that improves during RL makes long
+    drafts pay where they did not, and exploration (epsilon) is what refreshes an arm not played."""
+
+    def __init__(self, arms=ARMS, epsilon=0.1, window=8, seed=0):
         self.arms, self.epsilon, self.window = tuple(arms), epsilon, window
         self.rng = random.Random(seed)
-        self.rewards = {}  # (bucket, arm) -> deque of recent (tokens, seconds)
+        self.rewards = {}  # (bucket, arm) -> deque of recent (tokens, seconds); empty after the first play
 
     @staticmethod
     def bucket(batch_size):
@@ -60,21 +65,25 @@ class Bandit:
 
     def choose(self, batch_size):
         b = self.bucket(batch_size)
-        untried = [a for a in self.arms if (b, a) not in self.rewards]
-        if untried:
-            return untried[0]
+        unscored = [a for a in self.arms if self.score(b, a) is None]
+        if unscored:
+            return unscored[0]
         if self.rng.random() < self.epsilon:
             return self.rng.choice(self.arms)
         return max(self.arms, key=lambda a: self.score(b, a))
 
     def update(self, batch_size, arm, tokens, seconds):
-        self.rewards.setdefault((self.bucket(batch_size), arm), deque(maxlen=self.window)).append(
-            (float(tokens), max(float(seconds), 1e-9)))
+        key = (self.bucket(batch_size), arm)
+        if key not in self.rewards:  # the first play: tried, not scored
+            self.rewards[key] = deque(maxlen=self.window)
+        else:
+            self.rewards[key].append((float(tokens), max(float(seconds), 1e-9)))
 
     def best(self):
-        """{bucket: best arm} for the log."""
-        buckets = sorted({b for b, _ in self.rewards})
-        return {b: max((a for a in self.arms if (b, a) in self.rewards), key=lambda a: self.score(b, a)) for b in buckets}
+        """{bucket: best arm} for the log, over the scored arms."""
+        buckets = sorted({b for (b, a) in self.rewards if self.score(b, a) is not None})
+        return {b: max((a for a in self.arms if self.score(b, a) is not None), key=lambda a: self.score(b, a))
+                for b in buckets}
 
     def state_dict(self):
         return {"rewards": [[b, a, list(r)] for (b, a), r in self.rewards.items()],
@@ -92,13 +101,15 @@ def sync(device):
 
 @torch.no_grad()
 def rollout(target, drafter, prompts, max_new_tokens, *, temperature=1.0, eos_id=None, generator=None,
-            tlt=True, sd_threshold=64, bandit=None, sampler="rejection", keys=None):
+            tlt=True, sd_threshold=64, bandit=None, sampler="rejection", keys=None, progress=None):
     """Generate for every prompt. Returns (results, stats) where results[i] is a speculative.Sample
     (response ids, tokens (N,), hidden states (N-1, C), prompt_len) and stats has the
     per-phase times, the running batch size per step, SD figures, the tail share (see
     `tail_share`) and a list of timeline segments (kind, t_start, t_end) relative to the call.
     sampler and keys: see speculative.RunningBatch; with "gumbel", the tokens do not depend on
-    tlt, the threshold or the bandit's choices (up to float32 rounding: see speculative.py)."""
+    tlt, the threshold or the bandit's choices (up to float32 rounding: see speculative.py).
+    progress, when given, is called after every decoding step (scheduler.Liveness.beat: this rank
+    is slow, not dead)."""
     device = target.wte.weight.device
     stats = new_stats()
     stats.update(prefill_time=0.0, plain_time=0.0, spec_time=0.0, batch_sizes=[], step_times=[], segments=[],
@@ -124,6 +135,8 @@ def rollout(target, drafter, prompts, max_new_tokens, *, temperature=1.0, eos_id
             record_sd(stats, n_emitted, n_acc, k)
         sync(device)
         t1 = time.perf_counter()
+        if progress:
+            progress()
         n = int(n_emitted.sum())
         if use_sd and B <= sd_threshold:
             bandit.update(B, k, n, t1 - t0)

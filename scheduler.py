@@ -28,12 +28,15 @@ and `print0` (only rank 0 prints).
 
 Test: python -m pytest tests/test_scheduler.py   (4 gloo processes with skewed loads)
 """
+import datetime
 import enum
+import math
 import os
 import time
 
 import torch
 import torch.distributed as dist
+from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
 from drafter import DRAFTER_BATCH, train_step
 
@@ -70,34 +73,90 @@ def print0(*a, **kw):
 TIMELINE_CHARS = {"plain": "#", "spec": "S", "train": "t", "wait": "."}
 
 
+class Liveness:
+    """Tells a slow rank from a dead one. A long-tail rollout can take minutes on a real model, so
+    a rank that waits for the others must not give up after a fixed time; it gives up when a peer
+    stops making progress. Every rank bumps its own counter in the rendezvous store while it works
+    (`beat`: each decoding step, each idle step; at most once a second), and a waiting rank reads
+    the others' counters (`check`: at most once a second) and raises, naming the rank, when one has
+    not moved for `timeout_s` seconds by the waiting rank's own clock.
+
+    The idle barrier runs in a process group of its own with a timeout of days, since liveness is
+    judged here; every other collective keeps the short timeout of the default group, as ranks
+    reach those together. A killed rank closes its connections and fails the barrier at once;
+    a hung one (stopped, deadlocked) stops beating and is caught by `check`."""
+
+    def __init__(self, store, rank, world_size, timeout_s, every_s=1.0):
+        self.store, self.rank, self.world_size = store, rank, world_size
+        self.timeout_s, self.every_s = timeout_s, every_s
+        self.group = dist.new_group(backend="gloo", timeout=datetime.timedelta(days=7))  # collective: every rank
+        self._last_beat = self._last_check = -math.inf
+        self._seen = {}  # peer -> (its counter, when this rank saw it change)
+
+    def beat(self):
+        now = time.monotonic()
+        if now - self._last_beat >= self.every_s:
+            self.store.add(f"alive/{self.rank}", 1)
+            self._last_beat = now
+
+    def start_wait(self):
+        """A new wait: a peer's silence is counted from now (between waits nobody needs to beat)."""
+        self._seen, self._last_check = {}, -math.inf
+
+    def check(self):
+        now = time.monotonic()
+        if now - self._last_check < self.every_s:
+            return
+        self._last_check = now
+        for r in range(self.world_size):
+            if r != self.rank:
+                count = self.store.add(f"alive/{r}", 0)  # adding 0 reads the counter
+                if r not in self._seen or self._seen[r][0] != count:
+                    self._seen[r] = (count, now)
+                elif now - self._seen[r][1] > self.timeout_s:
+                    raise RuntimeError(f"rank {r} has made no progress for {now - self._seen[r][1]:.0f}s "
+                                       f"(limit {self.timeout_s:.0f}s, TLT_COLLECTIVE_TIMEOUT): it is dead or hung")
+
+
+def multi_rank():
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
 def idle_train(drafter, optimizer, buffer, rng, *, enabled=True, batch_size=DRAFTER_BATCH, device="cpu",
-               timeout_s=300.0, grace_s=0.02):
-    """Train the drafter until every rank has reached this point. Returns (steps, idle seconds,
-    segments) with segments as [kind, start, end] relative to the call."""
+               liveness=None, timeout_s=300.0, grace_s=0.02):
+    """Train the drafter until every rank has reached this point. Returns (steps, skipped steps,
+    idle seconds, segments) with segments as [kind, start, end] relative to the call. With a
+    `Liveness`, waits as long as every peer makes progress; without one, at most timeout_s."""
     t0 = time.perf_counter()
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return 0, 0.0, []
-    work = dist.barrier(async_op=True)
-    steps, segments = 0, []
+    if not multi_rank():
+        return 0, 0, 0.0, []
+    work = dist.barrier(group=liveness.group if liveness else None, async_op=True)
+    if liveness:
+        liveness.start_wait()
+    steps, skipped, segments = 0, 0, []
     can_train = enabled and len(buffer) > 0
     # grace period: the last rank to arrive sees the barrier complete within moments and must not
     # start a drafter step that everyone would then wait for
     while not work.is_completed() and time.perf_counter() - t0 < grace_s:
         time.sleep(0.0005)
     while not work.is_completed():
-        if time.perf_counter() - t0 > timeout_s:  # a peer died or hangs: fail loudly, don't wait forever
+        if liveness:
+            liveness.beat()
+            liveness.check()
+        elif time.perf_counter() - t0 > timeout_s:  # a peer died or hangs: fail loudly, don't wait forever
             raise RuntimeError(f"idle-rank barrier not completed after {timeout_s:.0f}s: a rank is dead or stuck")
         if can_train:
             s = time.perf_counter() - t0
-            train_step(drafter, optimizer, buffer, rng, batch_size=batch_size, device=device)
-            steps += 1
+            _, applied = train_step(drafter, optimizer, buffer, rng, batch_size=batch_size, device=device)
+            steps += applied
+            skipped += not applied
             _extend(segments, "train", s, time.perf_counter() - t0)
         else:
             time.sleep(0.001)
     work.wait()  # surfaces an error if the barrier failed
     idle = time.perf_counter() - t0
     _extend(segments, "wait", segments[-1][2] if segments else 0.0, idle)
-    return steps, idle, segments
+    return steps, skipped, idle, segments
 
 
 def _extend(segments, kind, start, end):
@@ -109,27 +168,37 @@ def _extend(segments, kind, start, end):
 
 @torch.no_grad()
 def sync_drafter(drafter, local_steps):
-    """Average drafter weights over ranks, weighted by local training steps."""
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return
-    params = list(drafter.parameters())
-    flat = torch.cat([p.detach().reshape(-1).double() for p in params])
-    w = torch.tensor([float(local_steps)], dtype=torch.float64, device=flat.device)
+    """Average drafter weights over ranks, weighted by local training steps. A rank whose weights
+    are not finite (they cannot be, since non-finite steps are never applied, but a checkpoint
+    refuses them) contributes nothing. Returns True when the weights changed."""
+    if not multi_rank():
+        return False
+    flat = parameters_to_vector(drafter.parameters()).double()
+    w = torch.tensor([float(local_steps) if bool(torch.isfinite(flat).all()) else 0.0], dtype=torch.float64,
+                     device=flat.device)
+    flat = torch.nan_to_num(flat) * w
     dist.all_reduce(w)
     if w.item() == 0:  # nobody trained: weights are already identical
-        return
-    flat *= local_steps
+        return False
     dist.all_reduce(flat)
-    flat /= w
-    i = 0
-    for p in params:
-        p.copy_(flat[i:i + p.numel()].view_as(p).to(p.dtype))
-        i += p.numel()
+    vector_to_parameters((flat / w).to(next(drafter.parameters()).dtype), drafter.parameters())
+    return True
+
+
+def from_rank0(obj):
+    """Rank 0's `obj` on every rank. Decisions that must agree (load or warm up, resume) are taken
+    once, on rank 0, and followed by all: a file that one rank sees and another does not (no shared
+    filesystem, a copy still being written) cannot send the ranks down different paths."""
+    if not multi_rank():
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
 
 
 def gather_ranks(record):
     """All ranks' records (dicts), in rank order, on every rank."""
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+    if not multi_rank():
         return [record]
     out = [None] * dist.get_world_size()
     dist.all_gather_object(out, record)

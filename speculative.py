@@ -99,24 +99,49 @@ def gumbel_noise(keys, positions, vocab_size):
     return stream_noise(row_streams(keys), positions, vocab_size)
 
 
-def stream_noise(streams, positions, vocab_size):
-    """`gumbel_noise` from the rows' `row_streams`. A row's stream steps by a constant per position
-    (SplitMix's construction); each (row, position) seed is then hashed with each token's own hash.
-    The top 23 bits make a uniform in (0, 1), so the noise lies in [-2.8, 16.7] and a token less
-    likely than about 4e-9 times the most likely one is never drawn: float32 resolution, like
-    torch.rand's."""
+def stream_noise(streams, positions, vocab_size, lo=0, hi=None):
+    """`gumbel_noise` from the rows' `row_streams`, for token ids lo..hi-1 (default: all). A row's
+    stream steps by a constant per position (SplitMix's construction); each (row, position) seed
+    is then hashed with each token's own hash. The top 23 bits make a uniform in (0, 1), so the
+    noise lies in [-2.8, 16.7] and a token less likely than about 4e-9 times the most likely one
+    is never drawn: float32 resolution, like torch.rand's."""
     seed = _mix32_((streams[:, None] + positions * 0x9E3779B9) & MASK32)  # (B, T)
-    bits = _mix32_(seed[..., None] ^ _token_hashes(vocab_size, streams.device))  # (B, T, V)
+    bits = _mix32_(seed[..., None] ^ _token_hashes(vocab_size, streams.device)[lo:hi])  # (B, T, hi - lo)
     u = ((bits >> 9).float() + 0.5).mul_(2.0 ** -23)  # in (0, 1): never 0 or 1
     return u.log_().neg_().log_().neg_()  # -log(-log(u))
 
 
 def gumbel_argmax(logits, temperature, noise):
     """(..., V) logits and their (..., V) `gumbel_noise` -> (...) tokens: argmax(logits / T + noise),
-    a sample of softmax(logits / T) fixed by the noise; temperature 0 is plain argmax (noise unused)."""
+    a sample of softmax(logits / T) fixed by the noise; temperature 0 is plain argmax (noise unused).
+    In float32 whatever the logits' dtype: bf16 would coarsen the noise, and the token would no
+    longer be an exact sample."""
     if temperature == 0:
         return logits.argmax(-1)
-    return (logits / temperature + noise.to(logits.dtype)).argmax(-1)
+    return (logits.float() / temperature + noise).argmax(-1)
+
+
+NOISE_CHUNK = 8192  # token ids per chunk: at most B * T * 8192 noise values (int64 while hashed) at once
+
+
+def gumbel_choose(logits, temperature, streams, positions, chunk=NOISE_CHUNK):
+    """logits (B, T, V) of the tokens at positions (B, T) of rows with `row_streams` -> (B, T):
+    `gumbel_argmax` with the noise made chunk by chunk over the vocabulary, a running max across
+    chunks, so a step never holds (B, T, V) noise at once (0.7 GB in int64 at V = 150k, B = 64,
+    T = 9). The same tokens: within a chunk and across chunks the first maximum wins."""
+    if temperature == 0:
+        return logits.argmax(-1)
+    V = logits.shape[-1]
+    best_val = best_idx = None
+    for lo in range(0, V, chunk):
+        hi = min(lo + chunk, V)
+        val, idx = (logits[..., lo:hi].float() / temperature + stream_noise(streams, positions, V, lo, hi)).max(-1)
+        if best_val is None:
+            best_val, best_idx = val, idx
+        else:
+            better = val > best_val  # strictly: on a tie the earlier chunk's token stays
+            best_val, best_idx = torch.where(better, val, best_val), torch.where(better, idx + lo, best_idx)
+    return best_idx
 
 
 def verify(draft_tokens, q, p, generator=None):
@@ -225,18 +250,11 @@ class RunningBatch:
     def batch_size(self):
         return self.row_id.shape[0]
 
-    def _noise(self, positions):
-        """The "gumbel" sampler's noise for the tokens at positions (B, T): (B, T, V); None when
-        there is none to add (the "rejection" sampler, or greedy decoding)."""
-        if self.sampler != "gumbel" or self.temperature == 0:
-            return None
-        return stream_noise(self.streams, positions, self.target.config.vocab_size)
-
     def _choose(self, logits, positions):
         """The target's tokens: logits (B, T, V) for the tokens at positions (B, T) -> (B, T)."""
         if self.sampler == "rejection":
             return sample(probs(logits.flatten(0, 1), self.temperature), self.generator).view(logits.shape[:2])
-        return gumbel_argmax(logits, self.temperature, self._noise(positions))
+        return gumbel_choose(logits, self.temperature, self.streams, positions)
 
     def _append(self, new, n_new):
         """Write new (B, W) tokens, of which row b keeps its first n_new[b], after each row's end;
@@ -287,7 +305,7 @@ class RunningBatch:
         q_logits = logits.gather(1, last.expand(B, 1, logits.shape[-1]))[:, 0]  # (B, V)
         h = h_pred.gather(1, last.expand(B, 1, h_pred.shape[-1]))  # (B, 1, C)
         # 2. draft k tokens, feeding the drafter its own hidden state; draft i goes to position L + 1 + i
-        noise = self._noise(L[:, None] + 1 + torch.arange(k + 1, device=dev))  # (B, k+1, V): drafts, then the bonus
+        positions = L[:, None] + 1 + torch.arange(k + 1, device=dev)  # (B, k+1): the drafts', then the bonus token's
         drafts, qs = [], []
         for i in range(k):
             if self.sampler == "rejection":
@@ -295,7 +313,7 @@ class RunningBatch:
                 d = sample(q, self.generator)
                 qs.append(q)
             else:  # the noise the target will see at that position, on the drafter's logits
-                d = gumbel_argmax(q_logits, self.temperature, None if noise is None else noise[:, i])
+                d = gumbel_choose(q_logits[:, None], self.temperature, self.streams, positions[:, i:i + 1])[:, 0]
             drafts.append(d)
             if i + 1 < k:
                 q_logits, h = drafter(h, d[:, None], self.dcache)
@@ -308,7 +326,7 @@ class RunningBatch:
         if self.sampler == "rejection":
             n_acc, nxt = verify(draft, torch.stack(qs, dim=1), probs(t_logits, self.temperature), self.generator)
         else:
-            n_acc, nxt = verify_coupled(draft, gumbel_argmax(t_logits, self.temperature, noise))
+            n_acc, nxt = verify_coupled(draft, gumbel_choose(t_logits, self.temperature, self.streams, positions))
         # 4. keep a ragged number per row: states for pending + accepted, tokens accepted + next
         self.hidden[rows[:, None], L[:, None] + torch.arange(k + 1, device=dev)] = t_hidden
         emitted = torch.cat([draft, torch.zeros_like(nxt)[:, None]], dim=1)

@@ -17,6 +17,7 @@ import copy
 import datetime
 import hashlib
 import json
+import math
 import os
 import random
 import socket
@@ -32,13 +33,13 @@ from torch.nn.parallel import DistributedDataParallel
 
 import rl
 import task
-from drafter import DRAFTER_BATCH, DrafterBuffer, make_optimizer
+from drafter import DRAFTER_BATCH, DrafterBuffer, fresh_agreement, make_optimizer
 from model import GPTConfig
 from evaluate import evaluate_both, format_accuracy
 from rollout import ARMS, Bandit, rollout, sync
-from scheduler import Seed, derive_seed, gather_ranks, idle_train, print0, render_timeline, sync_drafter
+from scheduler import Liveness, Seed, derive_seed, gather_ranks, idle_train, print0, render_timeline, sync_drafter
 from speculative import SAMPLERS
-from warmup import drafter_meta, load_checked, prepare_models, save_atomic
+from warmup import drafter_meta, load_on_rank0, prepare_models, save_atomic
 
 # a rank that dies makes its peers fail in a collective after at most this long (seconds)
 COLLECTIVE_TIMEOUT_S = int(os.environ.get("TLT_COLLECTIVE_TIMEOUT", 120))
@@ -96,8 +97,10 @@ def parse_args(argv=None):
                    "token's embedding as (label + digit) / sqrt(2) (off: random, as every other token)")
     # drafter
     p.add_argument("--drafter-warmup-seqs", type=int, default=2048, help="target samples the drafter warms up on")
-    p.add_argument("--drafter-warmup-steps", type=int, default=2500, help="drafter optimizer steps in its warm-up")
-    p.add_argument("--drafter-lr", type=float, default=2e-3, help="peak drafter learning rate of the warm-up")
+    p.add_argument("--drafter-warmup-steps", type=int, default=2500, help="drafter optimizer steps in its warm-up (0: a cold "
+                   "start, no warm-up and no sampling for one: the idle ranks build the drafter during RL)")
+    p.add_argument("--drafter-lr", type=float, default=2e-3, help="peak drafter learning rate of the warm-up, and of a cold "
+                   "start's online training, which decays from it to --drafter-online-lr over the RL steps")
     p.add_argument("--drafter-online-lr", type=float, default=5e-5, help="drafter learning rate on idle ranks during RL")
     p.add_argument("--drafter-batch", type=int, default=DRAFTER_BATCH, help="sequences per drafter training step")
     p.add_argument("--drafter-keep", type=int, default=32, help="RL steps of hidden states the drafter buffer keeps")
@@ -126,10 +129,10 @@ def parse_args(argv=None):
     p.add_argument("--timeline-every", type=int, default=10, help="print the per-rank timeline every N steps (0: never)")
     p.add_argument("--ckpt-every", type=int, default=10, help="write the RL checkpoint every N steps")
     args = p.parse_args(argv)
-    positive = ("warmup_steps", "warmup_tokens", "warmup_lr", "drafter_warmup_seqs", "drafter_warmup_steps", "drafter_batch",
+    positive = ("warmup_steps", "warmup_tokens", "warmup_lr", "drafter_warmup_seqs", "drafter_batch",
                 "drafter_keep", "drafter_lr", "drafter_online_lr", "prompts_per_step", "group_size", "rl_epochs", "rl_lr",
                 "clip_eps", "update_tokens", "ckpt_every", "eval_samples")
-    non_negative = ("rl_steps", "kl_coef", "temperature", "sd_threshold", "timeline_every", "eval_per_bucket")
+    non_negative = ("rl_steps", "drafter_warmup_steps", "kl_coef", "temperature", "sd_threshold", "timeline_every", "eval_per_bucket")
     for names, ok, what in ((positive, lambda v: v > 0, "positive"), (non_negative, lambda v: v >= 0, "non-negative")):
         for name in names:
             if not ok(getattr(args, name)):  # written so that NaN fails too
@@ -165,13 +168,15 @@ def wants_cuda(device_arg):
 
 
 def compute_init(device_arg="auto"):
-    """-> (ddp, rank, local_rank, world_size, device). Under torchrun (RANK set) this joins the
-    process group: NCCL when every rank has a GPU of its own, else gloo (which also reduces CUDA
-    tensors, so it serves ranks that share GPUs). Without torchrun it is rank 0 of 1, same code path."""
+    """-> (ddp, rank, local_rank, world_size, device, liveness). Under torchrun (RANK set) this joins
+    the process group: NCCL when every rank has a GPU of its own, else gloo (which also reduces CUDA
+    tensors, so it serves ranks that share GPUs), and sets up the idle barrier's liveness check
+    (scheduler.Liveness). Without torchrun it is rank 0 of 1, same code path, liveness None."""
     ddp = "RANK" in os.environ
     rank = int(os.environ.get("RANK", 0))
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     world_size = int(os.environ.get("WORLD_SIZE", 1))
+    liveness = None
     use_cuda = wants_cuda(device_arg)
     if use_cuda and not torch.cuda.is_available():
         raise SystemExit("error: --device cuda but CUDA is not available")
@@ -204,7 +209,8 @@ def compute_init(device_arg="auto"):
                 warnings.warn(f"{world_size} ranks share {len(owners)} GPU(s): collectives go through gloo, not NCCL")
         dist.init_process_group("nccl" if nccl else "gloo", store=store, rank=rank, world_size=world_size,
                                 timeout=timeout, device_id=device if nccl else None)
-    return ddp, rank, local_rank, world_size, device
+        liveness = Liveness(store, rank, world_size, COLLECTIVE_TIMEOUT_S)
+    return ddp, rank, local_rank, world_size, device, liveness
 
 
 def all_sum(values, device):
@@ -241,9 +247,14 @@ def main(argv=None):
     check_out_dir(args.out_dir)
     check_out_dir(args.warmup_dir)
     task_cfg = task_config(args)
-    ddp, rank, local_rank, world_size, device = compute_init(args.device)
+    world_size = int(os.environ.get("WORLD_SIZE", 1))
+    if args.prompts_per_step * args.group_size < world_size:
+        raise SystemExit(f"error: --prompts-per-step {args.prompts_per_step} x --group-size {args.group_size} = "
+                         f"{args.prompts_per_step * args.group_size} rows per step leave some of the {world_size} "
+                         f"ranks without work; raise --prompts-per-step")
+    ddp, rank, local_rank, world_size, device, liveness = compute_init(args.device)
     try:
-        run(args, task_cfg, ddp, rank, world_size, device)
+        run(args, task_cfg, ddp, rank, world_size, device, liveness)
         if ddp:
             dist.barrier()  # tearing gloo down while a peer still talks to it can abort the process
     finally:
@@ -258,14 +269,14 @@ def main(argv=None):
         os._exit(0)
 
 
-def run(args, task_cfg, ddp, rank, world_size, device):
+def run(args, task_cfg, ddp, rank, world_size, device, liveness=None):
     t_run = time.time()
     config, model, drafter = prepare_models(args, task_cfg, task_config(args, warmup=True), ddp, rank, world_size, device)
     problems = task.eval_set(task_cfg, args.eval_per_bucket) if args.eval_per_bucket else []
     acc0 = evaluate_both(model, drafter, problems, args, task_cfg, rank, world_size, "before RL")
 
     ref_model = copy.deepcopy(model).requires_grad_(False) if args.kl_coef > 0 else None  # frozen warm-up target
-    net = DistributedDataParallel(model) if ddp else model
+    net = DistributedDataParallel(model, broadcast_buffers=False) if ddp else model  # the rotary tables never change
     opt = torch.optim.AdamW(model.parameters(), lr=args.rl_lr, betas=(0.9, 0.95), weight_decay=0.0)
     d_opt = make_optimizer(drafter, args.drafter_online_lr)
     bandit = Bandit(args.draft_ks, seed=derive_seed(args.rl_seed, rank, 0, Seed.BANDIT))
@@ -274,14 +285,14 @@ def run(args, task_cfg, ddp, rank, world_size, device):
     metrics_path = os.path.join(args.out_dir, "metrics.jsonl")
     meta = rl_meta(args, config, task_cfg)
     start = 0
-    if os.path.exists(ckpt_path):
-        ck = load_checked(ckpt_path, meta)
+    ck = load_on_rank0(ckpt_path, meta)  # rank 0 decides whether to resume, for every rank
+    if ck:
         try:
             model.load_state_dict(ck["model"])
             drafter.load_state_dict(ck["drafter"])
             opt.load_state_dict(ck["opt"])
             d_opt.load_state_dict(ck["d_opt"])
-            if rank < len(ck["bandits"]):
+            if rank < len(ck["bandits"]):  # a resume on more ranks than before: the new ranks' bandits start fresh
                 bandit.load_state_dict(ck["bandits"][rank])
             start = ck["step"] + 1
         except (KeyError, TypeError, ValueError, RuntimeError) as e:  # same config, older layout of the state
@@ -296,14 +307,14 @@ def run(args, task_cfg, ddp, rank, world_size, device):
         with open(metrics_path, "w") as f:
             f.writelines(keep)
 
-    local_prompts = len(range(rank, args.prompts_per_step, world_size))
+    n_rows = args.prompts_per_step * args.group_size
     print0(f"RL: {args.rl_steps} steps x {args.prompts_per_step} prompts x {args.group_size} samples on {world_size} "
-           f"rank(s) ({local_prompts} prompts on rank 0) | tlt {'on' if args.tlt else 'off'} | drafter updates "
+           f"rank(s) ({len(range(n_rows)[my_rows(n_rows, 0, world_size)])} rows on rank 0) | tlt {'on' if args.tlt else 'off'} | drafter updates "
            f"{'on' if args.drafter_updates and args.tlt else 'off'} | sd threshold {args.sd_threshold}")
     history = []
     for step in range(start, args.rl_steps):
         rec = rl_step(step, args, task_cfg, model, net, drafter, opt, d_opt, bandit, buffer, rank, world_size, device,
-                      ref_model)
+                      ref_model, liveness)
         history.append(rec)
         if rank == 0:
             with open(metrics_path, "a") as f:
@@ -313,7 +324,9 @@ def run(args, task_cfg, ddp, rank, world_size, device):
                f"tok/s {rec['tok_s']:,.0f} | "
                f"accept {rec['accept_len'] or 0:.2f} ({100 * (rec['accept_rate'] or 0):.0f}% of drafts) | "
                f"sd tok {100 * rec['sd_token_frac']:.0f}% | "
-               f"idle {rec['idle_time']:.2f}s | drafter steps {rec['drafter_steps']}"
+               f"drafter top-1 {100 * (rec['drafter_top1'] or 0):.1f}% | idle {rec['idle_time']:.2f}s | "
+               f"drafter steps {rec['drafter_steps']}"
+               + (f" ({rec['drafter_skipped']} non-finite, skipped)" if rec["drafter_skipped"] else "")
                + (" | SKIPPED non-finite update" if rec["skipped_update"] else ""))
         if args.timeline_every and (step % args.timeline_every == 0 or step == args.rl_steps - 1):
             print0(rec["timeline"])
@@ -329,46 +342,72 @@ def run(args, task_cfg, ddp, rank, world_size, device):
 
 
 def rl_prompts(args, task_cfg, step):
-    """The step's prompts, the same on every rank (each rank takes every world_size-th one)."""
+    """The step's prompts, the same on every rank and for any number of ranks."""
     prng = random.Random(derive_seed(args.rl_seed, 0, step, Seed.RL_PROMPTS))
     return [task.sample_problem(prng, task_cfg) for _ in range(args.prompts_per_step)]
 
 
+def my_rows(n_rows, rank, world_size):
+    """The rows of a step's global batch that this rank generates: a contiguous slice, the slices of
+    all ranks differing in size by at most one. Rows, not prompts, are dealt, so a GRPO group may
+    span ranks (its advantages are computed from all ranks' rewards) and 8 ranks share 4 prompts."""
+    return slice(rank * n_rows // world_size, (rank + 1) * n_rows // world_size)
+
+
+def drafter_lr(args, step):
+    """The idle ranks' drafter learning rate at RL step `step`. A warmed-up drafter only follows the
+    target: a small constant rate. A cold start builds the drafter from nothing: it starts at the
+    warm-up's peak rate and decays on a cosine to the small one over the RL steps, as a warm-up would."""
+    if args.drafter_warmup_steps > 0:
+        return args.drafter_online_lr
+    frac = step / max(1, args.rl_steps - 1)
+    return args.drafter_online_lr + (args.drafter_lr - args.drafter_online_lr) * 0.5 * (1 + math.cos(math.pi * frac))
+
+
 def rl_step(step, args, task_cfg, model, net, drafter, opt, d_opt, bandit, buffer, rank, world_size, device,
-            ref_model=None):
+            ref_model=None, liveness=None):
     """One RL step on this rank, in the seven steps of the README; returns the step's record."""
     t0 = time.perf_counter()
-    # 1. this rank's shard of the step's prompts, G samples each. A row's key depends on the seed, the
-    # step and its index in the step's global batch (prompt rank + i * world_size, sample j), never on
-    # this rank's layout: with --sampler gumbel the tokens are the same on any number of ranks, with
-    # or without speculation
-    problems = rl_prompts(args, task_cfg, step)[rank::world_size]
-    rows = [p for p in problems for _ in range(args.group_size)]
-    keys = [derive_seed(args.rl_seed, step, (rank + i * world_size) * args.group_size + j, Seed.ROLLOUT_KEYS)
-            for i in range(len(problems)) for j in range(args.group_size)]
+    # 1. this rank's rows of the step's global batch (prompts x G samples). A row's key depends on the
+    # seed, the step and its index in the global batch, never on this rank's layout: with --sampler
+    # gumbel the tokens are the same on any number of ranks, with or without speculation
+    problems = rl_prompts(args, task_cfg, step)
+    n_rows = len(problems) * args.group_size
+    mine = my_rows(n_rows, rank, world_size)
+    rows = [problems[i // args.group_size] for i in range(n_rows)][mine]
+    keys = [derive_seed(args.rl_seed, step, i, Seed.ROLLOUT_KEYS) for i in range(n_rows)][mine]
     # 2. roll out: plain steps while the running batch is large, speculative ones in the tail; score
     gen = torch.Generator(device=device).manual_seed(derive_seed(args.rl_seed, rank, step, Seed.ROLLOUT))
     samples, st = rollout(model, drafter, [task.encode(p.prompt()) for p in rows], task_cfg.max_response_len,
                           temperature=args.temperature, eos_id=task.EOS_ID, generator=gen, tlt=args.tlt,
-                          sd_threshold=args.sd_threshold, bandit=bandit, sampler=args.sampler, keys=keys)
+                          sd_threshold=args.sd_threshold, bandit=bandit, sampler=args.sampler, keys=keys,
+                          progress=liveness.beat if liveness else None)
     rollout_time = time.perf_counter() - t0
     rewards = torch.tensor([task.reward(p.prompt(), task.decode(s.response)) for p, s in zip(rows, samples)])
+    # the drafter's health before it trains on this step: teacher-forced top-1 agreement on the fresh rows
+    top1 = fresh_agreement(drafter, samples, device=device) if args.tlt else (0, 0)
     # 3. the rollout's hidden states go to the drafter buffer
     train_drafter = args.tlt and args.drafter_updates
     if train_drafter:
         for s in samples:
             buffer.add(step, s.tokens, s.hidden, s.prompt_len)
     # 4. idle: train the drafter until the last rank has finished its rollout
+    for g in d_opt.param_groups:
+        g["lr"] = drafter_lr(args, step)
     drng = random.Random(derive_seed(args.rl_seed, rank, step, Seed.DRAFTER_TRAINING))
-    d_steps, idle, idle_segs = idle_train(drafter, d_opt, buffer, drng, enabled=train_drafter,
-                                          batch_size=args.drafter_batch, device=device,
-                                          timeout_s=0.9 * COLLECTIVE_TIMEOUT_S)  # before the watchdog's, so its message wins
+    d_steps, d_skipped, idle, idle_segs = idle_train(drafter, d_opt, buffer, drng, enabled=train_drafter,
+                                                     batch_size=args.drafter_batch, device=device, liveness=liveness)
     # 5. every rank ends with the same drafter
     if train_drafter:
         sync_drafter(drafter, d_steps)
     t_update = time.perf_counter()
-    # 6. group-normalised advantages and one GRPO update of the target under DDP
-    adv = rl.group_advantages(rewards, args.group_size) if len(rows) else torch.zeros(0)
+    # 6. group-normalised advantages over the global batch (a group may span ranks), one GRPO update
+    # of the target under DDP, its token-level mean over every rank's tokens
+    all_rewards = torch.zeros(n_rows, dtype=torch.float64, device=device)
+    all_rewards[mine] = rewards.to(all_rewards)
+    if dist.is_initialized():
+        dist.all_reduce(all_rewards)  # each rank fills its own slice; the others add zeros
+    adv = rl.group_advantages(all_rewards.cpu(), args.group_size)[mine]
     model.train()
     loss, clip, skipped = rl.grpo_update(model, net, opt, [s.tokens.tolist() for s in samples],
                                          [s.prompt_len for s in samples], adv, pad_id=task.PAD_ID,
@@ -380,15 +419,16 @@ def rl_step(step, args, task_cfg, model, net, drafter, opt, d_opt, bandit, buffe
     # 7. the step's record: per rank, then totals over ranks (rank 0 logs it)
     checksum = drafter.checksum()
     mine = {"rank": rank, "rollout_time": rollout_time, "idle_time": idle, "drafter_steps": d_steps,
-            "tokens": st["tokens"], "drafter_checksum": checksum, "rows": len(rows), "tail_share": st["tail_share"],
+            "drafter_skipped": d_skipped, "tokens": st["tokens"], "drafter_checksum": checksum, "rows": len(rows),
+            "tail_share": st["tail_share"],
             "responses_digest": hashlib.sha256(json.dumps([s.response for s in samples]).encode()).hexdigest()[:16],
             "segments": st["segments"] + [[k, a + rollout_time, b + rollout_time] for k, a, b in idle_segs]}
     ranks = gather_ranks(mine)
     if len({r["drafter_checksum"] for r in ranks}) > 1:
         warnings.warn(f"step {step}: the ranks' drafters differ after the sync ({[r['drafter_checksum'] for r in ranks]})")
-    total = all_sum({"reward": float(rewards.sum()), "rows": len(rows), "tokens": st["tokens"],
-                     "sd_tokens": st["sd_tokens"], "sd_row_steps": st["sd_row_steps"], "accepted": st["accepted"],
-                     "drafted": st["drafted"]}, device)
+    total = all_sum({"tokens": st["tokens"], "sd_tokens": st["sd_tokens"], "sd_row_steps": st["sd_row_steps"],
+                     "accepted": st["accepted"], "drafted": st["drafted"], "top1_agree": top1[0],
+                     "top1_positions": top1[1]}, device)
     step_time = t1 - t0
     slowest = max(ranks, key=lambda r: r["rollout_time"])
     rollout_max = slowest["rollout_time"]
@@ -397,11 +437,13 @@ def rl_step(step, args, task_cfg, model, net, drafter, opt, d_opt, bandit, buffe
         "tail_share": slowest["tail_share"], "rollout_share": rollout_max / step_time,
         # one hash of every response of the step, so two runs can be compared token for token
         "responses_digest": hashlib.sha256(" ".join(r["responses_digest"] for r in ranks).encode()).hexdigest()[:16],
-        "reward": total["reward"] / max(total["rows"], 1),
+        "reward": float(all_rewards.mean()),
         "accept_len": total["sd_tokens"] / total["sd_row_steps"] if total["sd_row_steps"] else None,
         "accept_rate": total["accepted"] / total["drafted"] if total["drafted"] else None,
+        "drafter_top1": total["top1_agree"] / total["top1_positions"] if total["top1_positions"] else None,
         "sd_token_frac": total["sd_tokens"] / max(total["tokens"], 1), "tok_s": total["tokens"] / max(rollout_max, 1e-9),
         "idle_time": max(r["idle_time"] for r in ranks), "drafter_steps": sum(r["drafter_steps"] for r in ranks),
+        "drafter_skipped": sum(r["drafter_skipped"] for r in ranks), "drafter_lr": drafter_lr(args, step),
         "drafter_checksum": checksum, "loss": loss, "clip_frac": clip, "skipped_update": skipped,
         "bandit_best": bandit.best(), "ranks": [{k: v for k, v in r.items() if k != "segments"} for r in ranks],
         "timeline": render_timeline(ranks),
@@ -418,6 +460,11 @@ def summary(history, acc0, acc1, total_time):
            f"update {mean('update_time'):.3f}s, rollout share {100 * mean('rollout_share'):.0f}%)")
     print0(f"  tail share            {100 * statistics.median(h['tail_share'] for h in history):.0f}% median (the slowest rank's rollout time after 90% "
            f"of its rows had finished)")
+    top1 = [h["drafter_top1"] for h in history if h["drafter_top1"] is not None]
+    if top1:
+        n = max(1, len(top1) // 10)
+        print0(f"  drafter top-1         {100 * sum(top1[:n]) / n:.1f}% -> {100 * sum(top1[-n:]) / n:.1f}% (teacher-forced "
+               f"agreement with the target on each step's fresh rows, before training on them; first and last {n} steps)")
     print0(f"  mean accept length    {mean('accept_len'):.2f} tokens per verify step, {100 * mean('accept_rate'):.0f}% of "
            f"drafted tokens accepted, SD token share {100 * mean('sd_token_frac'):.0f}%")
     best = history[-1]["bandit_best"]
@@ -433,7 +480,8 @@ def summary(history, acc0, acc1, total_time):
         for kind in ("greedy", "sampled"):
             for name, acc in (("before RL", acc0), ("after RL", acc1)):
                 print0(f"  {kind:7s} {name:9s}     {format_accuracy(acc[kind])}")
-    print0(f"  skipped updates       {sum(h['skipped_update'] for h in history)} (non-finite loss or gradient)")
+    print0(f"  skipped updates       {sum(h['skipped_update'] for h in history)} of the target, "
+           f"{sum(h['drafter_skipped'] for h in history)} drafter steps (non-finite loss or gradient)")
     print0(f"  wall time             {total_time:.0f}s")
 
 

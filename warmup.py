@@ -29,15 +29,16 @@ import time
 from dataclasses import asdict
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import rl
 import task
-from drafter import Drafter, DrafterBuffer, acceptance_proxy, make_optimizer, train_step
+from drafter import Drafter, DrafterBuffer, make_optimizer, top1_agreement, train_step
 from model import GPT, GPTConfig
 from rollout import rollout
-from scheduler import Seed, derive_seed, print0
+from scheduler import Seed, derive_seed, from_rank0, print0
 
 
 # -----------------------------------------------------------------------------
@@ -86,6 +87,22 @@ def load_checked(path, expected_meta):
     return ckpt
 
 
+def load_on_rank0(path, expected_meta):
+    """`load_checked` on rank 0, its answer on every rank: the checkpoint, or None when there is none.
+    Whether to load or to warm up (or resume) is one decision for all ranks (scheduler.from_rank0),
+    so only rank 0 needs to see the file; a refused file stops every rank with rank 0's message."""
+    found = None
+    if (dist.get_rank() if dist.is_initialized() else 0) == 0 and os.path.exists(path):
+        try:
+            found = load_checked(path, expected_meta)
+        except SystemExit as e:
+            found = str(e)
+    found = from_rank0(found)
+    if isinstance(found, str):
+        raise SystemExit(found)
+    return found
+
+
 # -----------------------------------------------------------------------------
 # target warm-up: supervised training on reference traces
 
@@ -107,17 +124,20 @@ def lr_at(step, total, peak):
 
 def sft_step(model, net, opt, batch, device):
     """One supervised step on a batch of (token ids, prompt length): next-token loss on response
-    tokens only (the prompt's digits are random). Returns (loss, padded tokens read)."""
+    tokens only (the prompt's digits are random), the mean over every rank's response tokens
+    (`rl.global_mean_scale`), so the step does not depend on how the tokens fall on the ranks.
+    Returns (loss, padded tokens read)."""
     ids, plens = zip(*batch)
     tokens, mask = rl.collate(ids, plens, task.PAD_ID, device)
     x, y = tokens[:, :-1], tokens[:, 1:].masked_fill(~mask, -100)
     logits, _ = net(x)
-    loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1), ignore_index=-100)
+    loss_sum = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1), ignore_index=-100, reduction="sum")
+    loss = loss_sum * rl.global_mean_scale(mask.sum(), device)
     opt.zero_grad(set_to_none=True)
     loss.backward()
     torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
     opt.step()
-    return loss, x.numel()
+    return loss_sum.detach() / mask.sum().clamp(min=1), x.numel()  # this rank's mean, for the log
 
 
 @torch.no_grad()
@@ -144,7 +164,7 @@ def warmup_target(model, args, warmup_cfg, ddp, rank, world_size, device):
     if args.merge_init:
         init_merged_embeddings(model)  # deterministic, so still the same weights on every rank
     model.train()
-    net = DDP(model) if ddp else model
+    net = DDP(model, broadcast_buffers=False) if ddp else model  # the rotary tables never change
     opt = torch.optim.AdamW(model.parameters(), lr=args.warmup_lr, betas=(0.9, 0.95), weight_decay=0.1)
     rng = random.Random(derive_seed(args.seed, rank, 0, Seed.TARGET_DATA))
     budget = max(1, args.warmup_tokens // world_size)
@@ -189,11 +209,12 @@ def warmup_drafter(drafter, model, args, task_cfg, ddp, rank, world_size, device
     for step in range(args.drafter_warmup_steps):
         for g in opt.param_groups:
             g["lr"] = lr_at(step, args.drafter_warmup_steps, args.drafter_lr)
-        loss = train_step(drafter, opt, buffer, rng, batch_size=args.drafter_batch, device=device, sync_grads=ddp)
+        loss, _ = train_step(drafter, opt, buffer, rng, batch_size=args.drafter_batch, device=device, sync_grads=ddp)
         if step % 100 == 0 or step == args.drafter_warmup_steps - 1:
             el = time.time() - t0
+            agree, n = top1_agreement(drafter, *buffer.sample(32, rng, device))
             print0(f"drafter warmup {step:05d}/{args.drafter_warmup_steps} | loss {loss:.4f} | "
-                   f"top-1 agreement {acceptance_proxy(drafter, buffer, rng, device=device):.3f} | elapsed {el:.0f}s | "
+                   f"top-1 agreement {agree / max(n, 1):.3f} | elapsed {el:.0f}s | "
                    f"eta {el / (step + 1) * (args.drafter_warmup_steps - step - 1):.0f}s")
 
 
@@ -226,17 +247,22 @@ def prepare_models(args, task_cfg, warmup_cfg, ddp, rank, world_size, device):
     print0(f"target: {model.num_params():,} parameters; drafter: {sum(p.numel() for p in drafter.parameters()):,} "
            f"(+ the target's embedding and head, shared); {config}")
     path = os.path.join(args.warmup_dir, "target_warmup.pt")
-    if os.path.exists(path):
-        model.load_state_dict(load_checked(path, model_meta(args, config, warmup_cfg))["model"])
+    cached = load_on_rank0(path, model_meta(args, config, warmup_cfg))
+    if cached:
+        model.load_state_dict(cached["model"])
         print0(f"reusing the warmed-up target from {path}")
     else:
         warmup_target(model, args, warmup_cfg, ddp, rank, world_size, device)
         if rank == 0:
             save_atomic({"meta": model_meta(args, config, warmup_cfg), "model": model.state_dict()}, path)
     model.eval()
+    if args.drafter_warmup_steps == 0:
+        print0("cold start: no drafter warm-up; the drafter is built from nothing on idle ranks during RL")
+        return config, model, drafter
     path = os.path.join(args.warmup_dir, "drafter_warmup.pt")
-    if os.path.exists(path):
-        drafter.load_state_dict(load_checked(path, drafter_meta(args, config, task_cfg, warmup_cfg))["drafter"])
+    cached = load_on_rank0(path, drafter_meta(args, config, task_cfg, warmup_cfg))
+    if cached:
+        drafter.load_state_dict(cached["drafter"])
         print0(f"reusing the warmed-up drafter from {path}")
     else:
         warmup_drafter(drafter, model, args, task_cfg, ddp, rank, world_size, device)

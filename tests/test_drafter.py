@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from drafter import (Drafter, DrafterBuffer, acceptance_proxy, drafter_loss, make_optimizer,
+from drafter import (Drafter, DrafterBuffer, drafter_loss, fresh_agreement, make_optimizer, pairs, top1_agreement,
                      train_step)
 from conftest import randomize
 from model import GPT, GPTConfig
@@ -116,8 +116,8 @@ def test_training_changes_the_drafter_and_never_the_target(target, buffers):
     opt = make_optimizer(drafter)
     rng = random.Random(0)
     for _ in range(3):
-        loss = train_step(drafter, opt, train_buf, rng, batch_size=8)
-        assert isinstance(loss, float) and loss == loss and loss > 0
+        loss, applied = train_step(drafter, opt, train_buf, rng, batch_size=8)
+        assert applied and isinstance(loss, float) and loss == loss and loss > 0
     for n, p in target.named_parameters():
         assert torch.equal(p, before_t[n]), f"target parameter {n} changed"
         assert p.grad is None, f"target parameter {n} received a gradient"
@@ -167,6 +167,23 @@ def test_buffer_sample_pairs_eagle_way():
         if batch_size >= len(seqs):
             assert B > 1 and len({int(v) for v in mask.sum(1)}) > 1  # a padded batch was checked
     assert seen == set(seqs), "sampling never picked some sequences"
+
+
+def test_buffer_sample_draws_the_longest_sequences_as_often_as_the_rest():
+    """Batches are windows of the length-sorted buffer; each sequence, the longest and the shortest
+    included, lies in the same number of windows. 20 sequences, windows of 8, 20,000 draws: each
+    is drawn with p = 8 / 27; the binomial SD of a count is 65, so 5 SD (325) fails with odds
+    below 1e-6 per sequence."""
+    buf = DrafterBuffer()
+    for n in range(20):
+        buf.add(0, torch.full((n + 3,), n, dtype=torch.long), torch.zeros(n + 2, 4), prompt_len=1)
+    rng, counts, draws = random.Random(0), [0] * 20, 20_000
+    for _ in range(draws):
+        _, x_next, _, _ = buf.sample(8, rng)
+        for n in set(x_next[:, 0].tolist()):
+            counts[n] += 1
+    expected = draws * 8 / 27
+    assert all(abs(c - expected) < 325 for c in counts), (expected, counts)
 
 
 # ----------------------------------------------------------------------------- isolation of rows
@@ -318,14 +335,15 @@ def test_short_training_lowers_loss_and_raises_acceptance(target, buffers):
     def measure():
         with torch.no_grad():
             loss = drafter_loss(drafter, *eval_batch).item()
-        proxy = acceptance_proxy(drafter, held_out, random.Random(7), batch_size=64)
+        agree, n = top1_agreement(drafter, *held_out.sample(64, random.Random(7)))
+        proxy = agree / n
         _, st = speculative_generate(target, drafter, prompts, 20, k=3, temperature=0)
         return loss, proxy, st["accept_len"]
 
     loss0, proxy0, alen0 = measure()
     c0 = drafter.checksum()
     rng = random.Random(0)
-    train_losses = [train_step(drafter, opt, train_buf, rng, batch_size=16) for _ in range(100)]
+    train_losses = [train_step(drafter, opt, train_buf, rng, batch_size=16)[0] for _ in range(100)]
     loss1, proxy1, alen1 = measure()
     assert drafter.checksum() != c0
     # measured with these seeds: loss ~1.1 -> ~0.35, proxy ~0.2 -> ~0.55
@@ -334,6 +352,35 @@ def test_short_training_lowers_loss_and_raises_acceptance(target, buffers):
     assert sum(train_losses[-10:]) < 0.7 * sum(train_losses[:10])
     # the new weights reach decoding: greedy speculative decoding accepts more drafts
     assert alen1 > alen0 + 0.1, (alen0, alen1)
+
+
+def test_non_finite_step_is_not_applied(target, buffers):
+    train_buf, _, _ = buffers
+    drafter = make_drafter(target, seed=0)
+    opt = make_optimizer(drafter)
+    with torch.no_grad():
+        drafter.fuse.weight[0, 0] = float("inf")  # every loss and gradient through it is non-finite
+    before = snapshot(drafter)
+    loss, applied = train_step(drafter, opt, train_buf, random.Random(0), batch_size=4)
+    assert not applied
+    assert all(torch.equal(p, before[n]) for n, p in drafter.named_parameters())
+
+
+def test_fresh_agreement_counts_the_drafted_positions(target, buffers):
+    """Over a rollout's samples, fresh_agreement is top1_agreement over each sample's pairs from
+    prompt_len - 1 on, summed: the same figure as one padded batch of the same sequences."""
+    train_buf, _, _ = buffers
+    drafter = make_drafter(target, seed=0)
+    gen = torch.Generator().manual_seed(0)
+    prompts = [[1 + i % 7, 2 + i % 5] for i in range(10)]
+    batch = RunningBatch(target, prompts, 12, generator=gen)
+    while batch.compact() > 0:
+        batch.plain_step()
+    samples = batch.results
+    agree, n = fresh_agreement(drafter, samples, chunk=3)
+    assert n == sum(s.tokens.shape[0] - 1 - s.prompt_len for s in samples)  # pairs t = plen-1 .. N-3
+    assert (agree, n) == top1_agreement(drafter, *pairs([(s.tokens, s.hidden, s.prompt_len) for s in samples]))
+    assert 0 < agree < n  # a random drafter agrees sometimes, not always
 
 
 def test_checksum_tracks_weights(target, buffers):

@@ -48,7 +48,7 @@ def _worker(rank, world, port, loads, out_path):
     t0 = time.perf_counter()
     time.sleep(load or 0.0)  # the rollout of a skewed load
     rollout_time = time.perf_counter() - t0
-    steps, idle, segments = idle_train(drafter, opt, buffer, random.Random(rank), batch_size=4)
+    steps, _, idle, segments = idle_train(drafter, opt, buffer, random.Random(rank), batch_size=4)
     sync_drafter(drafter, steps)
     recs = gather_ranks({"rank": rank, "rollout_time": rollout_time, "idle_time": idle, "drafter_steps": steps,
                          "checksum": drafter.checksum(), "before": before,
