@@ -153,7 +153,11 @@ def idle_train(drafter, optimizer, buffer, rng, *, enabled=True, batch_size=DRAF
             _extend(segments, "train", s, time.perf_counter() - t0)
         else:
             time.sleep(0.001)
-    work.wait()  # surfaces an error if the barrier failed
+    try:
+        work.wait()  # surfaces an error if the barrier failed
+    except RuntimeError as e:  # a peer closed its connections: it crashed or was killed
+        raise RuntimeError(f"the idle barrier failed: a peer is gone (torchrun's summary names the rank that "
+                           f"failed first; its log says why): {e}") from e
     idle = time.perf_counter() - t0
     _extend(segments, "wait", segments[-1][2] if segments else 0.0, idle)
     return steps, skipped, idle, segments

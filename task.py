@@ -104,16 +104,19 @@ class Problem:
     def prompt(self):
         return " ".join(f"{LABELS[i]}{d}" for i, d in enumerate(self.digits)) + ":"
 
-    def response(self, rng=None, noise=0.0):
+    def response(self, rng=None, noise=0.0, careful=0.0):
         """One pass: the running sum step by step, then the answer. With noise > 0, each step is
         written wrong with that probability (a uniformly drawn wrong digit) and the sum goes on
-        from the written value, as a careless solver's would; the answer is the last written sum."""
+        from the written value, as a careless solver's would; the answer is the last written sum.
+        With careful > 0, each step is written out with that probability ("b7=3+7=0": the previous
+        sum, the digit, the new sum), and a careful step errs with a quarter of the noise."""
         steps, s = [], 0
         for i, d in enumerate(self.digits):
-            s = (s + d) % 10
-            if noise and rng.random() < noise:
+            prev, s = s, (s + d) % 10
+            slow = careful and rng.random() < careful  # no draw at careful = 0: the default traces are unchanged
+            if noise and rng.random() < (noise / 4 if slow else noise):
                 s = (s + rng.randrange(1, 10)) % 10
-            steps.append(f"{LABELS[i]}{d}={s}")
+            steps.append(f"{LABELS[i]}{d}={prev}+{d}={s}" if slow else f"{LABELS[i]}{d}={s}")
         return " ".join(steps) + f" >{s}"
 
 
@@ -121,9 +124,9 @@ def reference_response(problem, cfg, rng):
     """A training trace: the first pass, then with probability cfg.recheck one more full pass
     (" | " between passes), again and again up to cfg.max_passes; every pass recomputes from the
     prompt and carries its own cfg.noise."""
-    passes = [problem.response(rng, cfg.noise)]
+    passes = [problem.response(rng, cfg.noise, cfg.careful)]
     while len(passes) < cfg.max_passes and rng.random() < cfg.recheck:
-        passes.append(problem.response(rng, cfg.noise))
+        passes.append(problem.response(rng, cfg.noise, cfg.careful))
     return " | ".join(passes)
 
 
@@ -134,6 +137,7 @@ class TaskConfig:
     recheck: float = 0.4  # reference traces: probability of one more re-check pass after an answer
     max_passes: int = 4   # reference traces: at most this many passes (the first plus re-checks)
     noise: float = 0.12   # reference traces: probability that a running-sum step is written wrong
+    careful: float = 0.0  # reference traces: probability that a step is written out carefully (a quarter of the noise)
 
     def __post_init__(self):
         if not 1 <= self.max_n <= len(LABELS):
@@ -146,13 +150,16 @@ class TaskConfig:
             raise ValueError(f"max_passes must be >= 1, got {self.max_passes}")
         if not 0 <= self.noise < 1:
             raise ValueError(f"noise must be in [0, 1), got {self.noise}")
+        if not 0 <= self.careful <= 1:
+            raise ValueError(f"careful must be in [0, 1], got {self.careful}")
 
     @property
     def max_prompt_len(self):
         return 2 * self.max_n
 
-    def response_len(self, n, passes=1):  # tokens of a reference response, <|eos|> included
-        return passes * (5 * n + 5) - 2  # each pass 5n + 2 tokens, " | " between passes, <|eos|>
+    def response_len(self, n, passes=1):  # tokens of the longest reference response, <|eos|> included
+        step = 9 if self.careful else 5  # "b7=0 " or "b7=3+7=0 "
+        return passes * (step * n + 5) - 2  # each pass step * n + 2 tokens, " | " between passes, <|eos|>
 
     @property
     def max_response_len(self):  # tokens, <|eos|> included
@@ -181,15 +188,25 @@ def parse_prompt(prompt):
     return Problem(tuple(int(d) for d in re.findall(r"[a-zA-Z]([0-9])", m.group(1))))
 
 
-def reward(prompt, response):
-    """1.0 when the response's final answer (after the last '>') is correct, else 0.0.
+def careful_share(response):
+    """The share of a response's running-sum steps written out carefully ("b7=3+7=0")."""
+    careful = len(re.findall(r"[a-zA-Z][0-9]=[0-9]\+[0-9]=[0-9]", response))
+    terse = len(re.findall(r"[a-zA-Z][0-9]=[0-9](?![+0-9])", response))
+    return careful / (careful + terse) if careful + terse else 0.0
+
+
+def reward(prompt, response, careful_bonus=0.0):
+    """1.0 when the response's final answer (after the last '>') is correct, else 0.0; a correct
+    answer earns careful_bonus times the share of careful steps on top (a format reward, as
+    R1-style RL pays for its format: it makes RL change how the model writes).
 
     Only the final answer counts, as with verifiable rewards in reasoning RL: a wrong
     scratchpad with a lucky answer still scores. Garbage of any kind scores 0, never raises."""
     try:
         problem = parse_prompt(prompt)
         m = re.search(r">([0-9]+)\s*$", response)
-        return float(problem is not None and m is not None and int(m.group(1)) == problem.answer)
+        right = problem is not None and m is not None and int(m.group(1)) == problem.answer
+        return float(right) * (1.0 + careful_bonus * careful_share(response)) if careful_bonus else float(right)
     except Exception:  # the contract is "never raises"; a broken input is simply wrong
         return 0.0
 

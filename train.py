@@ -61,7 +61,7 @@ class OneLineParser(argparse.ArgumentParser):
 def task_config(args, warmup=False):
     """The task as the flags define it; warmup=True: with the warm-up's problem-size exponent."""
     return task.TaskConfig(max_n=args.max_n, alpha=args.warmup_alpha if warmup else args.alpha,
-                           recheck=args.recheck, max_passes=args.max_passes, noise=args.noise)
+                           recheck=args.recheck, max_passes=args.max_passes, noise=args.noise, careful=args.careful)
 
 
 def parse_args(argv=None):
@@ -80,6 +80,10 @@ def parse_args(argv=None):
     p.add_argument("--max-passes", type=int, default=task.TaskConfig.max_passes, help="reference traces: at most this many passes")
     p.add_argument("--noise", type=float, default=task.TaskConfig.noise, help="reference traces: probability that a running-sum step "
                    "is written wrong (the warmed-up target then errs at about this rate when sampling)")
+    p.add_argument("--careful", type=float, default=task.TaskConfig.careful, help="reference traces: probability that a step "
+                   "is written out carefully, b7=3+7=0 instead of b7=0, with a quarter of the noise (0: never)")
+    p.add_argument("--careful-bonus", type=float, default=0.0, help="RL reward: a correct answer earns this times its share of "
+                   "careful steps on top of 1 (a format reward: RL then changes how the target writes)")
     p.add_argument("--warmup-alpha", type=float, default=2.0, help="tail exponent of the problem sizes at the start "
                    "of the target warm-up: mostly small problems, where the look-up is learned")
     p.add_argument("--warmup-alpha-end", type=float, default=0.5, help="the exponent moves linearly from "
@@ -132,7 +136,7 @@ def parse_args(argv=None):
     positive = ("warmup_steps", "warmup_tokens", "warmup_lr", "drafter_warmup_seqs", "drafter_batch",
                 "drafter_keep", "drafter_lr", "drafter_online_lr", "prompts_per_step", "group_size", "rl_epochs", "rl_lr",
                 "clip_eps", "update_tokens", "ckpt_every", "eval_samples")
-    non_negative = ("rl_steps", "drafter_warmup_steps", "kl_coef", "temperature", "sd_threshold", "timeline_every", "eval_per_bucket")
+    non_negative = ("rl_steps", "drafter_warmup_steps", "careful_bonus", "kl_coef", "temperature", "sd_threshold", "timeline_every", "eval_per_bucket")
     for names, ok, what in ((positive, lambda v: v > 0, "positive"), (non_negative, lambda v: v >= 0, "non-negative")):
         for name in names:
             if not ok(getattr(args, name)):  # written so that NaN fails too
@@ -226,7 +230,7 @@ def all_sum(values, device):
 
 def rl_meta(args, config, task_cfg):
     """What an RL checkpoint depends on: the warm-ups it started from and every RL setting."""
-    keys = ("rl_seed", "drafter_online_lr", "prompts_per_step", "group_size", "rl_lr", "rl_epochs", "clip_eps", "kl_coef", "tlt", "drafter_updates",
+    keys = ("rl_seed", "careful_bonus", "drafter_online_lr", "prompts_per_step", "group_size", "rl_lr", "rl_epochs", "clip_eps", "kl_coef", "tlt", "drafter_updates",
             "sd_threshold", "drafter_keep", "update_tokens", "sampler")
     return {**drafter_meta(args, config, task_cfg, task_config(args, warmup=True)), **{k: getattr(args, k) for k in keys}, "draft_ks": list(args.draft_ks)}
 
@@ -276,7 +280,7 @@ def run(args, task_cfg, ddp, rank, world_size, device, liveness=None):
     acc0 = evaluate_both(model, drafter, problems, args, task_cfg, rank, world_size, "before RL")
 
     ref_model = copy.deepcopy(model).requires_grad_(False) if args.kl_coef > 0 else None  # frozen warm-up target
-    net = DistributedDataParallel(model, broadcast_buffers=False) if ddp else model  # the rotary tables never change
+    net = DistributedDataParallel(model, forward_sync_buffers=False) if ddp else model  # the rotary tables never change
     opt = torch.optim.AdamW(model.parameters(), lr=args.rl_lr, betas=(0.9, 0.95), weight_decay=0.0)
     d_opt = make_optimizer(drafter, args.drafter_online_lr)
     bandit = Bandit(args.draft_ks, seed=derive_seed(args.rl_seed, rank, 0, Seed.BANDIT))
@@ -383,7 +387,8 @@ def rl_step(step, args, task_cfg, model, net, drafter, opt, d_opt, bandit, buffe
                           sd_threshold=args.sd_threshold, bandit=bandit, sampler=args.sampler, keys=keys,
                           progress=liveness.beat if liveness else None)
     rollout_time = time.perf_counter() - t0
-    rewards = torch.tensor([task.reward(p.prompt(), task.decode(s.response)) for p, s in zip(rows, samples)])
+    texts = [task.decode(s.response) for s in samples]
+    rewards = torch.tensor([task.reward(p.prompt(), t, args.careful_bonus) for p, t in zip(rows, texts)])
     # the drafter's health before it trains on this step: teacher-forced top-1 agreement on the fresh rows
     top1 = fresh_agreement(drafter, samples, device=device) if args.tlt else (0, 0)
     # 3. the rollout's hidden states go to the drafter buffer
@@ -420,32 +425,35 @@ def rl_step(step, args, task_cfg, model, net, drafter, opt, d_opt, bandit, buffe
     checksum = drafter.checksum()
     mine = {"rank": rank, "rollout_time": rollout_time, "idle_time": idle, "drafter_steps": d_steps,
             "drafter_skipped": d_skipped, "tokens": st["tokens"], "drafter_checksum": checksum, "rows": len(rows),
-            "tail_share": st["tail_share"],
-            "responses_digest": hashlib.sha256(json.dumps([s.response for s in samples]).encode()).hexdigest()[:16],
+            "tail_share": st["tail_share"], "responses": [s.response for s in samples],
             "segments": st["segments"] + [[k, a + rollout_time, b + rollout_time] for k, a, b in idle_segs]}
     ranks = gather_ranks(mine)
     if len({r["drafter_checksum"] for r in ranks}) > 1:
         warnings.warn(f"step {step}: the ranks' drafters differ after the sync ({[r['drafter_checksum'] for r in ranks]})")
     total = all_sum({"tokens": st["tokens"], "sd_tokens": st["sd_tokens"], "sd_row_steps": st["sd_row_steps"],
                      "accepted": st["accepted"], "drafted": st["drafted"], "top1_agree": top1[0],
-                     "top1_positions": top1[1]}, device)
+                     "top1_positions": top1[1], "careful": sum(map(task.careful_share, texts)),
+                     "response_tokens": sum(len(s.response) for s in samples)}, device)
     step_time = t1 - t0
     slowest = max(ranks, key=lambda r: r["rollout_time"])
     rollout_max = slowest["rollout_time"]
     return {
         "step": step, "step_time": step_time, "rollout_time": rollout_max, "update_time": t1 - t_update,
         "tail_share": slowest["tail_share"], "rollout_share": rollout_max / step_time,
-        # one hash of every response of the step, so two runs can be compared token for token
-        "responses_digest": hashlib.sha256(" ".join(r["responses_digest"] for r in ranks).encode()).hexdigest()[:16],
+        # one hash of every response of the step in global row order, so two runs, on any numbers of
+        # ranks, can be compared token for token
+        "responses_digest": hashlib.sha256(json.dumps([x for r in ranks for x in r["responses"]]).encode()).hexdigest()[:16],
         "reward": float(all_rewards.mean()),
         "accept_len": total["sd_tokens"] / total["sd_row_steps"] if total["sd_row_steps"] else None,
         "accept_rate": total["accepted"] / total["drafted"] if total["drafted"] else None,
         "drafter_top1": total["top1_agree"] / total["top1_positions"] if total["top1_positions"] else None,
+        # what the target writes: mean response length and share of careful steps
+        "response_len": total["response_tokens"] / n_rows, "careful_share": total["careful"] / n_rows,
         "sd_token_frac": total["sd_tokens"] / max(total["tokens"], 1), "tok_s": total["tokens"] / max(rollout_max, 1e-9),
         "idle_time": max(r["idle_time"] for r in ranks), "drafter_steps": sum(r["drafter_steps"] for r in ranks),
         "drafter_skipped": sum(r["drafter_skipped"] for r in ranks), "drafter_lr": drafter_lr(args, step),
         "drafter_checksum": checksum, "loss": loss, "clip_frac": clip, "skipped_update": skipped,
-        "bandit_best": bandit.best(), "ranks": [{k: v for k, v in r.items() if k != "segments"} for r in ranks],
+        "bandit_best": bandit.best(), "ranks": [{k: v for k, v in r.items() if k not in ("segments", "responses")} for r in ranks],
         "timeline": render_timeline(ranks),
     }
 
@@ -474,6 +482,12 @@ def summary(history, acc0, acc1, total_time):
     n = max(1, len(history) // 10)  # a step's reward swings with its prompt mix; tenths of the run show the trend
     print0(f"  reward                {sum(h['reward'] for h in history[:n]) / n:.3f} -> "
            f"{sum(h['reward'] for h in history[-n:]) / n:.3f} (means of the first and the last {n} steps)")
+    def tenths(key):
+        return sum(h[key] for h in history[:n]) / n, sum(h[key] for h in history[-n:]) / n
+    line = "  response length       {:.1f} -> {:.1f} tokens".format(*tenths("response_len"))
+    if any(h["careful_share"] for h in history):
+        line += ", careful steps {:.0%} -> {:.0%}".format(*tenths("careful_share"))
+    print0(line + f" (first and last {n} steps)")
     if not acc0:
         print0("  held-out accuracy     not evaluated (--eval-per-bucket 0)")
     else:

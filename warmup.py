@@ -164,7 +164,7 @@ def warmup_target(model, args, warmup_cfg, ddp, rank, world_size, device):
     if args.merge_init:
         init_merged_embeddings(model)  # deterministic, so still the same weights on every rank
     model.train()
-    net = DDP(model, broadcast_buffers=False) if ddp else model  # the rotary tables never change
+    net = DDP(model, forward_sync_buffers=False) if ddp else model  # the rotary tables never change
     opt = torch.optim.AdamW(model.parameters(), lr=args.warmup_lr, betas=(0.9, 0.95), weight_decay=0.1)
     rng = random.Random(derive_seed(args.seed, rank, 0, Seed.TARGET_DATA))
     budget = max(1, args.warmup_tokens // world_size)

@@ -94,3 +94,57 @@ def test_update_raises_probability_of_rewarded_response():
         after = (rl.token_logprobs(m, tokens) * mask).sum(1)
     assert after[0] > before[0] + 0.1
     assert after[1] < before[1]
+
+
+# ----------------------------------------------------------------------------- the same update on any number of ranks
+
+# one global batch (prompt + response token lists, prompt lengths, advantages), dealt unevenly:
+# (ranks, which rows each rank holds). Rank 1 holds a single response token, then none at all.
+SEQS = [[1, 2, 3, 4, 5, 6, 1, 2], [1, 2, 5], [3, 4, 6, 6, 1, 2, 3, 4, 5, 6], [2, 2, 2, 3], [1, 3, 5]]
+PLENS = [2, 2, 3, 1, 2]
+ADV = [1.0, -0.5, 0.8, -1.3, 0.4]
+DEALS = {"one_token": [[0, 2, 3, 4], [1]], "empty": [[0, 1, 2, 3, 4], []]}
+
+
+def _model():
+    torch.manual_seed(0)
+    return GPT(GPTConfig(vocab_size=7, block_size=16, n_layer=1, n_head=2, n_embd=16)).double()
+
+
+def _update(model, net, rows, update_tokens=12):
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    rl.grpo_update(model, net if net is not None else model, opt, [SEQS[i] for i in rows], [PLENS[i] for i in rows],
+                   torch.tensor([ADV[i] for i in rows], dtype=torch.float64), pad_id=0, update_tokens=update_tokens)
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
+def _update_worker(rank, port, deal, out):
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    model = _model()
+    w = _update(model, DistributedDataParallel(model), DEALS[deal][rank])
+    if rank == 0:
+        torch.save(w, out)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("deal", sorted(DEALS))
+def test_update_on_two_ranks_equals_one_process(deal, tmp_path):
+    """The token-level mean is over the global batch: 2 gloo ranks holding uneven shares of the
+    batch (one a single response token, or nothing) make the single-process update, to float64
+    precision. Dividing by each rank's own token count would differ by about 30% of the update."""
+    import socket
+    import torch.multiprocessing as mp
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = str(tmp_path / "w.pt")
+    mp.start_processes(_update_worker, args=(port, deal, out), nprocs=2, start_method="spawn")
+    w0 = torch.cat([p.detach().reshape(-1) for p in _model().parameters()])
+    one = _update(_model(), None, range(len(SEQS)), update_tokens=1000)  # one process, one micro-batch
+    two = torch.load(out)
+    assert (one - w0).norm() > 1e-3  # the update moved the weights
+    assert (two - one).norm() <= 1e-12 * (one - w0).norm(), float((two - one).norm() / (one - w0).norm())

@@ -149,3 +149,76 @@ def test_dead_peer_fails_the_idle_barrier_in_bounded_time():
     assert all(p.exitcode != 0 for p in procs)
     outcome, waited = q.get(timeout=5)
     assert outcome != "returned" and waited <= 30
+
+
+# ----------------------------------------------------------------------------- slow is not dead
+
+LIVENESS_S = 3.0  # the test's TLT_COLLECTIVE_TIMEOUT: also the default group's collective timeout
+
+
+def _liveness_worker(rank, port, fault, q):
+    """Rank 1 rolls out for 3 x LIVENESS_S: making progress ("slow"), silent ("hung"), or it dies
+    ("killed"). Rank 0 finished at once and waits in the idle barrier."""
+    import datetime
+    from scheduler import Liveness
+    torch.set_num_threads(1)
+    timeout = datetime.timedelta(seconds=LIVENESS_S)
+    store = dist.TCPStore("127.0.0.1", port, 2, rank == 0, timeout=datetime.timedelta(seconds=30))
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=2, timeout=timeout)
+    liveness = Liveness(store, rank, 2, LIVENESS_S, every_s=0.2)
+    target, drafter = _models()
+    t0 = time.time()
+    if rank == 1:
+        while time.time() - t0 < 3 * LIVENESS_S:
+            if fault == "slow":
+                liveness.beat()  # what rollout() does after every decoding step
+            elif fault == "killed":
+                os._exit(1)
+            time.sleep(0.05)
+    try:
+        idle_train(drafter, make_optimizer(drafter), DrafterBuffer(), random.Random(0), liveness=liveness)
+        q.put((rank, "returned", "", time.time() - t0))
+    except Exception as e:
+        q.put((rank, type(e).__name__, str(e), time.time() - t0))
+        q.close()
+        q.join_thread()  # flush the queue before leaving without cleanup
+        os._exit(1)
+    dist.barrier()
+    dist.destroy_process_group()
+    os._exit(0)
+
+
+def _liveness_run(fault):
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_liveness_worker, args=(r, port, fault, q)) for r in range(2)]
+    for p in procs:
+        p.start()
+    procs[0].join(timeout=60)
+    for p in procs:
+        p.join(timeout=3 * LIVENESS_S + 5)
+        if p.is_alive():
+            p.kill()
+    outcomes = {}
+    while not q.empty():
+        rank, outcome, message, waited = q.get(timeout=5)
+        outcomes[rank] = (outcome, message, waited)
+    return outcomes, [p.exitcode for p in procs]
+
+
+def test_a_slow_rank_that_makes_progress_is_waited_for():
+    outcomes, codes = _liveness_run("slow")
+    outcome, _, waited = outcomes[0]
+    assert outcome == "returned" and waited > 2 * LIVENESS_S  # waited past the timeout, and returned
+    assert codes == [0, 0]
+
+
+@pytest.mark.parametrize("fault", ["hung", "killed"])
+def test_a_hung_or_killed_rank_fails_its_peer_in_bounded_time_naming_it(fault):
+    outcomes, codes = _liveness_run(fault)
+    outcome, message, waited = outcomes[0]
+    assert outcome == "RuntimeError" and codes[0] != 0
+    assert waited < 2 * LIVENESS_S + 2  # silent for LIVENESS_S, checked once a fifth of a second
+    if fault == "hung":
+        assert "rank 1 has made no progress" in message

@@ -594,3 +594,21 @@ def test_gumbel_speculative_is_token_identical_to_plain(greedy_setup, which, tem
     first, _ = speculative_generate(target, drafter, prompts[:half], N_NEW, k=4, keys=keys[:half], **how)
     second, _ = autoregressive_generate(target, prompts[half:], N_NEW, keys=keys[half:], **how)
     assert first + second == plain
+
+
+def test_gumbel_choice_in_chunks_equals_one_argmax_and_ignores_the_logits_dtype():
+    """gumbel_choose hashes the noise one vocabulary chunk at a time (bounded memory) and picks the
+    same tokens as one argmax over the whole noise; bfloat16 logits give the tokens of the same
+    logits in float32 (the noise is added in float32, never coarsened to bf16)."""
+    from speculative import gumbel_choose, row_streams
+    g = torch.Generator().manual_seed(0)
+    B, T, V = 6, 3, 50
+    logits = torch.randn(B, T, V, generator=g) * 2
+    keys, pos = torch.arange(B) * 31 + 5, torch.arange(T).expand(B, T) + 7
+    whole = gumbel_argmax(logits, 1.0, gumbel_noise(keys, pos, V))
+    for chunk in (7, 16, 50, 8192):
+        assert torch.equal(gumbel_choose(logits, 1.0, row_streams(keys), pos, chunk=chunk), whole)
+    low = logits.bfloat16()
+    exact = gumbel_argmax(low.float(), 0.7, gumbel_noise(keys, pos, V))
+    assert torch.equal(gumbel_choose(low, 0.7, row_streams(keys), pos, chunk=16), exact)
+    assert torch.equal(gumbel_argmax(low, 0.7, gumbel_noise(keys, pos, V)), exact)

@@ -254,3 +254,118 @@ def test_warmup_curriculum_keys_the_cache():
     config = warmup.GPTConfig(vocab_size=train.task.VOCAB_SIZE, block_size=40, n_layer=1, n_head=2, n_embd=16)
     metas = [warmup.model_meta(a, config, train.task_config(a, warmup=True)) for a in (plain, curriculum)]
     assert metas[0] != metas[1]  # a warm-up cached with another curriculum is refused, not reused
+
+
+# ----------------------------------------------------------------------------- any number of ranks
+
+def _tiny_models(args):
+    from drafter import Drafter
+    from model import GPT, GPTConfig
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=train.task.VOCAB_SIZE, block_size=args.block_size, n_layer=args.n_layer,
+                          n_head=args.n_head, n_embd=args.n_embd)).eval()
+    return model, Drafter(model)
+
+
+SOMETIMES_RIGHT = TINY + ["--max-n", "1", "--n-embd", "32", "--warmup-steps", "150", "--warmup-tokens", "512",
+                          "--warmup-lr", "1e-2", "--eval-per-bucket", "0"]  # a target whose rewards vary
+
+
+def _rl_steps_worker(rank, world, port, out, n_steps, warm):
+    """n_steps of train.rl_step on `world` gloo ranks (world 1: no process group) from the target
+    in `warm`; rank 0 saves the step digests and rewards and the target's weights."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+    torch.set_num_threads(1)
+    if world > 1:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    args = train.parse_args(SOMETIMES_RIGHT + ["--prompts-per-step", "3", "--group-size", "3", "--rl-lr", "3e-3"])
+    model, drafter = _tiny_models(args)
+    model.load_state_dict(torch.load(warm)["model"])
+    net = DistributedDataParallel(model, forward_sync_buffers=False) if world > 1 else model
+    opt = torch.optim.AdamW(model.parameters(), lr=args.rl_lr, betas=(0.9, 0.95), weight_decay=0.0)
+    d_opt = train.make_optimizer(drafter, args.drafter_online_lr)
+    recs = [train.rl_step(step, args, train.task_config(args), model, net, drafter, opt, d_opt, train.Bandit(args.draft_ks),
+                          train.DrafterBuffer(), rank, world, torch.device("cpu")) for step in range(n_steps)]
+    if rank == 0:
+        torch.save({"digests": [r["responses_digest"] for r in recs], "rewards": [r["reward"] for r in recs],
+                    "weights": torch.cat([p.detach().reshape(-1) for p in model.parameters()])}, out)
+    if world > 1:
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def _rl_steps(world, tmp_path, warm, n_steps=3):
+    import socket
+    import torch.multiprocessing as mp
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = str(tmp_path / f"w{world}.pt")
+    mp.start_processes(_rl_steps_worker, args=(world, port, out, n_steps, warm), nprocs=world, start_method="spawn")
+    return torch.load(out)
+
+
+def test_rl_steps_do_not_depend_on_the_number_of_ranks(tmp_path):
+    """The same steps on 1 and on 2 gloo processes: 9 rows per step dealt 4 + 5, a GRPO group
+    split across the ranks. Each row's key is its place in the global batch, so the responses
+    are the same (a key from a row's place on its rank would change them); the advantages come
+    from every rank's rewards and the token-level mean is global, so the targets after 3 updates
+    agree to float32 rounding (a per-rank mean would differ by far more than the tolerance)."""
+    r = run_train(SOMETIMES_RIGHT + ["--out-dir", str(tmp_path), "--rl-steps", "0"])
+    assert r.returncode == 0, r.stderr[-2000:]
+    warm = str(tmp_path / "target_warmup.pt")
+    one, two = _rl_steps(1, tmp_path, warm), _rl_steps(2, tmp_path, warm)
+    assert one["digests"] == two["digests"] and one["rewards"] == two["rewards"]
+    assert 0 < sum(one["rewards"]) < len(one["rewards"])  # rewards vary, so the target is updated
+    start, _ = _tiny_models(train.parse_args(SOMETIMES_RIGHT))
+    start.load_state_dict(torch.load(warm)["model"])
+    w0 = torch.cat([p.detach().reshape(-1) for p in start.parameters()])
+    update = (one["weights"] - w0).norm()
+    assert update > 0
+    assert (one["weights"] - two["weights"]).norm() < 1e-3 * update, float((one["weights"] - two["weights"]).norm() / update)
+
+
+def test_too_few_rows_for_the_ranks_is_a_clear_error(tmp_path):
+    proc = torchrun(TINY + ["--out-dir", str(tmp_path / "x"), "--prompts-per-step", "1", "--group-size", "1"])
+    stdout, _ = proc.communicate(timeout=120)
+    assert proc.returncode != 0 and "leave some of the 2 ranks without work" in stdout
+
+
+def _cache_worker(rank, port, warmup_dir, out):
+    """prepare_models on 2 ranks where only rank 0 can see the warm-up caches."""
+    import torch.distributed as dist
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    if rank == 1:
+        real = os.path.exists
+        os.path.exists = lambda p: False if str(p).startswith(warmup_dir) else real(p)
+    args = train.parse_args(TINY + ["--warmup-dir", warmup_dir])
+    _, model, drafter = warmup.prepare_models(args, train.task_config(args), train.task_config(args, warmup=True),
+                                              True, rank, 2, torch.device("cpu"))
+    torch.save({"model": model.state_dict(), "drafter": drafter.checksum()}, f"{out}.{rank}")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def test_a_cache_only_rank_0_sees_is_used_by_every_rank(tmp_path):
+    """Rank 0 decides whether to load or to warm up and every rank follows: a rank that cannot see
+    the cache does not warm up on its own (its collectives would then never match rank 0's)."""
+    import socket
+    import torch.multiprocessing as mp
+    warmup_dir = str(tmp_path / "warm")
+    r = run_train(TINY + ["--out-dir", warmup_dir, "--rl-steps", "0", "--eval-per-bucket", "0"])
+    assert r.returncode == 0, r.stderr[-2000:]
+    cached = torch.load(os.path.join(warmup_dir, "target_warmup.pt"))["model"]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = str(tmp_path / "got")
+    ctx = mp.start_processes(_cache_worker, args=(port, warmup_dir, out), nprocs=2, start_method="spawn", join=False)
+    deadline = time.time() + 120
+    while not ctx.join(timeout=1):
+        assert time.time() < deadline, "the ranks hung"
+    got = [torch.load(f"{out}.{r}") for r in range(2)]
+    for g in got:
+        assert all(torch.equal(g["model"][k], cached[k]) for k in cached)
+    assert got[0]["drafter"] == got[1]["drafter"]
