@@ -1,7 +1,7 @@
 """Side-by-side measurements: what speculative decoding and TLT buy, in one run on one machine.
 
     python bench.py            # decoding: plain vs speculative for batch sizes 1..64 and k in 1..8
-    python bench.py --e2e      # RL steps: --tlt off vs --tlt on vs --tlt on --drafter-updates off
+    python bench.py --e2e      # RL steps: --tlt off, on, on with a frozen drafter, on with the n-gram drafter (TLT-Base)
     python bench.py --drift    # a target moved away from the drafter: frozen vs online-trained drafter
     python bench.py --drafters out   # after a train.py run: its online-trained drafter vs the warm-up one
 
@@ -341,6 +341,7 @@ def e2e_bench(args, task_cfg, model, drafter):
     root = os.path.join(args.out_dir, "bench_e2e")
     # the first three compare step times; the last two compare the drafters step by step at one k
     variants = {"off": ["--tlt", "off"], "on": ["--tlt", "on"], "frozen": ["--tlt", "on", "--drafter-updates", "off"],
+                "ngram": ["--tlt", "on", "--drafter", "ngram"],  # TLT-Base: a model-free drafter
                 "on_k4": ["--tlt", "on", "--draft-ks", "4"],
                 "frozen_k4": ["--tlt", "on", "--drafter-updates", "off", "--draft-ks", "4"]}
     records = {}
@@ -366,10 +367,10 @@ def e2e_bench(args, task_cfg, model, drafter):
 
     def median(name, key):  # step 0 is left out of both: it pays for the first allocations
         return statistics.median(r[key] for r in records[name][1:])
-    off, on, fr = (mean(n, "step_time") for n in ("off", "on", "frozen"))
+    off, on, fr, ng = (mean(n, "step_time") for n in ("off", "on", "frozen", "ngram"))
     print(f"\n{'':8} {'step s':>7} {'median':>7} {'rollout s':>9} {'update s':>8} {'rollout %':>9} {'tail %':>6} "
           f"{'accept len':>10} {'accept rate':>11} {'reward':>7}")
-    for n in ("off", "on", "frozen"):
+    for n in ("off", "on", "frozen", "ngram"):
         print(f"{n:8} {mean(n, 'step_time'):7.3f} {median(n, 'step_time'):7.3f} {mean(n, 'rollout_time'):9.3f} "
               f"{mean(n, 'update_time'):8.3f} {100 * mean(n, 'rollout_share'):8.0f}% {100 * median(n, 'tail_share'):5.0f}% "
               f"{mean(n, 'accept_len') or 0:10.2f} {mean(n, 'accept_rate') or 0:11.3f} {mean(n, 'reward'):7.3f}")
@@ -377,37 +378,40 @@ def e2e_bench(args, task_cfg, model, drafter):
           "tail %: median tail share)")
     # the runs generate the same tokens at every step, so step i of one run and step i of another are a pair
     paired = {n: sorted(a["step_time"] / b["step_time"] for a, b in zip(records["off"][1:], records[n][1:]))
-              for n in ("on", "frozen")}
-    print(f"\nstep-time speedup over --tlt off, mean step: TLT {off / on:.2f}x, TLT with a frozen drafter {off / fr:.2f}x; "
-          f"rollout alone {mean('off', 'rollout_time') / mean('on', 'rollout_time'):.2f}x")
-    for n in ("on", "frozen"):
+              for n in ("on", "frozen", "ngram")}
+    print(f"\nstep-time speedup over --tlt off, mean step: TLT {off / on:.2f}x, TLT with a frozen drafter {off / fr:.2f}x, "
+          f"TLT-Base (n-gram drafter) {off / ng:.2f}x; rollout alone {mean('off', 'rollout_time') / mean('on', 'rollout_time'):.2f}x")
+    for n in ("on", "frozen", "ngram"):
         print(f"  step by step, off / {n}: median {statistics.median(paired[n]):.2f}x, from {paired[n][0]:.2f}x to "
               f"{paired[n][-1]:.2f}x (each step generates the same tokens in both runs: a paired comparison)")
     print(f"--tlt off: rollout is {100 * median('off', 'rollout_time') / median('off', 'step_time'):.0f}% of the median step "
           f"(median rollout time / median step time)")
     # with --sampler gumbel the three runs should generate the same tokens at every step
     other = {n: sum(a["responses_digest"] != b["responses_digest"] for a, b in zip(records["off"], records[n]))
-             for n in ("on", "frozen")}
-    for n in ("on", "frozen"):
+             for n in ("on", "frozen", "ngram")}
+    for n in ("on", "frozen", "ngram"):
         diff_r = sum(a["reward"] != b["reward"] for a, b in zip(records["off"], records[n]))
         print(f"--tlt off vs {n}: {other[n]} of {len(records[n])} steps generated other responses, {diff_r} other rewards "
               f"(sampler {args.sampler})")
     print("\nThose runs' bandits pick their own k, and accepted drafts per drafted token fall as k grows, so the")
     print("drafters are compared step by step in two more runs with k fixed at 4 (--draft-ks 4), same seeds:")
-    print("step  accept length at k = 4: adaptive  frozen   gap     reward: off    on   frozen")
-    for a, b, c, d, e in zip(records["on_k4"], records["frozen_k4"], records["off"], records["on"], records["frozen"]):
+    print("step  accept length at k = 4: adaptive  frozen   gap   drafter top-1: adaptive  frozen   reward: off    on")
+    for a, b, c, d in zip(records["on_k4"], records["frozen_k4"], records["off"], records["on"]):
         print(f"{a['step']:4d}                          {a['accept_len'] or 0:5.3f}   {b['accept_len'] or 0:5.3f} "
-              f"{(a['accept_len'] or 0) - (b['accept_len'] or 0):+6.3f}             {c['reward']:5.3f} {d['reward']:5.3f}  {e['reward']:5.3f}")
+              f"{(a['accept_len'] or 0) - (b['accept_len'] or 0):+6.3f}                 {a['drafter_top1'] or 0:6.3f}  "
+              f"{b['drafter_top1'] or 0:6.3f}         {c['reward']:5.3f} {d['reward']:5.3f}")
     final = drafter_vs_target(task_cfg, model, drafter, os.path.join(root, "on"), sampler=args.sampler)
     print(f"\nthe target after the --tlt on run's {args.e2e_steps} steps, k = 4, temperature 1.0, {min(64, len(task.eval_set(task_cfg)))} held-out prompts: "
           f"accept length {final['adaptive']:.3f} with the drafter trained on idle ranks, {final['frozen']:.3f} with "
           f"the warm-up drafter")
     return {"e2e": {"final_accept_len": final, "off_step_time": off, "on_step_time": on, "frozen_step_time": fr, "speedup": off / on,
-                    "frozen_speedup": off / fr, "off_rollout_share": mean("off", "rollout_share"),
+                    "frozen_speedup": off / fr, "ngram_step_time": ng, "ngram_speedup": off / ng,
+                    "off_rollout_share": mean("off", "rollout_share"),
                     "median_paired_speedup": {n: statistics.median(p) for n, p in paired.items()},
                     "tail_share": {n: median(n, "tail_share") for n in ("off", "on")},
                     "steps": args.e2e_steps, "nproc": args.nproc,
-                    "accept_len": {n: [r["accept_len"] for r in records[n]] for n in ("on", "frozen", "on_k4", "frozen_k4")},
+                    "accept_len": {n: [r["accept_len"] for r in records[n]] for n in ("on", "frozen", "ngram", "on_k4", "frozen_k4")},
+                    "drafter_top1": {n: [r["drafter_top1"] for r in records[n]] for n in ("on_k4", "frozen_k4")},
                     "accept_rate": {n: [r["accept_rate"] for r in records[n]] for n in ("on", "frozen", "on_k4", "frozen_k4")},
                     "reward": {n: [r["reward"] for r in records[n]] for n in ("off", "on", "frozen")},
                     "steps_with_other_responses": other,
@@ -427,12 +431,14 @@ def main(argv=None):
     elif args.drift:
         result = drift_bench(targs, task_cfg, model, drafter)
     elif args.drafters:
+        # the run must have started from this target warm-up and RL task; its drafter may have had
+        # another warm-up, or none (a cold start), which is what the comparison is for
         meta, want = torch.load(os.path.join(args.drafters, "ckpt.pt"), map_location="cpu", weights_only=True)["meta"], \
-            warmup.drafter_meta(targs, model.config, task_cfg, train.task_config(targs, warmup=True))
-        differ = [k for k in want if meta.get(k) != want[k]]
+            warmup.model_meta(targs, model.config, train.task_config(targs, warmup=True))
+        differ = [k for k in [*want, "rl_task"] if meta.get(k) != {**want, "rl_task": dataclasses.asdict(task_cfg)}[k]]
         if differ:
-            raise SystemExit(f"error: the run in {args.drafters} started from another warm-up than {args.out_dir} "
-                             f"({', '.join(differ)} differ); pass that run's --out-dir and --train-args")
+            raise SystemExit(f"error: the run in {args.drafters} started from another target warm-up or task than "
+                             f"{args.out_dir} ({', '.join(differ)} differ); pass that run's --out-dir and --train-args")
         n = min(200, len(task.eval_set(task_cfg)))
         result = {"drafters": drafter_vs_target(task_cfg, model, drafter, args.drafters, n_prompts=n, sampler=args.sampler)}
         print(f"the target in {args.drafters}/ckpt.pt, k = 4, temperature 1.0, {n} held-out prompts: accept length "

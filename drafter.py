@@ -206,6 +206,33 @@ def fresh_agreement(drafter, samples, chunk=64, device="cpu"):
     return agree, total
 
 
+class NgramDrafter:
+    """TLT-Base: a model-free drafter, the baseline the learned drafter must beat (and what TLT falls
+    back on while the learned one is not ready). Prompt lookup: find the latest earlier place where
+    the row's last n tokens occurred in its own prompt and response, and propose the k tokens that
+    followed there; with no match, propose the last token again (it will most likely be rejected).
+    It costs no forward pass and learns nothing, so it drafts well only where a response repeats
+    itself, such as a re-check pass that goes over the sum again. The same verify rules apply:
+    its proposal is a one-hot q, which rejection sampling accepts with probability p(d)."""
+
+    def __init__(self, n=3):
+        self.n = n
+
+    def propose(self, tokens, n_tokens, k):
+        """tokens (B, W) with row b's first n_tokens[b] valid -> drafts (B, k)."""
+        B, W = tokens.shape
+        n = self.n
+        offs = torch.arange(n, device=tokens.device)
+        suffix = tokens.gather(1, (n_tokens[:, None] - n + offs).clamp(min=0))  # (B, n): the row's last n tokens
+        match = (tokens.unfold(1, n, 1) == suffix[:, None]).all(-1)  # (B, W - n + 1): window at j equals the suffix
+        j = torch.arange(W - n + 1, device=tokens.device)
+        match &= j[None] < (n_tokens - n)[:, None]  # strictly earlier than the suffix itself
+        start = torch.where(match, j[None], -1).max(1).values  # (B,) the latest match, -1 for none
+        follow = (start + n)[:, None] + torch.arange(k, device=tokens.device)  # (B, k)
+        follow = torch.where(start[:, None] >= 0, follow, n_tokens[:, None] - 1)  # no match: the last token
+        return tokens.gather(1, torch.minimum(follow, n_tokens[:, None] - 1))
+
+
 def make_optimizer(drafter, lr=3e-3):
     return torch.optim.AdamW(drafter.parameters(), lr=lr, weight_decay=0.0, betas=(0.9, 0.95))
 

@@ -20,6 +20,10 @@ its own, built from its own steps, which is harmless (they only scale that rank'
 whose result is averaged again). A checkpoint holds rank 0's optimizer state, and after a resume
 every rank starts from it; the drafter buffer is not saved and refills from the next steps.
 
+Slow is not dead: a rank's rollout may run for minutes on a real model, so the barrier does not
+time out; `Liveness` tells a slow rank (still beating) from a dead or hung one (silent), and the
+waiting ranks fail, naming the rank, once a peer has been silent for TLT_COLLECTIVE_TIMEOUT seconds.
+
 A single process has no idle time and therefore never trains the drafter online; that is the
 technique, not a bug: the training is free only because it fills time otherwise wasted.
 

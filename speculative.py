@@ -129,9 +129,9 @@ def gumbel_choose(logits, temperature, streams, positions, chunk=NOISE_CHUNK):
     `gumbel_argmax` with the noise made chunk by chunk over the vocabulary, a running max across
     chunks, so a step never holds (B, T, V) noise at once (0.7 GB in int64 at V = 150k, B = 64,
     T = 9). The same tokens: within a chunk and across chunks the first maximum wins."""
-    if temperature == 0:
-        return logits.argmax(-1)
     V = logits.shape[-1]
+    if temperature == 0 or V <= chunk:  # one chunk: the plain argmax
+        return gumbel_argmax(logits, temperature, None if temperature == 0 else stream_noise(streams, positions, V))
     best_val = best_idx = None
     for lo in range(0, V, chunk):
         hi = min(lo + chunk, V)
@@ -250,11 +250,23 @@ class RunningBatch:
     def batch_size(self):
         return self.row_id.shape[0]
 
-    def _choose(self, logits, positions):
-        """The target's tokens: logits (B, T, V) for the tokens at positions (B, T) -> (B, T)."""
+    def _choose(self, logits, positions, noise=None):
+        """The target's tokens: logits (B, T, V) for the tokens at positions (B, T) -> (B, T).
+        noise: the "gumbel" sampler's noise at those positions when the caller made it already."""
         if self.sampler == "rejection":
             return sample(probs(logits.flatten(0, 1), self.temperature), self.generator).view(logits.shape[:2])
+        if noise is not None:
+            return gumbel_argmax(logits, self.temperature, noise)
         return gumbel_choose(logits, self.temperature, self.streams, positions)
+
+    def _step_noise(self, positions):
+        """A speculative step's "gumbel" noise (B, k+1, V), made once for the drafts and the verify
+        pass alike; None where there is none (rejection sampling, greedy) or where the vocabulary
+        is too large to hold it at once (then each choice makes its own, chunk by chunk)."""
+        V = self.target.config.vocab_size
+        if self.sampler != "gumbel" or self.temperature == 0 or V > NOISE_CHUNK:
+            return None
+        return stream_noise(self.streams, positions, V)
 
     def _append(self, new, n_new):
         """Write new (B, W) tokens, of which row b keeps its first n_new[b], after each row's end;
@@ -284,16 +296,15 @@ class RunningBatch:
         nxt = self._choose(logits, self.n_tokens[:, None])  # (B, 1)
         return self._append(nxt, torch.ones_like(nxt[:, 0]))
 
-    @torch.no_grad()
-    def speculative_step(self, drafter, k):
-        """Draft k tokens per row, verify them in one target pass, keep a ragged number per row.
-        Returns (tokens emitted per row, drafts accepted per row)."""
+    def _draft(self, drafter, k, L, positions, noise):
+        """The learned drafter's k tokens per row (B, k), and with "rejection" their distributions
+        q (B, k, V) (None with "gumbel"). It first catches up on the target hidden states it has
+        not read, then drafts, feeding its own predicted hidden state back."""
         B, dev = self.batch_size, self.tokens.device
         rows = torch.arange(B, device=dev)
-        L = self.n_tokens - 1  # target cache length; tokens[L] is pending
         if self.dcache is None:  # switch to SD: fill the drafter cache from recorded hidden states
             self.dcache = drafter.new_cache(B, max_len=self.cache.max_len)
-        # 1. catch up: pairs (h_j, x_{j+1}) for j = dcache.lengths .. L-1, a ragged count per row
+        # catch up: pairs (h_j, x_{j+1}) for j = dcache.lengths .. L-1, a ragged count per row
         start = self.dcache.lengths
         n_new = L - start  # (B,) >= 1
         T = int(n_new.max())  # sync: the padded width of the catch-up
@@ -304,8 +315,7 @@ class RunningBatch:
         last = (n_new - 1)[:, None, None]
         q_logits = logits.gather(1, last.expand(B, 1, logits.shape[-1]))[:, 0]  # (B, V)
         h = h_pred.gather(1, last.expand(B, 1, h_pred.shape[-1]))  # (B, 1, C)
-        # 2. draft k tokens, feeding the drafter its own hidden state; draft i goes to position L + 1 + i
-        positions = L[:, None] + 1 + torch.arange(k + 1, device=dev)  # (B, k+1): the drafts', then the bonus token's
+        # draft k tokens, feeding the drafter its own hidden state; draft i goes to position L + 1 + i
         drafts, qs = [], []
         for i in range(k):
             if self.sampler == "rejection":
@@ -313,21 +323,38 @@ class RunningBatch:
                 d = sample(q, self.generator)
                 qs.append(q)
             else:  # the noise the target will see at that position, on the drafter's logits
-                d = gumbel_choose(q_logits[:, None], self.temperature, self.streams, positions[:, i:i + 1])[:, 0]
+                d = self._choose(q_logits[:, None], positions[:, i:i + 1], None if noise is None else noise[:, i:i + 1])[:, 0]
             drafts.append(d)
             if i + 1 < k:
                 q_logits, h = drafter(h, d[:, None], self.dcache)
                 q_logits = q_logits[:, 0]
         self.dcache.lengths = L.clone()  # entries built on guessed states are redone next step
-        draft = torch.stack(drafts, dim=1)  # (B, k)
-        # 3. verify: the target reads the pending token and the k drafts in one pass
+        return torch.stack(drafts, dim=1), torch.stack(qs, dim=1) if qs else None
+
+    @torch.no_grad()
+    def speculative_step(self, drafter, k):
+        """Draft k tokens per row, verify them in one target pass, keep a ragged number per row.
+        `drafter` is a learned drafter.Drafter, or a drafter.NgramDrafter (no model: its drafts
+        are one-hot proposals). Returns (tokens emitted per row, drafts accepted per row)."""
+        B, dev = self.batch_size, self.tokens.device
+        rows = torch.arange(B, device=dev)
+        L = self.n_tokens - 1  # target cache length; tokens[L] is pending
+        positions = L[:, None] + 1 + torch.arange(k + 1, device=dev)  # (B, k+1): the drafts', then the bonus token's
+        noise = self._step_noise(positions)
+        # 1. draft k tokens per row
+        if hasattr(drafter, "propose"):  # model-free: look the drafts up in the row's own tokens
+            draft = drafter.propose(self.tokens, self.n_tokens, k)  # (B, k)
+            q = F.one_hot(draft, self.target.config.vocab_size).float() if self.sampler == "rejection" else None
+        else:
+            draft, q = self._draft(drafter, k, L, positions, noise)
+        # 2. verify: the target reads the pending token and the k drafts in one pass
         pending = self.tokens.gather(1, L[:, None])  # (B, 1)
         t_logits, t_hidden = self.target(torch.cat([pending, draft], dim=1), self.cache)  # (B, k+1, .)
         if self.sampler == "rejection":
-            n_acc, nxt = verify(draft, torch.stack(qs, dim=1), probs(t_logits, self.temperature), self.generator)
+            n_acc, nxt = verify(draft, q, probs(t_logits, self.temperature), self.generator)
         else:
-            n_acc, nxt = verify_coupled(draft, gumbel_choose(t_logits, self.temperature, self.streams, positions))
-        # 4. keep a ragged number per row: states for pending + accepted, tokens accepted + next
+            n_acc, nxt = verify_coupled(draft, self._choose(t_logits, positions, noise))
+        # 3. keep a ragged number per row: states for pending + accepted, tokens accepted + next
         self.hidden[rows[:, None], L[:, None] + torch.arange(k + 1, device=dev)] = t_hidden
         emitted = torch.cat([draft, torch.zeros_like(nxt)[:, None]], dim=1)
         emitted.scatter_(1, n_acc[:, None], nxt[:, None])

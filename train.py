@@ -33,7 +33,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 import rl
 import task
-from drafter import DRAFTER_BATCH, DrafterBuffer, fresh_agreement, make_optimizer
+from drafter import DRAFTER_BATCH, DrafterBuffer, NgramDrafter, fresh_agreement, make_optimizer
 from model import GPTConfig
 from evaluate import evaluate_both, format_accuracy
 from rollout import ARMS, Bandit, rollout, sync
@@ -41,7 +41,8 @@ from scheduler import Liveness, Seed, derive_seed, gather_ranks, idle_train, pri
 from speculative import SAMPLERS
 from warmup import drafter_meta, load_on_rank0, prepare_models, save_atomic
 
-# a rank that dies makes its peers fail in a collective after at most this long (seconds)
+# seconds: how long a collective may wait, and how long a rank may go without a sign of progress
+# while its peers wait for it at the idle barrier (scheduler.Liveness) before they fail
 COLLECTIVE_TIMEOUT_S = int(os.environ.get("TLT_COLLECTIVE_TIMEOUT", 120))
 
 
@@ -124,6 +125,8 @@ def parse_args(argv=None):
     # TLT
     p.add_argument("--tlt", type=on_off, default=True, metavar="on|off", help="speculative decoding in the tail (off: plain baseline)")
     p.add_argument("--drafter-updates", type=on_off, default=True, metavar="on|off", help="train the drafter on idle ranks (off: frozen)")
+    p.add_argument("--drafter", default="learned", choices=["learned", "ngram"], help="what drafts in the tail: the learned "
+                   "EAGLE-style drafter, or TLT-Base's model-free n-gram lookup in the row's own tokens (never trained)")
     p.add_argument("--sd-threshold", type=int, default=64, help="speculative steps only when the running batch is at most this")
     p.add_argument("--draft-ks", default=",".join(map(str, ARMS)), help="draft lengths the bandit picks from (0: a plain "
                    "step); one value fixes k, e.g. to compare two drafters at the same k")
@@ -230,7 +233,7 @@ def all_sum(values, device):
 
 def rl_meta(args, config, task_cfg):
     """What an RL checkpoint depends on: the warm-ups it started from and every RL setting."""
-    keys = ("rl_seed", "careful_bonus", "drafter_online_lr", "prompts_per_step", "group_size", "rl_lr", "rl_epochs", "clip_eps", "kl_coef", "tlt", "drafter_updates",
+    keys = ("rl_seed", "careful_bonus", "drafter", "drafter_online_lr", "prompts_per_step", "group_size", "rl_lr", "rl_epochs", "clip_eps", "kl_coef", "tlt", "drafter_updates",
             "sd_threshold", "drafter_keep", "update_tokens", "sampler")
     return {**drafter_meta(args, config, task_cfg, task_config(args, warmup=True)), **{k: getattr(args, k) for k in keys}, "draft_ks": list(args.draft_ks)}
 
@@ -382,7 +385,8 @@ def rl_step(step, args, task_cfg, model, net, drafter, opt, d_opt, bandit, buffe
     keys = [derive_seed(args.rl_seed, step, i, Seed.ROLLOUT_KEYS) for i in range(n_rows)][mine]
     # 2. roll out: plain steps while the running batch is large, speculative ones in the tail; score
     gen = torch.Generator(device=device).manual_seed(derive_seed(args.rl_seed, rank, step, Seed.ROLLOUT))
-    samples, st = rollout(model, drafter, [task.encode(p.prompt()) for p in rows], task_cfg.max_response_len,
+    samples, st = rollout(model, NgramDrafter() if args.drafter == "ngram" else drafter,
+                          [task.encode(p.prompt()) for p in rows], task_cfg.max_response_len,
                           temperature=args.temperature, eos_id=task.EOS_ID, generator=gen, tlt=args.tlt,
                           sd_threshold=args.sd_threshold, bandit=bandit, sampler=args.sampler, keys=keys,
                           progress=liveness.beat if liveness else None)
@@ -390,9 +394,10 @@ def rl_step(step, args, task_cfg, model, net, drafter, opt, d_opt, bandit, buffe
     texts = [task.decode(s.response) for s in samples]
     rewards = torch.tensor([task.reward(p.prompt(), t, args.careful_bonus) for p, t in zip(rows, texts)])
     # the drafter's health before it trains on this step: teacher-forced top-1 agreement on the fresh rows
-    top1 = fresh_agreement(drafter, samples, device=device) if args.tlt else (0, 0)
+    learned = args.tlt and args.drafter == "learned"
+    top1 = fresh_agreement(drafter, samples, device=device) if learned else (0, 0)
     # 3. the rollout's hidden states go to the drafter buffer
-    train_drafter = args.tlt and args.drafter_updates
+    train_drafter = learned and args.drafter_updates
     if train_drafter:
         for s in samples:
             buffer.add(step, s.tokens, s.hidden, s.prompt_len)

@@ -612,3 +612,28 @@ def test_gumbel_choice_in_chunks_equals_one_argmax_and_ignores_the_logits_dtype(
     exact = gumbel_argmax(low.float(), 0.7, gumbel_noise(keys, pos, V))
     assert torch.equal(gumbel_choose(low, 0.7, row_streams(keys), pos, chunk=16), exact)
     assert torch.equal(gumbel_argmax(low, 0.7, gumbel_noise(keys, pos, V)), exact)
+
+
+def test_ngram_drafter_proposes_what_followed_the_last_match():
+    from drafter import NgramDrafter
+    tokens = torch.tensor([[5, 6, 7, 8, 5, 6, 0, 0], [1, 2, 3, 4, 9, 9, 9, 9], [3, 3, 3, 3, 3, 0, 0, 0]])
+    n_tokens = torch.tensor([6, 4, 5])
+    drafts = NgramDrafter(n=2).propose(tokens, n_tokens, 3)
+    assert drafts[0].tolist() == [7, 8, 5]  # "5 6" was followed by "7 8 5"; reads stay inside the row
+    assert drafts[1].tolist() == [4, 4, 4]  # "3 4" never occurred before: the last token, again
+    assert drafts[2].tolist() == [3, 3, 3]  # the latest earlier "3 3" (at 2) is followed by 3, 3 (clamped)
+
+
+@pytest.mark.parametrize("sampler,temperature", [("gumbel", 1.0), ("gumbel", 0.0), ("rejection", 0.0)])
+def test_ngram_speculation_is_lossless(greedy_setup, sampler, temperature):
+    """Prompt lookup drafts with one-hot proposals under the same verify rules: the tokens are plain
+    decoding's (exact-token sampling and greedy), and some drafts are accepted, some rejected."""
+    from drafter import NgramDrafter
+    target, _, pool, _, eos = greedy_setup
+    prompts = [p * 3 for p in pool]  # repeats give the lookup something to find
+    keys = list(range(100, 100 + len(prompts)))
+    how = dict(temperature=temperature, eos_id=eos, sampler=sampler, keys=keys)
+    plain, _ = autoregressive_generate(target, prompts, N_NEW, **how)
+    out, st = speculative_generate(target, NgramDrafter(n=1), prompts, N_NEW, k=3, **how)
+    assert out == plain
+    assert 0 < st["accepted"] < st["drafted"]
