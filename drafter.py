@@ -196,9 +196,11 @@ def top1_agreement(drafter, h_in, x_next, h_tgt, mask):
 
 
 @torch.no_grad()
-def fresh_agreement(drafter, samples, chunk=64, device="cpu"):
-    """`top1_agreement` over a rollout's samples (speculative.Sample), in chunks of sequences."""
+def fresh_agreement(drafter, samples, chunk=4, device="cpu"):
+    """`top1_agreement` over a rollout's samples (speculative.Sample), in chunks of similar-length
+    sequences (the rank's slowest rank pays for it, so padding is kept small)."""
     agree = total = 0
+    samples = sorted(samples, key=lambda s: s.tokens.shape[0])
     for i in range(0, len(samples), chunk):
         seqs = [(s.tokens, s.hidden, s.prompt_len) for s in samples[i:i + chunk]]
         a, n = top1_agreement(drafter, *pairs(seqs, device))
