@@ -19,15 +19,12 @@ standard formula predicts a speedup of accept_len / (1 + k c), assuming a verify
 tokens costs what a one-token pass costs; that holds on a GPU at small batch but not on a CPU,
 so the bench also measures that cost and reports accept_len / (verify + k c).
 
-End-to-end bench. Three train.py runs from the same warmed-up checkpoints and seed, each as its
-own process group (torchrun with --nproc ranks): --tlt off, --tlt on, and --tlt on with a frozen
-drafter. Means and medians skip the first step (the bandit's exploration and allocator warm-up)
-and rollout share is rollout time over step time. With exact-token sampling the runs generate the
-same tokens at every step, so step i of two runs is a pair: the median of the per-step ratios
-compares the modes on the same work, steadier than a ratio of two medians. Their bandits pick
-their own k, and accept lengths depend on k, so two more runs (adaptive and frozen drafter) fix
-k = 4 to compare the drafters step by step; and the bench ends with a controlled comparison on
-one target (drafter_vs_target).
+End-to-end bench. train.py runs from the same warm-ups and seed, each its own torchrun group
+(E2E_VARIANTS): --tlt off, on, on with a frozen drafter, on with the n-gram drafter (TLT-Base).
+Means and medians skip step 0 (first allocations). With exact-token sampling the runs generate
+the same tokens at every step, so step i of two runs is a pair, and the median of the per-step
+ratios compares the modes on the same work. Two more runs fix k = 4 to compare the adaptive and
+the frozen drafter step by step, and the bench ends on one target (drafter_vs_target).
 """
 import argparse
 import copy
@@ -47,12 +44,13 @@ import task
 import train
 import warmup
 from drafter import Drafter, DrafterBuffer, make_optimizer, train_step
-from rollout import Bandit, rollout, sync
+from common import OneLineParser, check_out_dir, sync, wants_cuda
+from rollout import Bandit, rollout
 from speculative import SAMPLERS, autoregressive_generate, speculative_generate
 
 
 def parse_args(argv=None):
-    p = train.OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out-dir", default="out", help="where the warmed-up checkpoints are (or will be made)")
     p.add_argument("--batches", default="1,2,4,8,16,32,64", help="comma-separated batch sizes")
     p.add_argument("--ks", default="1,2,3,4,6,8", help="comma-separated draft lengths")
@@ -86,9 +84,9 @@ def parse_args(argv=None):
         p.error(f"--train-args: {e}")
     if args.sampler:  # the e2e runs and every train.py setting the bench reads take it too
         args.train_flags += ["--sampler", args.sampler]
-    targs = train.parse_args(args.train_flags)
-    args.sampler = targs.sampler
-    if min_size(args.max_new, train.task_config(targs)) > targs.max_n:
+    args.targs = train.parse_args([*args.train_flags, "--out-dir", args.out_dir])  # the checkpoints' settings, parsed once
+    args.sampler = args.targs.sampler
+    if min_size(args.max_new, train.task_config(args.targs)) > args.targs.max_n:
         p.error(f"--max-new {args.max_new} is longer than the task's longest response")
     return args
 
@@ -98,11 +96,10 @@ def min_size(max_new, task_cfg):
     return next((n for n in range(1, task_cfg.max_n + 1) if task_cfg.response_len(n) > max_new), task_cfg.max_n + 1)
 
 
-def load_models(out_dir, train_flags):
-    targs = train.parse_args([*train_flags, "--out-dir", out_dir])
-    train.check_out_dir(out_dir)
+def load_models(targs):
+    check_out_dir(targs.out_dir)
     task_cfg = train.task_config(targs)
-    device = torch.device("cuda" if train.wants_cuda(targs.device) else "cpu")
+    device = torch.device("cuda" if wants_cuda(targs.device) else "cpu")
     _, model, drafter = warmup.prepare_models(targs, task_cfg, train.task_config(targs, warmup=True), False, 0, 1, device)
     return targs, task_cfg, model.eval(), drafter.eval()
 
@@ -224,10 +221,10 @@ def tail_workload(args, task_cfg, model, drafter, n_steps=4):
     """Rollouts of rank 0's prompts (2-rank sharding) of the run's first RL steps, plain vs TLT, the
     same prompts and keys (the bench's own), alternating on one machine. The bandit learns during
     one unmeasured TLT pass first, as it would have during earlier RL steps."""
-    targs = train.parse_args(args.train_flags)
+    targs = args.targs
     shards = []
     for step in range(n_steps):
-        rows = [p for p in train.rl_prompts(targs, task_cfg, step)[0::2] for _ in range(targs.group_size)]
+        rows = train.step_rows(targs, task_cfg, step, 0, 2)[0]
         shards.append((rows, [task.encode(p.prompt()) for p in rows]))
     bandit = Bandit(targs.draft_ks)
 
@@ -268,6 +265,19 @@ def tail_workload(args, task_cfg, model, drafter, n_steps=4):
             "identical_responses": same, "responses": n, "bandit_best": {str(k): v for k, v in bandit.best().items()}}
 
 
+def held_out_prompts(task_cfg, n):
+    """n prompts of the held-out evaluation set, always the same ones."""
+    problems = task.eval_set(task_cfg)
+    return [task.encode(p.prompt()) for p in random.Random(5).sample(problems, min(n, len(problems)))]
+
+
+def drafter_on(target, state):
+    """A drafter for `target` with the weights `state`, in eval mode."""
+    d = Drafter(target).to(target.wte.weight.device).eval()
+    d.load_state_dict(state)
+    return d
+
+
 @torch.no_grad()
 def drafter_vs_target(task_cfg, model, warm_drafter, run_dir, n_prompts=64, k=4, sampler="gumbel"):
     """The controlled comparison: the target as a --tlt on run left it, decoded with k = 4 at
@@ -277,12 +287,8 @@ def drafter_vs_target(task_cfg, model, warm_drafter, run_dir, n_prompts=64, k=4,
     ck = torch.load(os.path.join(run_dir, "ckpt.pt"), map_location="cpu", weights_only=True)
     target = copy.deepcopy(model)
     target.load_state_dict(ck["model"])
-    adaptive = Drafter(target).to(target.wte.weight.device).eval()
-    adaptive.load_state_dict(ck["drafter"])
-    frozen = Drafter(target).to(target.wte.weight.device).eval()
-    frozen.load_state_dict(warm_drafter.state_dict())
-    problems = task.eval_set(task_cfg)  # the held-out evaluation set
-    prompts = [task.encode(p.prompt()) for p in random.Random(5).sample(problems, min(n_prompts, len(problems)))]
+    adaptive, frozen = drafter_on(target, ck["drafter"]), drafter_on(target, warm_drafter.state_dict())
+    prompts = held_out_prompts(task_cfg, n_prompts)
     out = {}
     for name, d in (("adaptive", adaptive), ("frozen", frozen)):
         _, st = speculative_generate(target.eval(), d, prompts, task_cfg.max_response_len, k=k, eos_id=task.EOS_ID, sampler=sampler,
@@ -313,17 +319,12 @@ def drift_bench(targs, task_cfg, model, drafter, sft_steps=300, sft_lr=2e-3, n_s
         results, _ = rollout(moved, None, prompts, task_cfg.max_response_len, eos_id=task.EOS_ID, generator=gen, tlt=False)
         for s in results:
             buffer.add(0, s.tokens, s.hidden, s.prompt_len)
-    device = moved.wte.weight.device
-    frozen = Drafter(moved).to(device).eval()
-    frozen.load_state_dict(drafter.state_dict())
-    adapted = Drafter(moved).to(device)
-    adapted.load_state_dict(drafter.state_dict())
+    frozen, adapted = drafter_on(moved, drafter.state_dict()), drafter_on(moved, drafter.state_dict()).train()
     d_opt = make_optimizer(adapted, targs.drafter_online_lr)
     for _ in range(online_steps):
-        train_step(adapted, d_opt, buffer, rng, batch_size=targs.drafter_batch, device=device)
+        train_step(adapted, d_opt, buffer, rng, batch_size=targs.drafter_batch, device=moved.wte.weight.device)
     adapted.eval()
-    problems = task.eval_set(task_cfg)
-    prompts = [task.encode(p.prompt()) for p in random.Random(5).sample(problems, min(n_prompts, len(problems)))]
+    prompts = held_out_prompts(task_cfg, n_prompts)
     out = {}
     with torch.no_grad():
         for name, t, d in (("before the move", model, drafter), ("moved, frozen drafter", moved, frozen),
@@ -337,15 +338,16 @@ def drift_bench(targs, task_cfg, model, drafter, sft_steps=300, sft_lr=2e-3, n_s
     return {"drift": out}
 
 
-def e2e_bench(args, task_cfg, model, drafter):
-    root = os.path.join(args.out_dir, "bench_e2e")
-    # the first three compare step times; the last two compare the drafters step by step at one k
-    variants = {"off": ["--tlt", "off"], "on": ["--tlt", "on"], "frozen": ["--tlt", "on", "--drafter-updates", "off"],
-                "ngram": ["--tlt", "on", "--drafter", "ngram"],  # TLT-Base: a model-free drafter
-                "on_k4": ["--tlt", "on", "--draft-ks", "4"],
-                "frozen_k4": ["--tlt", "on", "--drafter-updates", "off", "--draft-ks", "4"]}
+E2E_VARIANTS = {  # the first four compare step times; the last two compare the drafters step by step at one k
+    "off": ["--tlt", "off"], "on": ["--tlt", "on"], "frozen": ["--tlt", "on", "--drafter-updates", "off"],
+    "ngram": ["--tlt", "on", "--drafter", "ngram"],  # TLT-Base: the model-free drafter
+    "on_k4": ["--tlt", "on", "--draft-ks", "4"], "frozen_k4": ["--tlt", "on", "--drafter-updates", "off", "--draft-ks", "4"]}
+
+
+def e2e_runs(args, root):
+    """One fresh train.py RL run per variant, from the shared warm-ups; -> {variant: its records}."""
     records = {}
-    for name, flags in variants.items():
+    for name, flags in E2E_VARIANTS.items():
         out = os.path.join(root, name)
         os.makedirs(out, exist_ok=True)
         for f in ("ckpt.pt", "metrics.jsonl"):  # a fresh RL run every time; the warm-ups are shared
@@ -360,39 +362,39 @@ def e2e_bench(args, task_cfg, model, drafter):
         with open(os.path.join(out, "metrics.jsonl")) as f:
             records[name] = [json.loads(line) for line in f]
         print(f"  done in {time.time() - t0:.0f}s", flush=True)
+    return records
 
-    def mean(name, key):
+
+def e2e_bench(args, task_cfg, model, drafter):
+    root = os.path.join(args.out_dir, "bench_e2e")
+    records = e2e_runs(args, root)
+    timed = ("off", "on", "frozen", "ngram")
+
+    def mean(name, key):  # step 0 is left out of means and medians: it pays for the first allocations
         vals = [r[key] for r in records[name][1:] if r[key] is not None]
         return sum(vals) / len(vals) if vals else None
 
-    def median(name, key):  # step 0 is left out of both: it pays for the first allocations
+    def median(name, key):
         return statistics.median(r[key] for r in records[name][1:])
-    off, on, fr, ng = (mean(n, "step_time") for n in ("off", "on", "frozen", "ngram"))
+    step = {n: mean(n, "step_time") for n in timed}
     print(f"\n{'':8} {'step s':>7} {'median':>7} {'rollout s':>9} {'update s':>8} {'rollout %':>9} {'tail %':>6} "
           f"{'accept len':>10} {'accept rate':>11} {'reward':>7}")
-    for n in ("off", "on", "frozen", "ngram"):
-        print(f"{n:8} {mean(n, 'step_time'):7.3f} {median(n, 'step_time'):7.3f} {mean(n, 'rollout_time'):9.3f} "
+    for n in timed:
+        print(f"{n:8} {step[n]:7.3f} {median(n, 'step_time'):7.3f} {mean(n, 'rollout_time'):9.3f} "
               f"{mean(n, 'update_time'):8.3f} {100 * mean(n, 'rollout_share'):8.0f}% {100 * median(n, 'tail_share'):5.0f}% "
               f"{mean(n, 'accept_len') or 0:10.2f} {mean(n, 'accept_rate') or 0:11.3f} {mean(n, 'reward'):7.3f}")
     print("(step s, rollout s, update s, rollout %, accept, reward: means over steps 1..; median: the median step; "
           "tail %: median tail share)")
     # the runs generate the same tokens at every step, so step i of one run and step i of another are a pair
-    paired = {n: sorted(a["step_time"] / b["step_time"] for a, b in zip(records["off"][1:], records[n][1:]))
-              for n in ("on", "frozen", "ngram")}
-    print(f"\nstep-time speedup over --tlt off, mean step: TLT {off / on:.2f}x, TLT with a frozen drafter {off / fr:.2f}x, "
-          f"TLT-Base (n-gram drafter) {off / ng:.2f}x; rollout alone {mean('off', 'rollout_time') / mean('on', 'rollout_time'):.2f}x")
-    for n in ("on", "frozen", "ngram"):
+    paired = {n: sorted(a["step_time"] / b["step_time"] for a, b in zip(records["off"][1:], records[n][1:])) for n in timed[1:]}
+    other = {n: sum(a["responses_digest"] != b["responses_digest"] for a, b in zip(records["off"], records[n])) for n in timed[1:]}
+    print(f"\nstep-time speedup over --tlt off, mean step: TLT {step['off'] / step['on']:.2f}x, TLT with a frozen drafter "
+          f"{step['off'] / step['frozen']:.2f}x, TLT-Base (n-gram drafter) {step['off'] / step['ngram']:.2f}x; rollout alone "
+          f"{mean('off', 'rollout_time') / mean('on', 'rollout_time'):.2f}x")
+    for n in timed[1:]:
         print(f"  step by step, off / {n}: median {statistics.median(paired[n]):.2f}x, from {paired[n][0]:.2f}x to "
-              f"{paired[n][-1]:.2f}x (each step generates the same tokens in both runs: a paired comparison)")
-    print(f"--tlt off: rollout is {100 * median('off', 'rollout_time') / median('off', 'step_time'):.0f}% of the median step "
-          f"(median rollout time / median step time)")
-    # with --sampler gumbel the three runs should generate the same tokens at every step
-    other = {n: sum(a["responses_digest"] != b["responses_digest"] for a, b in zip(records["off"], records[n]))
-             for n in ("on", "frozen", "ngram")}
-    for n in ("on", "frozen", "ngram"):
-        diff_r = sum(a["reward"] != b["reward"] for a, b in zip(records["off"], records[n]))
-        print(f"--tlt off vs {n}: {other[n]} of {len(records[n])} steps generated other responses, {diff_r} other rewards "
-              f"(sampler {args.sampler})")
+              f"{paired[n][-1]:.2f}x; {other[n]} of {len(records[n])} steps generated other responses (sampler {args.sampler})")
+    print(f"--tlt off: rollout is {100 * median('off', 'rollout_time') / median('off', 'step_time'):.0f}% of the median step")
     print("\nThose runs' bandits pick their own k, and accepted drafts per drafted token fall as k grows, so the")
     print("drafters are compared step by step in two more runs with k fixed at 4 (--draft-ks 4), same seeds:")
     print("step  accept length at k = 4: adaptive  frozen   gap   drafter top-1: adaptive  frozen   reward: off    on")
@@ -401,28 +403,45 @@ def e2e_bench(args, task_cfg, model, drafter):
               f"{(a['accept_len'] or 0) - (b['accept_len'] or 0):+6.3f}                 {a['drafter_top1'] or 0:6.3f}  "
               f"{b['drafter_top1'] or 0:6.3f}         {c['reward']:5.3f} {d['reward']:5.3f}")
     final = drafter_vs_target(task_cfg, model, drafter, os.path.join(root, "on"), sampler=args.sampler)
-    print(f"\nthe target after the --tlt on run's {args.e2e_steps} steps, k = 4, temperature 1.0, {min(64, len(task.eval_set(task_cfg)))} held-out prompts: "
-          f"accept length {final['adaptive']:.3f} with the drafter trained on idle ranks, {final['frozen']:.3f} with "
-          f"the warm-up drafter")
-    return {"e2e": {"final_accept_len": final, "off_step_time": off, "on_step_time": on, "frozen_step_time": fr, "speedup": off / on,
-                    "frozen_speedup": off / fr, "ngram_step_time": ng, "ngram_speedup": off / ng,
+    print(f"\nthe target after the --tlt on run's {args.e2e_steps} steps, k = 4, temperature 1.0, {min(64, len(task.eval_set(task_cfg)))} "
+          f"held-out prompts: accept length {final['adaptive']:.3f} with the drafter trained on idle ranks, "
+          f"{final['frozen']:.3f} with the warm-up drafter")
+    series = lambda key, names: {n: [r[key] for r in records[n]] for n in names}  # noqa: E731
+    return {"e2e": {"final_accept_len": final, "off_step_time": step["off"], "on_step_time": step["on"],
+                    "frozen_step_time": step["frozen"], "ngram_step_time": step["ngram"], "speedup": step["off"] / step["on"],
+                    "frozen_speedup": step["off"] / step["frozen"], "ngram_speedup": step["off"] / step["ngram"],
                     "off_rollout_share": mean("off", "rollout_share"),
                     "median_paired_speedup": {n: statistics.median(p) for n, p in paired.items()},
-                    "tail_share": {n: median(n, "tail_share") for n in ("off", "on")},
-                    "steps": args.e2e_steps, "nproc": args.nproc,
-                    "accept_len": {n: [r["accept_len"] for r in records[n]] for n in ("on", "frozen", "ngram", "on_k4", "frozen_k4")},
-                    "drafter_top1": {n: [r["drafter_top1"] for r in records[n]] for n in ("on_k4", "frozen_k4")},
-                    "accept_rate": {n: [r["accept_rate"] for r in records[n]] for n in ("on", "frozen", "on_k4", "frozen_k4")},
-                    "reward": {n: [r["reward"] for r in records[n]] for n in ("off", "on", "frozen")},
-                    "steps_with_other_responses": other,
-                    "sampler": args.sampler}}
+                    "tail_share": {n: median(n, "tail_share") for n in ("off", "on")}, "steps": args.e2e_steps,
+                    "nproc": args.nproc, "accept_len": series("accept_len", ("on", "frozen", "ngram", "on_k4", "frozen_k4")),
+                    "drafter_top1": series("drafter_top1", ("on_k4", "frozen_k4")),
+                    "accept_rate": series("accept_rate", ("on", "frozen", "ngram", "on_k4", "frozen_k4")),
+                    "reward": series("reward", ("off", "on")), "steps_with_other_responses": other, "sampler": args.sampler}}
+
+
+def drafters_bench(args, targs, task_cfg, model, drafter):
+    """The drafter a train.py run left in args.drafters/ckpt.pt against the warm-up drafter, on that
+    run's final target. The run must have started from this target warm-up and RL task; its drafter
+    may have had another warm-up, or none (a cold start), which is what the comparison is for."""
+    meta = torch.load(os.path.join(args.drafters, "ckpt.pt"), map_location="cpu", weights_only=True)["meta"]
+    want = {**warmup.model_meta(targs, model.config, train.task_config(targs, warmup=True)),
+            "rl_task": dataclasses.asdict(task_cfg)}
+    differ = [k for k in want if meta.get(k) != want[k]]
+    if differ:
+        raise SystemExit(f"error: the run in {args.drafters} started from another target warm-up or task than "
+                         f"{args.out_dir} ({', '.join(differ)} differ); pass that run's --out-dir and --train-args")
+    n = min(200, len(task.eval_set(task_cfg)))
+    result = drafter_vs_target(task_cfg, model, drafter, args.drafters, n_prompts=n, sampler=args.sampler)
+    print(f"the target in {args.drafters}/ckpt.pt, k = 4, temperature 1.0, {n} held-out prompts: accept length "
+          f"{result['adaptive']:.3f} with the run's drafter, {result['frozen']:.3f} with the warm-up drafter")
+    return {"drafters": result}
 
 
 def main(argv=None):
     args = parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    targs, task_cfg, model, drafter = load_models(args.out_dir, args.train_flags)
+    targs, task_cfg, model, drafter = load_models(args.targs)
     device = model.wte.weight.device
     print(f"bench on {torch.get_num_threads()} CPU thread(s)" if device.type == "cpu" else
           f"bench on {torch.cuda.get_device_name(device)}")
@@ -431,19 +450,7 @@ def main(argv=None):
     elif args.drift:
         result = drift_bench(targs, task_cfg, model, drafter)
     elif args.drafters:
-        # the run must have started from this target warm-up and RL task; its drafter may have had
-        # another warm-up, or none (a cold start), which is what the comparison is for
-        meta, want = torch.load(os.path.join(args.drafters, "ckpt.pt"), map_location="cpu", weights_only=True)["meta"], \
-            warmup.model_meta(targs, model.config, train.task_config(targs, warmup=True))
-        differ = [k for k in [*want, "rl_task"] if meta.get(k) != {**want, "rl_task": dataclasses.asdict(task_cfg)}[k]]
-        if differ:
-            raise SystemExit(f"error: the run in {args.drafters} started from another target warm-up or task than "
-                             f"{args.out_dir} ({', '.join(differ)} differ); pass that run's --out-dir and --train-args")
-        n = min(200, len(task.eval_set(task_cfg)))
-        result = {"drafters": drafter_vs_target(task_cfg, model, drafter, args.drafters, n_prompts=n, sampler=args.sampler)}
-        print(f"the target in {args.drafters}/ckpt.pt, k = 4, temperature 1.0, {n} held-out prompts: accept length "
-              f"{result['drafters']['adaptive']:.3f} with the run's drafter, {result['drafters']['frozen']:.3f} with "
-              f"the warm-up drafter")
+        result = drafters_bench(args, targs, task_cfg, model, drafter)
     else:
         result = decode_bench(args, task_cfg, model, drafter)
     print(json.dumps(result))

@@ -14,7 +14,8 @@ Test: python -m pytest tests/test_train.py   (a run prints both checks)
 import torch
 
 import task
-from scheduler import Seed, derive_seed, gather_ranks, print0
+from common import Seed, derive_seed, print0
+from scheduler import gather_ranks
 from speculative import autoregressive_generate, speculative_generate
 
 

@@ -20,9 +20,9 @@ finish leave the batch with `cache.keep(rows)` (compaction), so a shrinking batc
 Shape: 12 layers of width 48 (0.37 M parameters), deep and narrow on purpose. On a CPU at small
 batch a decoding step costs its kernel launches, about 20 per layer, far more than its FLOPs, so
 the one-layer drafter costs about one layer's share of the target. Twelve layers make that share
-c = 0.13-0.15, near what a one-layer drafter costs against a large target on a GPU, so speculative
-decoding pays here for the reasons it pays there. Four layers of width 128 learn the task as well,
-but give c = 0.35, and speculative decoding then barely pays (RESULTS.md, the earlier workload).
+small, near what a one-layer drafter costs against a large target on a GPU, so speculative
+decoding pays here for the reasons it pays there; a shallow, wide target that learns the task as
+well makes the drafter's share large, and speculation then barely pays (RESULTS.md has both).
 
 Simplifications on purpose: rotary position embeddings (positions are per row, so RoPE is a
 gather, not a slice, and one complex multiply), LayerNorm without bias and GPT-2's tanh GELU (on a
@@ -88,7 +88,7 @@ class KVCache:
         row rows[i]. Only the slots whose row changes are copied, and the cache becomes a view of
         its first len(rows) slots. RunningBatch.compact moves the few live rows past the new end
         into the holes that finished rows leave, so a compaction copies a few rows instead of the
-        whole cache (59 MB at batch 64 with 12 layers): in a 64-row rollout, 15 ms instead of 40."""
+        whole cache (tens of MB at batch 64 with 12 layers)."""
         n = rows.shape[0]
         moved = (rows != torch.arange(n, device=rows.device)).nonzero()[:, 0]
         if moved.numel():

@@ -27,6 +27,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 
+from common import group_by_length
+
 
 def group_advantages(rewards, group_size, eps=1e-6):
     """rewards (N,) in groups of `group_size` consecutive rows -> advantages (N,)."""
@@ -91,20 +93,6 @@ def global_mean_scale(n_local, device="cpu"):
         dist.all_reduce(n)  # sync: one small all-reduce per update
         world = dist.get_world_size()
     return world / max(n.item(), 1.0)
-
-
-def group_by_length(items, length, token_budget):
-    """Sort by length and cut into batches of about `token_budget` padded tokens (a batch is padded
-    to its longest item). On long-tailed lengths this keeps padding small; it batches the warm-up
-    data and the GRPO micro-batches alike. Always returns at least one (possibly empty) batch."""
-    batches, cur = [], []
-    for it in sorted(items, key=length):
-        if cur and (len(cur) + 1) * length(it) > token_budget:
-            batches.append(cur)
-            cur = []
-        cur.append(it)
-    batches.append(cur)
-    return batches
 
 
 def grpo_update(model, net, opt, sequences, prompt_lens, advantages, *, pad_id, update_tokens, epochs=1, clip_eps=0.2,

@@ -13,12 +13,13 @@ the target's work by about k+1 and pays only where decoding is bound by fixed pe
 (kernel launches, weight reads), i.e. when the running batch is small. Where exactly it stops
 paying depends on the hardware, on the drafter's current acceptance and on the batch size, so
 the engine measures instead of guessing: a bucketed epsilon-greedy bandit with arms
-k in {0, 1, 2, 3, 4, 6, 8}, one bucket per power-of-two batch size, untried arms first. Each step
+k in {0, 1, 2, 3, 4, 6, 8}, one bucket per power-of-two batch size, unscored arms first. Each step
 reports the tokens it emitted and the seconds it took; an arm's score is the throughput over its
 sliding window, sum(tokens) / sum(seconds). Not the median of per-step tokens/s: at small batch a
 speculative step emits a small random number of tokens (1 to k+1 per row), and the median of such
-a count is biased, so it can rank arms unlike their throughput (in our runs it picked k = 2 at
-batch 1, where k = 4 is faster). Its state persists across RL steps and is saved in checkpoints.
+a count is biased, so it can rank arms unlike their throughput (a short draft that often emits
+its few tokens can beat, on the median, a long one that emits more on average). Its state
+persists across RL steps and is saved in checkpoints.
 
 The switch to speculative decoding fills the drafter's cache from the target hidden states that
 RunningBatch has recorded for every token (see speculative.py): no second target pass. Those same
@@ -32,6 +33,7 @@ from collections import deque
 
 import torch
 
+from common import sync
 from speculative import RunningBatch, finish_stats, new_stats, record_sd
 
 ARMS = (0, 1, 2, 3, 4, 6, 8)
@@ -94,11 +96,6 @@ class Bandit:
         self.rng.setstate((state["rng_version"], tuple(state["rng"]), None))
 
 
-def sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize()  # sync: the clock must see the GPU's work
-
-
 @torch.no_grad()
 def rollout(target, drafter, prompts, max_new_tokens, *, temperature=1.0, eos_id=None, generator=None,
             tlt=True, sd_threshold=64, bandit=None, sampler="rejection", keys=None, progress=None):
@@ -119,19 +116,19 @@ def rollout(target, drafter, prompts, max_new_tokens, *, temperature=1.0, eos_id
     use_sd = tlt and drafter is not None
     bandit = bandit if bandit is not None else Bandit()
     t_start = time.perf_counter()
-    gen = RunningBatch(target, prompts, max_new_tokens, temperature=temperature, eos_id=eos_id, generator=generator,
+    batch = RunningBatch(target, prompts, max_new_tokens, temperature=temperature, eos_id=eos_id, generator=generator,
                        max_draft=max(bandit.arms) if use_sd else 0, sampler=sampler, keys=keys)
     sync(device)
     stats["prefill_time"] = time.perf_counter() - t_start
     stats["segments"].append(["plain", 0.0, stats["prefill_time"]])  # the prefill is drawn as plain decoding
-    while gen.compact() > 0:
-        B = gen.batch_size
+    while batch.compact() > 0:
+        B = batch.batch_size
         k = bandit.choose(B) if use_sd and B <= sd_threshold else 0
         t0 = time.perf_counter()
         if k == 0:
-            n_emitted = gen.plain_step()
+            n_emitted = batch.plain_step()
         else:
-            n_emitted, n_acc = gen.speculative_step(drafter, k)
+            n_emitted, n_acc = batch.speculative_step(drafter, k)
             record_sd(stats, n_emitted, n_acc, k)
         sync(device)
         t1 = time.perf_counter()
@@ -153,7 +150,7 @@ def rollout(target, drafter, prompts, max_new_tokens, *, temperature=1.0, eos_id
             seg.append([kind, t0 - t_start, t1 - t_start])
     stats["time"] = time.perf_counter() - t_start
     stats["tail_share"] = tail_share(stats["batch_sizes"], stats["step_times"], stats["time"], len(prompts))
-    return gen.results, finish_stats(stats)
+    return batch.results, finish_stats(stats)
 
 
 def tail_share(batch_sizes, step_times, total_time, n_rows, done_frac=0.9):

@@ -33,46 +33,15 @@ and `print0` (only rank 0 prints).
 Test: python -m pytest tests/test_scheduler.py   (4 gloo processes with skewed loads)
 """
 import datetime
-import enum
 import math
-import os
 import time
 
 import torch
 import torch.distributed as dist
 from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
+from common import multi_rank
 from drafter import DRAFTER_BATCH, train_step
-
-class Seed(enum.IntEnum):
-    """What a derived seed is for: each purpose its own random stream (the numbers only keep them apart)."""
-    TARGET_DATA = 1        # the target warm-up's reference traces
-    DRAFTER_DATA = 2       # the drafter warm-up's prompts and batches
-    DRAFTER_SAMPLES = 3    # the target's samples the drafter warms up on
-    INIT = 4               # initial weights, the same on every rank
-    BANDIT = 5             # the bandit's exploration
-    RL_PROMPTS = 6         # each RL step's prompts, the same on every rank
-    ROLLOUT = 7            # rollout sampling with --sampler rejection
-    DRAFTER_TRAINING = 8   # idle-rank drafter batches
-    EVAL = 9               # evaluation sampling with --sampler rejection
-    ROLLOUT_KEYS = 10      # each rollout row's key with --sampler gumbel
-    EVAL_KEYS = 11         # each evaluation row's key with --sampler gumbel
-
-
-def derive_seed(*parts):
-    """A seed for (base seed, rank or row, step, purpose), or any tuple of integers: each random
-    stream gets its own seed, and nothing reseeds the global generator inside a loop."""
-    h = 0
-    for x in parts:
-        h = (h * 1_000_003 + int(x)) % (2 ** 61 - 1)
-    return h
-
-
-def print0(*a, **kw):
-    """print on rank 0 only (the RANK that torchrun sets; a single process is rank 0)."""
-    if int(os.environ.get("RANK", 0)) == 0:
-        print(*a, **kw, flush=True)
-
 
 TIMELINE_CHARS = {"plain": "#", "spec": "S", "train": "t", "wait": "."}
 
@@ -120,10 +89,6 @@ class Liveness:
                 elif now - self._seen[r][1] > self.timeout_s:
                     raise RuntimeError(f"rank {r} has made no progress for {now - self._seen[r][1]:.0f}s "
                                        f"(limit {self.timeout_s:.0f}s, TLT_COLLECTIVE_TIMEOUT): it is dead or hung")
-
-
-def multi_rank():
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
 def idle_train(drafter, optimizer, buffer, rng, *, enabled=True, batch_size=DRAFTER_BATCH, device="cpu",
@@ -191,17 +156,6 @@ def sync_drafter(drafter, local_steps):
     dist.all_reduce(flat)
     vector_to_parameters((flat / w).to(next(drafter.parameters()).dtype), drafter.parameters())
     return True
-
-
-def from_rank0(obj):
-    """Rank 0's `obj` on every rank. Decisions that must agree (load or warm up, resume) are taken
-    once, on rank 0, and followed by all: a file that one rank sees and another does not (no shared
-    filesystem, a copy still being written) cannot send the ranks down different paths."""
-    if not multi_rank():
-        return obj
-    box = [obj]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
 
 
 def gather_ranks(record):

@@ -11,7 +11,7 @@ The pieces, in the order one speculative step uses them:
      Draft d_i is kept with probability min(1, p(d_i) / q(d_i)); at the first rejection the next
      token is drawn from normalise(max(p - q, 0)); if all k are kept, from p at position k+1.
      The emitted tokens are then distributed exactly as the target's own samples.
-   - "gumbel", `verify_coupled`: exact-token sampling. Every row has a key, and the token at
+   - "gumbel", `verify_gumbel`: exact-token sampling. Every row has a key, and the token at
      position t is argmax(logits_t / T + g(key, t)), where g is a vector of Gumbel(0, 1) noise,
      one value per token id, computed from (key, t, token id) by a counter-based hash
      (`gumbel_noise`). By the Gumbel-max trick that argmax is a sample of softmax(logits_t / T),
@@ -22,7 +22,7 @@ The pieces, in the order one speculative step uses them:
      its position, and the target's token is emitted at the first mismatch (or after all k).
      The emitted sequence is the one plain decoding would have sampled, token for token: exactly
      so in float64; in float32 a pass of k + 1 tokens may round differently from one-token passes
-     and flip a near-tie, which evaluate.py counts at the end of every run (0 so far).
+     and flip a near-tie, which evaluate.py counts at the end of every run.
      The price: a draft is accepted only if both argmaxes agree, which happens with probability
      somewhat below sum_x min(p(x), q(x)), the rate rejection sampling achieves (the maximal
      coupling of p and q; the Gumbel coupling is close but not maximal).
@@ -56,7 +56,7 @@ def probs(logits, temperature):
     return F.softmax(logits.float() if temperature == 1 else logits.float() / temperature, dim=-1)
 
 
-def sample(p, generator=None):
+def draw(p, generator=None):
     """(B, V) probabilities, or any non-negative weights -> (B,) token ids, one independent draw
     per row, by an exponential race: token v wins with probability p_v / sum(p), since
     E_v / p_v is exponential with rate p_v and the smallest of independent exponentials is v's
@@ -160,13 +160,13 @@ def verify(draft_tokens, q, p, generator=None):
     q_pad = torch.cat([q, torch.zeros_like(q[:, :1])], dim=1)  # (B, k+1, V)
     at = n_accepted[:, None, None].expand(B, 1, p.shape[-1])
     p_at = p.gather(1, at).squeeze(1)  # (B, V)
-    residual = (p_at - q_pad.gather(1, at).squeeze(1)).clamp(min=0)  # sample() normalises
+    residual = (p_at - q_pad.gather(1, at).squeeze(1)).clamp(min=0)  # draw() normalises
     # the residual is all zero only where p == q, which rejects with probability 0; guard against rounding
     residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, p_at)
-    return n_accepted, sample(residual, generator)
+    return n_accepted, draw(residual, generator)
 
 
-def verify_coupled(draft_tokens, target_tokens):
+def verify_gumbel(draft_tokens, target_tokens):
     """The "gumbel" sampler's rule: draft_tokens (B, k), target_tokens (B, k+1) (the target's
     noisy argmax at the same positions and one more) -> n_accepted (B,), next_token (B,). Row b
     keeps its drafts up to the first that differs from the target's token, then emits the
@@ -254,7 +254,7 @@ class RunningBatch:
         """The target's tokens: logits (B, T, V) for the tokens at positions (B, T) -> (B, T).
         noise: the "gumbel" sampler's noise at those positions when the caller made it already."""
         if self.sampler == "rejection":
-            return sample(probs(logits.flatten(0, 1), self.temperature), self.generator).view(logits.shape[:2])
+            return draw(probs(logits.flatten(0, 1), self.temperature), self.generator).view(logits.shape[:2])
         if noise is not None:
             return gumbel_argmax(logits, self.temperature, noise)
         return gumbel_choose(logits, self.temperature, self.streams, positions)
@@ -320,7 +320,7 @@ class RunningBatch:
         for i in range(k):
             if self.sampler == "rejection":
                 q = probs(q_logits, self.temperature)
-                d = sample(q, self.generator)
+                d = draw(q, self.generator)
                 qs.append(q)
             else:  # the noise the target will see at that position, on the drafter's logits
                 d = self._choose(q_logits[:, None], positions[:, i:i + 1], None if noise is None else noise[:, i:i + 1])[:, 0]
@@ -353,7 +353,7 @@ class RunningBatch:
         if self.sampler == "rejection":
             n_acc, nxt = verify(draft, q, probs(t_logits, self.temperature), self.generator)
         else:
-            n_acc, nxt = verify_coupled(draft, self._choose(t_logits, positions, noise))
+            n_acc, nxt = verify_gumbel(draft, self._choose(t_logits, positions, noise))
         # 3. keep a ragged number per row: states for pending + accepted, tokens accepted + next
         self.hidden[rows[:, None], L[:, None] + torch.arange(k + 1, device=dev)] = t_hidden
         emitted = torch.cat([draft, torch.zeros_like(nxt)[:, None]], dim=1)
@@ -412,13 +412,13 @@ def autoregressive_generate(target, prompts, max_new_tokens, *, temperature=1.0,
                             sampler="rejection", keys=None):
     """Plain decoding, one token per row per target pass; finished rows leave the batch.
     sampler and keys: see RunningBatch."""
-    gen = RunningBatch(target, prompts, max_new_tokens, temperature=temperature, eos_id=eos_id, generator=generator,
+    batch = RunningBatch(target, prompts, max_new_tokens, temperature=temperature, eos_id=eos_id, generator=generator,
                      sampler=sampler, keys=keys)
     stats = new_stats()
-    while gen.compact() > 0:
-        stats["tokens"] += int(gen.plain_step().sum())
+    while batch.compact() > 0:
+        stats["tokens"] += int(batch.plain_step().sum())
         stats["steps"] += 1
-    return gen.outputs(), finish_stats(stats)
+    return batch.outputs(), finish_stats(stats)
 
 
 @torch.no_grad()
@@ -428,12 +428,12 @@ def speculative_generate(target, drafter, prompts, max_new_tokens, *, k=4, tempe
     and the same keys (or the same generator seed) it emits exactly autoregressive_generate's tokens."""
     if k < 1:
         raise ValueError(f"k must be >= 1, got {k}")
-    gen = RunningBatch(target, prompts, max_new_tokens, temperature=temperature, eos_id=eos_id,
+    batch = RunningBatch(target, prompts, max_new_tokens, temperature=temperature, eos_id=eos_id,
                      generator=generator, max_draft=k, sampler=sampler, keys=keys)
     stats = new_stats()
-    while gen.compact() > 0:
-        n_emitted, n_acc = gen.speculative_step(drafter, k)
+    while batch.compact() > 0:
+        n_emitted, n_acc = batch.speculative_step(drafter, k)
         stats["tokens"] += int(n_emitted.sum())
         stats["steps"] += 1
         record_sd(stats, n_emitted, n_acc, k)
-    return gen.outputs(), finish_stats(stats)
+    return batch.outputs(), finish_stats(stats)

@@ -14,13 +14,11 @@ same command resumes from it.
 """
 import argparse
 import copy
-import datetime
 import hashlib
 import json
 import math
 import os
 import random
-import socket
 import statistics
 import sys
 import time
@@ -28,7 +26,6 @@ import warnings
 
 import torch
 import torch.distributed as dist
-from torch.distributed.rendezvous import rendezvous
 from torch.nn.parallel import DistributedDataParallel
 
 import rl
@@ -36,27 +33,13 @@ import task
 from drafter import DRAFTER_BATCH, DrafterBuffer, NgramDrafter, fresh_agreement, make_optimizer
 from model import GPTConfig
 from evaluate import evaluate_both, format_accuracy
-from rollout import ARMS, Bandit, rollout, sync
-from scheduler import Liveness, Seed, derive_seed, gather_ranks, idle_train, print0, render_timeline, sync_drafter
+from common import (COLLECTIVE_TIMEOUT_S, OneLineParser, Seed, all_sum, check_out_dir, compute_init, derive_seed,
+                    load_on_rank0, on_off, print0, save_atomic, sync)
+from rollout import ARMS, Bandit, rollout
+from scheduler import Liveness, gather_ranks, idle_train, render_timeline, sync_drafter
 from speculative import SAMPLERS
-from warmup import drafter_meta, load_on_rank0, prepare_models, save_atomic
+from warmup import drafter_meta, prepare_models
 
-# seconds: how long a collective may wait, and how long a rank may go without a sign of progress
-# while its peers wait for it at the idle barrier (scheduler.Liveness) before they fail
-COLLECTIVE_TIMEOUT_S = int(os.environ.get("TLT_COLLECTIVE_TIMEOUT", 120))
-
-
-def on_off(v):
-    if v not in ("on", "off"):
-        raise argparse.ArgumentTypeError(f"expected on or off, got {v!r}")
-    return v == "on"
-
-
-class OneLineParser(argparse.ArgumentParser):
-    """Bad input: one clear line on stderr and exit code 2 (argparse's default prints the usage too)."""
-
-    def error(self, message):
-        self.exit(2, f"error: {message} (see --help)\n")
 
 
 def task_config(args, warmup=False):
@@ -167,68 +150,6 @@ def parse_args(argv=None):
 
 
 # -----------------------------------------------------------------------------
-# distributed helpers
-
-def wants_cuda(device_arg):
-    """--device auto|cpu|cuda -> whether to run on CUDA."""
-    return torch.cuda.is_available() if device_arg == "auto" else device_arg == "cuda"
-
-
-def compute_init(device_arg="auto"):
-    """-> (ddp, rank, local_rank, world_size, device, liveness). Under torchrun (RANK set) this joins
-    the process group: NCCL when every rank has a GPU of its own, else gloo (which also reduces CUDA
-    tensors, so it serves ranks that share GPUs), and sets up the idle barrier's liveness check
-    (scheduler.Liveness). Without torchrun it is rank 0 of 1, same code path, liveness None."""
-    ddp = "RANK" in os.environ
-    rank = int(os.environ.get("RANK", 0))
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    world_size = int(os.environ.get("WORLD_SIZE", 1))
-    liveness = None
-    use_cuda = wants_cuda(device_arg)
-    if use_cuda and not torch.cuda.is_available():
-        raise SystemExit("error: --device cuda but CUDA is not available")
-    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
-    n_gpus = torch.cuda.device_count() if use_cuda else 0
-    device = torch.device(f"cuda:{local_rank % n_gpus}" if use_cuda else "cpu")
-    if use_cuda:  # more ranks than GPUs: they share them round-robin
-        torch.cuda.set_device(device)
-    else:  # ranks sharing a CPU: split the cores (unless OMP_NUM_THREADS says how many), or they fight over them
-        cores = os.cpu_count() or 1
-        if "OMP_NUM_THREADS" not in os.environ:  # torchrun sets it to 1 when it starts several ranks
-            torch.set_num_threads(max(1, cores // local_world))
-        if local_world > cores and rank == 0:
-            warnings.warn(f"{local_world} ranks share {cores} CPU cores: steps will be slow and timings noisy")
-    if ddp:
-        timeout = datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S)
-        store, _, _ = next(rendezvous("env://", rank, world_size, timeout=timeout))
-        # after torchrun restarts a failed group (--max-restarts), the agent's store still holds the
-        # dead group's addresses; a prefix per attempt keeps the new group from dialling them
-        store = dist.PrefixStore(f"tlt/attempt{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
-        # NCCL needs a GPU of its own per rank. Whether the GPUs are distinct is a fact about the
-        # machines, not about the GPUs one rank sees (a scheduler may show each rank only its own):
-        # every rank posts its (host, GPU uuid) and all compare
-        nccl = False
-        if use_cuda:
-            store.set(f"gpu/{rank}", f"{socket.gethostname()}/{torch.cuda.get_device_properties(device).uuid}")
-            owners = {store.get(f"gpu/{r}") for r in range(world_size)}  # get() waits for the key
-            nccl = len(owners) == world_size
-            if not nccl and rank == 0:
-                warnings.warn(f"{world_size} ranks share {len(owners)} GPU(s): collectives go through gloo, not NCCL")
-        dist.init_process_group("nccl" if nccl else "gloo", store=store, rank=rank, world_size=world_size,
-                                timeout=timeout, device_id=device if nccl else None)
-        liveness = Liveness(store, rank, world_size, COLLECTIVE_TIMEOUT_S)
-    return ddp, rank, local_rank, world_size, device, liveness
-
-
-def all_sum(values, device):
-    """{name: number} -> the same names, each summed over ranks."""
-    t = torch.tensor(list(values.values()), dtype=torch.float64, device=device)
-    if dist.is_initialized():
-        dist.all_reduce(t)
-    return dict(zip(values, t.tolist()))
-
-
-# -----------------------------------------------------------------------------
 # main
 
 def rl_meta(args, config, task_cfg):
@@ -236,17 +157,6 @@ def rl_meta(args, config, task_cfg):
     keys = ("rl_seed", "careful_bonus", "drafter", "drafter_online_lr", "prompts_per_step", "group_size", "rl_lr", "rl_epochs", "clip_eps", "kl_coef", "tlt", "drafter_updates",
             "sd_threshold", "drafter_keep", "update_tokens", "sampler")
     return {**drafter_meta(args, config, task_cfg, task_config(args, warmup=True)), **{k: getattr(args, k) for k in keys}, "draft_ks": list(args.draft_ks)}
-
-
-def check_out_dir(out_dir):
-    try:
-        os.makedirs(out_dir, exist_ok=True)
-        probe = os.path.join(out_dir, f".write_test.{os.getpid()}")
-        with open(probe, "w") as f:
-            f.write("ok")
-        os.remove(probe)
-    except OSError as e:
-        raise SystemExit(f"error: cannot write to --out-dir {out_dir!r}: {e.strerror}")
 
 
 def main(argv=None):
@@ -259,7 +169,8 @@ def main(argv=None):
         raise SystemExit(f"error: --prompts-per-step {args.prompts_per_step} x --group-size {args.group_size} = "
                          f"{args.prompts_per_step * args.group_size} rows per step leave some of the {world_size} "
                          f"ranks without work; raise --prompts-per-step")
-    ddp, rank, local_rank, world_size, device, liveness = compute_init(args.device)
+    ddp, rank, local_rank, world_size, device, store = compute_init(args.device)
+    liveness = Liveness(store, rank, world_size, COLLECTIVE_TIMEOUT_S) if ddp else None
     try:
         run(args, task_cfg, ddp, rank, world_size, device, liveness)
         if ddp:
@@ -291,28 +202,14 @@ def run(args, task_cfg, ddp, rank, world_size, device, liveness=None):
     ckpt_path = os.path.join(args.out_dir, "ckpt.pt")
     metrics_path = os.path.join(args.out_dir, "metrics.jsonl")
     meta = rl_meta(args, config, task_cfg)
-    start = 0
-    ck = load_on_rank0(ckpt_path, meta)  # rank 0 decides whether to resume, for every rank
-    if ck:
-        try:
-            model.load_state_dict(ck["model"])
-            drafter.load_state_dict(ck["drafter"])
-            opt.load_state_dict(ck["opt"])
-            d_opt.load_state_dict(ck["d_opt"])
-            if rank < len(ck["bandits"]):  # a resume on more ranks than before: the new ranks' bandits start fresh
-                bandit.load_state_dict(ck["bandits"][rank])
-            start = ck["step"] + 1
-        except (KeyError, TypeError, ValueError, RuntimeError) as e:  # same config, older layout of the state
-            raise SystemExit(f"error: checkpoint {ckpt_path} does not fit this version of the code "
-                             f"({type(e).__name__}: {e}); delete it or use another --out-dir")
-        print0(f"resuming from {ckpt_path} at RL step {start}")
+    start = resume(ckpt_path, meta, model, drafter, opt, d_opt, bandit, rank)
     if rank == 0:  # every step appears once: drop records past the checkpoint (a crash after logging)
-        keep = []
+        lines = []
         if os.path.exists(metrics_path):
             with open(metrics_path) as f:
-                keep = [ln for ln in f if ln.strip() and json.loads(ln)["step"] < start]
+                lines = [ln for ln in f if ln.strip() and json.loads(ln)["step"] < start]
         with open(metrics_path, "w") as f:
-            f.writelines(keep)
+            f.writelines(lines)
 
     n_rows = args.prompts_per_step * args.group_size
     print0(f"RL: {args.rl_steps} steps x {args.prompts_per_step} prompts x {args.group_size} samples on {world_size} "
@@ -320,23 +217,13 @@ def run(args, task_cfg, ddp, rank, world_size, device, liveness=None):
            f"{'on' if args.drafter_updates and args.tlt else 'off'} | sd threshold {args.sd_threshold}")
     history = []
     for step in range(start, args.rl_steps):
-        rec = rl_step(step, args, task_cfg, model, net, drafter, opt, d_opt, bandit, buffer, rank, world_size, device,
-                      ref_model, liveness)
+        rec, ranks = rl_step(step, args, task_cfg, model, net, drafter, opt, d_opt, bandit, buffer, rank, world_size,
+                             device, ref_model, liveness)
         history.append(rec)
         if rank == 0:
             with open(metrics_path, "a") as f:
-                f.write(json.dumps({k: v for k, v in rec.items() if k != "timeline"}) + "\n")
-        print0(f"step {step:04d}/{args.rl_steps} | reward {rec['reward']:.3f} | step {rec['step_time']:.2f}s | "
-               f"rollout {rec['rollout_time']:.2f}s ({100 * rec['rollout_share']:.0f}%, tail {100 * rec['tail_share']:.0f}%) | "
-               f"tok/s {rec['tok_s']:,.0f} | "
-               f"accept {rec['accept_len'] or 0:.2f} ({100 * (rec['accept_rate'] or 0):.0f}% of drafts) | "
-               f"sd tok {100 * rec['sd_token_frac']:.0f}% | "
-               f"drafter top-1 {100 * (rec['drafter_top1'] or 0):.1f}% | idle {rec['idle_time']:.2f}s | "
-               f"drafter steps {rec['drafter_steps']}"
-               + (f" ({rec['drafter_skipped']} non-finite, skipped)" if rec["drafter_skipped"] else "")
-               + (" | SKIPPED non-finite update" if rec["skipped_update"] else ""))
-        if args.timeline_every and (step % args.timeline_every == 0 or step == args.rl_steps - 1):
-            print0(rec["timeline"])
+                f.write(json.dumps(rec) + "\n")
+        log_step(rec, ranks, args)
         if (step + 1) % args.ckpt_every == 0 or step == args.rl_steps - 1:
             bandits = gather_ranks(bandit.state_dict())
             if rank == 0:
@@ -346,6 +233,27 @@ def run(args, task_cfg, ddp, rank, world_size, device, liveness=None):
     acc1 = evaluate_both(model, drafter, problems, args, task_cfg, rank, world_size, "after RL", check=True)
     if history:
         summary(history, acc0, acc1, time.time() - t_run)
+
+
+def resume(ckpt_path, meta, model, drafter, opt, d_opt, bandit, rank):
+    """Load the RL checkpoint if rank 0 finds one (every rank follows its decision); -> the first step
+    to run. A checkpoint from another number of ranks resumes too: ranks it did not have start their
+    bandits fresh."""
+    ck = load_on_rank0(ckpt_path, meta)
+    if not ck:
+        return 0
+    try:
+        model.load_state_dict(ck["model"])
+        drafter.load_state_dict(ck["drafter"])
+        opt.load_state_dict(ck["opt"])
+        d_opt.load_state_dict(ck["d_opt"])
+        if rank < len(ck["bandits"]):
+            bandit.load_state_dict(ck["bandits"][rank])
+    except (KeyError, TypeError, ValueError, RuntimeError) as e:  # same config, older layout of the state
+        raise SystemExit(f"error: checkpoint {ckpt_path} does not fit this version of the code "
+                         f"({type(e).__name__}: {e}); delete it or use another --out-dir")
+    print0(f"resuming from {ckpt_path} at RL step {ck['step'] + 1}")
+    return ck["step"] + 1
 
 
 def rl_prompts(args, task_cfg, step):
@@ -371,18 +279,35 @@ def drafter_lr(args, step):
     return args.drafter_online_lr + (args.drafter_lr - args.drafter_online_lr) * 0.5 * (1 + math.cos(math.pi * frac))
 
 
-def rl_step(step, args, task_cfg, model, net, drafter, opt, d_opt, bandit, buffer, rank, world_size, device,
-            ref_model=None, liveness=None):
-    """One RL step on this rank, in the seven steps of the README; returns the step's record."""
-    t0 = time.perf_counter()
-    # 1. this rank's rows of the step's global batch (prompts x G samples). A row's key depends on the
-    # seed, the step and its index in the global batch, never on this rank's layout: with --sampler
-    # gumbel the tokens are the same on any number of ranks, with or without speculation
+def step_rows(args, task_cfg, step, rank, world_size):
+    """This rank's rows of the step's global batch (prompts x G samples): their problems, their keys,
+    and the slice of the global batch they are. A row's key depends on the seed, the step and its
+    place in the global batch, never on this rank's layout: with --sampler gumbel the tokens are the
+    same on any number of ranks, with or without speculation."""
     problems = rl_prompts(args, task_cfg, step)
     n_rows = len(problems) * args.group_size
     mine = my_rows(n_rows, rank, world_size)
     rows = [problems[i // args.group_size] for i in range(n_rows)][mine]
     keys = [derive_seed(args.rl_seed, step, i, Seed.ROLLOUT_KEYS) for i in range(n_rows)][mine]
+    return rows, keys, mine, n_rows
+
+
+def global_rewards(rewards, mine, n_rows, device):
+    """This rank's rewards (its slice `mine` of the global batch) -> every rank's, in global order."""
+    out = torch.zeros(n_rows, dtype=torch.float64, device=device)
+    out[mine] = rewards.to(out)
+    if dist.is_initialized():
+        dist.all_reduce(out)  # each rank fills its own slice; the others add zeros
+    return out.cpu()
+
+
+def rl_step(step, args, task_cfg, model, net, drafter, opt, d_opt, bandit, buffer, rank, world_size, device,
+            ref_model=None, liveness=None):
+    """One RL step on this rank, in the seven steps of the README. Returns the step's record and
+    every rank's timeline segments."""
+    t0 = time.perf_counter()
+    # 1. this rank's rows of the step's global batch, each with its key
+    rows, keys, mine, n_rows = step_rows(args, task_cfg, step, rank, world_size)
     # 2. roll out: plain steps while the running batch is large, speculative ones in the tail; score
     gen = torch.Generator(device=device).manual_seed(derive_seed(args.rl_seed, rank, step, Seed.ROLLOUT))
     samples, st = rollout(model, NgramDrafter() if args.drafter == "ngram" else drafter,
@@ -413,11 +338,8 @@ def rl_step(step, args, task_cfg, model, net, drafter, opt, d_opt, bandit, buffe
     t_update = time.perf_counter()
     # 6. group-normalised advantages over the global batch (a group may span ranks), one GRPO update
     # of the target under DDP, its token-level mean over every rank's tokens
-    all_rewards = torch.zeros(n_rows, dtype=torch.float64, device=device)
-    all_rewards[mine] = rewards.to(all_rewards)
-    if dist.is_initialized():
-        dist.all_reduce(all_rewards)  # each rank fills its own slice; the others add zeros
-    adv = rl.group_advantages(all_rewards.cpu(), args.group_size)[mine]
+    all_rewards = global_rewards(rewards, mine, n_rows, device)
+    adv = rl.group_advantages(all_rewards, args.group_size)[mine]
     model.train()
     loss, clip, skipped = rl.grpo_update(model, net, opt, [s.tokens.tolist() for s in samples],
                                          [s.prompt_len for s in samples], adv, pad_id=task.PAD_ID,
@@ -426,28 +348,34 @@ def rl_step(step, args, task_cfg, model, net, drafter, opt, d_opt, bandit, buffe
     model.eval()
     sync(device)  # the optimizer step may still be queued on a GPU
     t1 = time.perf_counter()
-    # 7. the step's record: per rank, then totals over ranks (rank 0 logs it)
-    checksum = drafter.checksum()
-    mine = {"rank": rank, "rollout_time": rollout_time, "idle_time": idle, "drafter_steps": d_steps,
-            "drafter_skipped": d_skipped, "tokens": st["tokens"], "drafter_checksum": checksum, "rows": len(rows),
-            "tail_share": st["tail_share"], "responses": [s.response for s in samples],
-            "segments": st["segments"] + [[k, a + rollout_time, b + rollout_time] for k, a, b in idle_segs]}
-    ranks = gather_ranks(mine)
+    # 7. the step's record (rank 0 logs it): this rank's part, then every rank's
+    local = {"rank": rank, "rollout_time": rollout_time, "idle_time": idle, "drafter_steps": d_steps,
+             "drafter_skipped": d_skipped, "tokens": st["tokens"], "drafter_checksum": drafter.checksum(),
+             "rows": len(rows), "tail_share": st["tail_share"], "responses": [s.response for s in samples],
+             "segments": st["segments"] + [[k, a + rollout_time, b + rollout_time] for k, a, b in idle_segs]}
+    counts = {"tokens": st["tokens"], "sd_tokens": st["sd_tokens"], "sd_row_steps": st["sd_row_steps"],
+              "accepted": st["accepted"], "drafted": st["drafted"], "top1_agree": top1[0], "top1_positions": top1[1],
+              "careful": sum(map(task.careful_share, texts)), "response_tokens": sum(len(s.response) for s in samples)}
+    rec, ranks = step_record(step, local, all_sum(counts, device), all_rewards, t1 - t0, t1 - t_update)
+    rec.update(loss=loss, clip_frac=clip, skipped_update=skipped, drafter_lr=drafter_lr(args, step),
+               bandit_best=bandit.best())
+    return rec, ranks
+
+
+def step_record(step, local, total, all_rewards, step_time, update_time):
+    """The step's metrics.jsonl record from this rank's `local` part and the sums over ranks, and
+    every rank's part (the timeline draws their segments)."""
+    ranks = gather_ranks(local)
     if len({r["drafter_checksum"] for r in ranks}) > 1:
         warnings.warn(f"step {step}: the ranks' drafters differ after the sync ({[r['drafter_checksum'] for r in ranks]})")
-    total = all_sum({"tokens": st["tokens"], "sd_tokens": st["sd_tokens"], "sd_row_steps": st["sd_row_steps"],
-                     "accepted": st["accepted"], "drafted": st["drafted"], "top1_agree": top1[0],
-                     "top1_positions": top1[1], "careful": sum(map(task.careful_share, texts)),
-                     "response_tokens": sum(len(s.response) for s in samples)}, device)
-    step_time = t1 - t0
     slowest = max(ranks, key=lambda r: r["rollout_time"])
-    rollout_max = slowest["rollout_time"]
+    rollout_max, n_rows = slowest["rollout_time"], all_rewards.numel()
+    # one hash of every response of the step in global row order: two runs, on any numbers of ranks,
+    # can be compared token for token
+    digest = hashlib.sha256(json.dumps([x for r in ranks for x in r["responses"]]).encode()).hexdigest()[:16]
     return {
-        "step": step, "step_time": step_time, "rollout_time": rollout_max, "update_time": t1 - t_update,
-        "tail_share": slowest["tail_share"], "rollout_share": rollout_max / step_time,
-        # one hash of every response of the step in global row order, so two runs, on any numbers of
-        # ranks, can be compared token for token
-        "responses_digest": hashlib.sha256(json.dumps([x for r in ranks for x in r["responses"]]).encode()).hexdigest()[:16],
+        "step": step, "step_time": step_time, "rollout_time": rollout_max, "update_time": update_time,
+        "tail_share": slowest["tail_share"], "rollout_share": rollout_max / step_time, "responses_digest": digest,
         "reward": float(all_rewards.mean()),
         "accept_len": total["sd_tokens"] / total["sd_row_steps"] if total["sd_row_steps"] else None,
         "accept_rate": total["accepted"] / total["drafted"] if total["drafted"] else None,
@@ -456,11 +384,22 @@ def rl_step(step, args, task_cfg, model, net, drafter, opt, d_opt, bandit, buffe
         "response_len": total["response_tokens"] / n_rows, "careful_share": total["careful"] / n_rows,
         "sd_token_frac": total["sd_tokens"] / max(total["tokens"], 1), "tok_s": total["tokens"] / max(rollout_max, 1e-9),
         "idle_time": max(r["idle_time"] for r in ranks), "drafter_steps": sum(r["drafter_steps"] for r in ranks),
-        "drafter_skipped": sum(r["drafter_skipped"] for r in ranks), "drafter_lr": drafter_lr(args, step),
-        "drafter_checksum": checksum, "loss": loss, "clip_frac": clip, "skipped_update": skipped,
-        "bandit_best": bandit.best(), "ranks": [{k: v for k, v in r.items() if k not in ("segments", "responses")} for r in ranks],
-        "timeline": render_timeline(ranks),
-    }
+        "drafter_skipped": sum(r["drafter_skipped"] for r in ranks), "drafter_checksum": local["drafter_checksum"],
+        "ranks": [{k: v for k, v in r.items() if k not in ("segments", "responses")} for r in ranks],
+    }, ranks
+
+
+def log_step(rec, ranks, args):
+    """Rank 0's line for the step, and every --timeline-every steps the ranks' timeline."""
+    print0(f"step {rec['step']:04d}/{args.rl_steps} | reward {rec['reward']:.3f} | step {rec['step_time']:.2f}s | "
+           f"rollout {rec['rollout_time']:.2f}s ({100 * rec['rollout_share']:.0f}%, tail {100 * rec['tail_share']:.0f}%) | "
+           f"tok/s {rec['tok_s']:,.0f} | accept {rec['accept_len'] or 0:.2f} ({100 * (rec['accept_rate'] or 0):.0f}% of "
+           f"drafts) | sd tok {100 * rec['sd_token_frac']:.0f}% | drafter top-1 {100 * (rec['drafter_top1'] or 0):.1f}% | "
+           f"idle {rec['idle_time']:.2f}s | drafter steps {rec['drafter_steps']}"
+           + (f" ({rec['drafter_skipped']} non-finite, skipped)" if rec["drafter_skipped"] else "")
+           + (" | SKIPPED non-finite update" if rec["skipped_update"] else ""))
+    if args.timeline_every and (rec["step"] % args.timeline_every == 0 or rec["step"] == args.rl_steps - 1):
+        print0(render_timeline(ranks))
 
 
 def summary(history, acc0, acc1, total_time):

@@ -10,14 +10,12 @@ their RL settings (the --tlt off / on comparison, other RL seeds) start from the
 A checkpoint made with other settings is refused with one line that names the difference.
 
 Why the embedding init: see `init_merged_embeddings`. Without it the loss plateau before the
-look-up is learned lasts a seed- and machine-dependent time (on the earlier workload the same
-recipe gave greedy accuracies from 32% to 70%; see RESULTS.md); with it seeds 1337 and 7 leave it
-by step 700.
+look-up is learned lasts a seed- and machine-dependent time, and the warm-up's accuracy with it.
 
-Why the curriculum (--warmup-alpha 2.0 -> --warmup-alpha-end 0.5). With a fixed mix of sizes
-seed 3 still left the plateau late (step 1500) and never learned the rarest labels (h, i, j) on
-long problems: 76.7% greedy. Starting with mostly small problems, where the look-up is learned,
-and moving to the RL mix, where every label shows up often, all three seeds reach 100%.
+Why the curriculum (--warmup-alpha 2.0 -> --warmup-alpha-end 0.5). With a fixed mix of sizes a
+seed can leave the plateau late and never learn the rarest labels on long problems. Starting with
+mostly small problems, where the look-up is learned, and moving to the RL mix, where every label
+shows up often, lets every seed tried learn all of them (RESULTS.md has the runs).
 
 Test: python -m pytest tests/test_train.py   (the warm-ups run there on tiny configs)
 """
@@ -29,7 +27,6 @@ import time
 from dataclasses import asdict
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -38,69 +35,7 @@ import task
 from drafter import Drafter, DrafterBuffer, make_optimizer, top1_agreement, train_step
 from model import GPT, GPTConfig
 from rollout import rollout
-from scheduler import Seed, derive_seed, from_rank0, print0
-
-
-# -----------------------------------------------------------------------------
-# checkpoints: atomic writes, safe loads, settings checked
-
-def save_atomic(obj, path):
-    for name, t in _tensors(obj):
-        if t.is_floating_point() and not torch.isfinite(t).all():  # never let NaN weights replace good ones
-            raise RuntimeError(f"refusing to write {path}: {name} is not finite")
-    tmp = f"{path}.tmp"
-    torch.save(obj, tmp)
-    os.replace(tmp, path)  # a kill before this line leaves the previous file intact
-
-
-def _tensors(obj, prefix=""):
-    if isinstance(obj, torch.Tensor):
-        yield prefix, obj
-    elif isinstance(obj, dict):
-        for k, v in obj.items():
-            yield from _tensors(v, f"{prefix}.{k}" if prefix else str(k))
-    elif isinstance(obj, (list, tuple)):
-        for i, v in enumerate(obj):
-            yield from _tensors(v, f"{prefix}[{i}]")
-
-
-def _flatten(d, prefix=""):
-    out = {}
-    for k, v in d.items():
-        out.update(_flatten(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
-    return out
-
-
-def load_checked(path, expected_meta):
-    """Load a checkpoint saved with meta=expected_meta; exit with one clear line otherwise."""
-    try:
-        ckpt = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:  # truncated, corrupt, or not a checkpoint
-        raise SystemExit(f"error: cannot read checkpoint {path} ({type(e).__name__}); delete it or use another --out-dir")
-    got = ckpt.get("meta") if isinstance(ckpt, dict) else None
-    if got != expected_meta:
-        want, have = _flatten(expected_meta), _flatten(got if isinstance(got, dict) else {})
-        diff = [f"{k} {have.get(k)} there, {want.get(k)} here" for k in sorted(set(want) | set(have))
-                if want.get(k) != have.get(k)]
-        raise SystemExit(f"error: checkpoint {path} was made with a different config ({'; '.join(diff[:4])}"
-                         f"{'; ...' if len(diff) > 4 else ''}); delete it or use another --out-dir")
-    return ckpt
-
-
-def load_on_rank0(path, expected_meta):
-    """`load_checked` on rank 0, its answer on every rank: the checkpoint, or None when there is none.
-    Whether to load or to warm up (or resume) is one decision for all ranks (scheduler.from_rank0),
-    so only rank 0 needs to see the file; a refused file stops every rank with rank 0's message."""
-    found = None
-    if (dist.get_rank() if dist.is_initialized() else 0) == 0 and os.path.exists(path):
-        try:
-            found = load_checked(path, expected_meta)
-        except SystemExit as e:
-            found = str(e)
-    found = from_rank0(found)
-    if isinstance(found, str):
-        raise SystemExit(found)
-    return found
+from common import Seed, derive_seed, group_by_length, load_on_rank0, print0, save_atomic
 
 
 # -----------------------------------------------------------------------------
@@ -109,7 +44,7 @@ def load_on_rank0(path, expected_meta):
 def sft_batches(rng, task_cfg, n_batches, token_budget):
     """n_batches length-grouped batches of reference traces (token ids, prompt length), shuffled."""
     pool = [task.training_example(task.sample_problem(rng, task_cfg), task_cfg, rng) for _ in range(n_batches * 64)]
-    batches = rl.group_by_length(pool, lambda e: len(e[0]), token_budget)
+    batches = group_by_length(pool, lambda e: len(e[0]), token_budget)
     rng.shuffle(batches)
     return batches[:n_batches]
 
@@ -149,9 +84,7 @@ def init_merged_embeddings(model):
     520 labelled-digit tokens share a label and a digit with the plain tokens; the deep narrow
     target sits on a loss plateau (digits at chance) until it does, for a seed-dependent time.
     Started as sums, "b" already matches "b7" in attention and "b7" already carries the "7" that the
-    tied head reads out. Measured (max-n 12, 2000 steps, seed 1337, an earlier setting): with it the target
-    copied the digits right on sizes up to 12 and erred in the sums; without it, it copied wrong
-    digits from size 2 on."""
+    tied head reads out."""
     wte = model.wte.weight
     for label in task.LABELS:
         for d in "0123456789":

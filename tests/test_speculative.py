@@ -29,7 +29,7 @@ from drafter import Drafter, DrafterBuffer, make_optimizer, train_step
 from conftest import randomize
 from model import GPT, GPTConfig
 from speculative import (RunningBatch, _mix32_, autoregressive_generate, gumbel_argmax, gumbel_noise, probs,
-                         sample, speculative_generate, verify, verify_coupled)
+                         draw, speculative_generate, verify, verify_gumbel)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -549,15 +549,15 @@ def test_gumbel_tokens_follow_softmax_at_temperature(temperature):
 def test_exponential_race_sample_is_exact_and_never_draws_zero_weight():
     g = torch.Generator().manual_seed(32)
     p = torch.tensor([0.5, 0.0, 0.2, 0.3, 0.0])
-    draws = sample(p.expand(N_VERIFY, -1), generator=g)
+    draws = draw(p.expand(N_VERIFY, -1), generator=g)
     assert not bool(torch.isin(draws, torch.tensor([1, 4])).any())
     assert tv(torch.bincount(draws, minlength=5).double() / N_VERIFY, p) <= tv_tolerance(5, N_VERIFY)
 
 
-def test_verify_coupled_keeps_drafts_up_to_the_first_mismatch():
+def test_verify_gumbel_keeps_drafts_up_to_the_first_mismatch():
     draft = torch.tensor([[1, 2, 3], [1, 2, 3], [0, 2, 3], [1, 2, 3]])
     target = torch.tensor([[1, 2, 3, 4], [1, 5, 3, 4], [1, 2, 3, 4], [1, 2, 0, 4]])
-    n_acc, nxt = verify_coupled(draft, target)
+    n_acc, nxt = verify_gumbel(draft, target)
     assert n_acc.tolist() == [3, 1, 0, 2] and nxt.tolist() == [4, 5, 1, 0]
 
 

@@ -13,6 +13,7 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+import common  # noqa: E402
 import train  # noqa: E402
 import warmup  # noqa: E402
 
@@ -99,7 +100,7 @@ def test_killed_rank_restarts_and_every_step_is_logged_once(tmp_path):
     while killed is None and time.time() < deadline and proc.poll() is None:
         path = os.path.join(out, "metrics.jsonl")
         if os.path.exists(path) and len(open(path).read().splitlines()) >= 3:
-            killed = _kill_worker(rank=1)
+            killed = _kill_worker(rank=1, marker=out)
         time.sleep(0.05)
     assert killed, "never saw three steps logged, or found no worker to kill"
     stdout, _ = proc.communicate(timeout=max(1, deadline - time.time()))
@@ -108,8 +109,9 @@ def test_killed_rank_restarts_and_every_step_is_logged_once(tmp_path):
     assert [m["step"] for m in metrics(out)] == list(range(40))
 
 
-def _kill_worker(rank):
-    """SIGKILL the torchrun worker process whose environment has RANK=<rank>."""
+def _kill_worker(rank, marker):
+    """SIGKILL the torchrun worker whose environment has RANK=<rank> and whose command line holds
+    `marker` (the test's --out-dir: other train.py runs on the machine are left alone)."""
     for pid in os.listdir("/proc"):
         if not pid.isdigit():
             continue
@@ -120,7 +122,7 @@ def _kill_worker(rank):
                 env = f.read().split(b"\0")
         except OSError:
             continue
-        if b"train.py" in cmd and f"RANK={rank}".encode() in env and b"TORCHELASTIC_RUN_ID" in b" ".join(env):
+        if b"train.py" in cmd and marker.encode() in cmd and f"RANK={rank}".encode() in env and b"TORCHELASTIC_RUN_ID" in b" ".join(env):
             os.kill(int(pid), signal.SIGKILL)
             return int(pid)
     return None
@@ -220,12 +222,12 @@ def test_non_finite_update_is_skipped_and_never_saved(tmp_path):
     loss, _, skipped = train.rl.grpo_update(model, model, opt, seqs, plens, torch.tensor([1.0, -1.0]), **how)
     assert not skipped and not all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
     path = tmp_path / "x.pt"
-    warmup.save_atomic({"model": model.state_dict()}, str(path))
+    common.save_atomic({"model": model.state_dict()}, str(path))
     good = digest(path)
     with torch.no_grad():
         next(model.parameters())[0, 0] = float("nan")
     with pytest.raises(RuntimeError, match="not finite"):
-        warmup.save_atomic({"model": model.state_dict()}, str(path))
+        common.save_atomic({"model": model.state_dict()}, str(path))
     assert digest(path) == good
 
 
@@ -286,7 +288,7 @@ def _rl_steps_worker(rank, world, port, out, n_steps, warm):
     opt = torch.optim.AdamW(model.parameters(), lr=args.rl_lr, betas=(0.9, 0.95), weight_decay=0.0)
     d_opt = train.make_optimizer(drafter, args.drafter_online_lr)
     recs = [train.rl_step(step, args, train.task_config(args), model, net, drafter, opt, d_opt, train.Bandit(args.draft_ks),
-                          train.DrafterBuffer(), rank, world, torch.device("cpu")) for step in range(n_steps)]
+                          train.DrafterBuffer(), rank, world, torch.device("cpu"))[0] for step in range(n_steps)]
     if rank == 0:
         torch.save({"digests": [r["responses_digest"] for r in recs], "rewards": [r["reward"] for r in recs],
                     "weights": torch.cat([p.detach().reshape(-1) for p in model.parameters()])}, out)
