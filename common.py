@@ -7,7 +7,7 @@ file holds its concept and nothing else. Nothing here knows about models or the 
     all_sum                                         per-step figures summed over ranks
     OneLineParser, on_off, check_out_dir            command lines: one clear error line
     Seed, derive_seed                               one random stream per purpose, rank and step
-    sync                                            the clock must see a GPU's queued work
+    sync, add_segment                               timing: the clock must see a GPU's queued work; timelines
     save_atomic, load_checked, load_on_rank0        checkpoints: atomic, finite, settings checked
     group_by_length                                 length-grouped batches for long-tailed data
 
@@ -132,6 +132,14 @@ def print0(*a, **kw):
         print(*a, **kw, flush=True)
 
 
+def add_segment(segments, kind, start, end):
+    """Timelines: [kind, start, end] segments, one more segment or the last one stretched to `end`."""
+    if segments and segments[-1][0] == kind:
+        segments[-1][2] = end
+    else:
+        segments.append([kind, start, end])
+
+
 def sync(device):
     if device.type == "cuda":
         torch.cuda.synchronize()  # sync: the clock must see the GPU's work
@@ -182,7 +190,7 @@ def load_checked(path, expected_meta):
 
 def load_on_rank0(path, expected_meta):
     """`load_checked` on rank 0, its answer on every rank: the checkpoint, or None when there is none.
-    Whether to load or to warm up (or resume) is one decision for all ranks (scheduler.from_rank0),
+    Whether to load or to warm up (or resume) is one decision for all ranks (`from_rank0`),
     so only rank 0 needs to see the file; a refused file stops every rank with rank 0's message."""
     found = None
     if (dist.get_rank() if dist.is_initialized() else 0) == 0 and os.path.exists(path):

@@ -15,7 +15,7 @@ with the target's roll-back rule; its position t is the position of h_t in the s
 Loss: smooth-L1 regression of h_{t+1} (weight 1.0) plus a soft cross-entropy against the target's
 distribution for x_{t+2} (weight 0.1), the EAGLE weights: the regression carries most of the
 signal (a whole vector per position, not one token), the cross-entropy aligns the part that
-decides acceptance. Only positions that predict a response token count (the prompt is
+decides acceptance. Only positions that predict a response token after the first count (the prompt is
 conditioning), and each padded row holds one sequence with padding at its end, so nothing
 attends across sequences or into padding.
 
@@ -173,6 +173,8 @@ def train_step(drafter, optimizer, buffer, rng, batch_size=DRAFTER_BATCH, device
         n_positions = batch[3].sum().double()
         dist.all_reduce(n_positions)
     loss = drafter_loss(drafter, *batch, n_positions=n_positions)
+    # for the log, this rank's mean (with sync_grads the loss is divided by every rank's count)
+    logged = loss.item() * (float(n_positions) / max(float(batch[3].sum()), 1.0) if sync_grads else 1.0)
     optimizer.zero_grad(set_to_none=True)
     loss.backward()
     if sync_grads:
@@ -182,7 +184,7 @@ def train_step(drafter, optimizer, buffer, rng, batch_size=DRAFTER_BATCH, device
     applied = bool(torch.isfinite(grad_norm))  # sync: one flag per step
     if applied:
         optimizer.step()
-    return loss.item(), applied
+    return logged, applied
 
 
 @torch.no_grad()
@@ -198,7 +200,7 @@ def top1_agreement(drafter, h_in, x_next, h_tgt, mask):
 @torch.no_grad()
 def fresh_agreement(drafter, samples, chunk=4, device="cpu"):
     """`top1_agreement` over a rollout's samples (speculative.Sample), in chunks of similar-length
-    sequences (the rank's slowest rank pays for it, so padding is kept small)."""
+    sequences: it runs before the idle barrier, so the slowest rank pays for it, and padding is kept small."""
     agree = total = 0
     samples = sorted(samples, key=lambda s: s.tokens.shape[0])
     for i in range(0, len(samples), chunk):
@@ -209,8 +211,8 @@ def fresh_agreement(drafter, samples, chunk=4, device="cpu"):
 
 
 class NgramDrafter:
-    """TLT-Base: a model-free drafter, the baseline the learned drafter must beat (and what TLT falls
-    back on while the learned one is not ready). Prompt lookup: find the latest earlier place where
+    """TLT-Base: a model-free drafter, the baseline the learned drafter must beat (TLT falls back on
+    one while its learned drafter is not ready; here it is an alternative, `--drafter ngram`). Prompt lookup: find the latest earlier place where
     the row's last n tokens occurred in its own prompt and response, and propose the k tokens that
     followed there; with no match, propose the last token again (it will most likely be rejected).
     It costs no forward pass and learns nothing, so it drafts well only where a response repeats

@@ -26,8 +26,7 @@ well makes the drafter's share large, and speculation then barely pays (RESULTS.
 
 Simplifications on purpose: rotary position embeddings (positions are per row, so RoPE is a
 gather, not a slice, and one complex multiply), LayerNorm without bias and GPT-2's tanh GELU (on a
-CPU at batch 1 every kernel launch counts, and these two are single fused kernels where RMSNorm and
-exact GELU are not), tied embedding and LM head, no dropout. float32 everywhere; bf16 on CUDA
+CPU at batch 1 every kernel launch counts, and LayerNorm is one fused kernel where RMSNorm is a few), tied embedding and LM head, no dropout. float32 everywhere; bf16 on CUDA
 would need the rotary multiply kept in float32 (there is no bf16 complex type), untested here for
 want of a GPU.
 

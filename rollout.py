@@ -33,7 +33,7 @@ from collections import deque
 
 import torch
 
-from common import sync
+from common import add_segment, sync
 from speculative import RunningBatch, finish_stats, new_stats, record_sd
 
 ARMS = (0, 1, 2, 3, 4, 6, 8)
@@ -50,7 +50,7 @@ class Bandit:
     def __init__(self, arms=ARMS, epsilon=0.1, window=8, seed=0):
         self.arms, self.epsilon, self.window = tuple(arms), epsilon, window
         self.rng = random.Random(seed)
-        self.rewards = {}  # (bucket, arm) -> deque of recent (tokens, seconds); empty after the first play
+        self.plays = {}  # (bucket, arm) -> deque of recent (tokens, seconds); empty after the first play
 
     @staticmethod
     def bucket(batch_size):
@@ -62,7 +62,7 @@ class Bandit:
         return str(2 ** bucket) if bucket < 2 else f"{2 ** (bucket - 1) + 1}-{2 ** bucket}"
 
     def score(self, bucket, arm):
-        r = self.rewards.get((bucket, arm))
+        r = self.plays.get((bucket, arm))
         return sum(n for n, _ in r) / sum(t for _, t in r) if r else None  # tokens per second
 
     def choose(self, batch_size):
@@ -76,23 +76,23 @@ class Bandit:
 
     def update(self, batch_size, arm, tokens, seconds):
         key = (self.bucket(batch_size), arm)
-        if key not in self.rewards:  # the first play: tried, not scored
-            self.rewards[key] = deque(maxlen=self.window)
+        if key not in self.plays:  # the first play: tried, not scored
+            self.plays[key] = deque(maxlen=self.window)
         else:
-            self.rewards[key].append((float(tokens), max(float(seconds), 1e-9)))
+            self.plays[key].append((float(tokens), max(float(seconds), 1e-9)))
 
     def best(self):
         """{bucket: best arm} for the log, over the scored arms."""
-        buckets = sorted({b for (b, a) in self.rewards if self.score(b, a) is not None})
+        buckets = sorted({b for (b, a) in self.plays if self.score(b, a) is not None})
         return {b: max((a for a in self.arms if self.score(b, a) is not None), key=lambda a: self.score(b, a))
                 for b in buckets}
 
     def state_dict(self):
-        return {"rewards": [[b, a, list(r)] for (b, a), r in self.rewards.items()],
+        return {"plays": [[b, a, list(r)] for (b, a), r in self.plays.items()],
                 "rng": list(self.rng.getstate()[1]), "rng_version": self.rng.getstate()[0]}
 
     def load_state_dict(self, state):
-        self.rewards = {(b, a): deque(map(tuple, r), maxlen=self.window) for b, a, r in state["rewards"]}
+        self.plays = {(b, a): deque(map(tuple, r), maxlen=self.window) for b, a, r in state["plays"]}
         self.rng.setstate((state["rng_version"], tuple(state["rng"]), None))
 
 
@@ -142,12 +142,7 @@ def rollout(target, drafter, prompts, max_new_tokens, *, temperature=1.0, eos_id
         stats["batch_sizes"].append(B)
         stats["step_times"].append(t1 - t0)
         stats["spec_time" if k else "plain_time"] += t1 - t0
-        kind = "spec" if k else "plain"
-        seg = stats["segments"]
-        if seg and seg[-1][0] == kind:
-            seg[-1][2] = t1 - t_start
-        else:
-            seg.append([kind, t0 - t_start, t1 - t_start])
+        add_segment(stats["segments"], "spec" if k else "plain", t0 - t_start, t1 - t_start)
     stats["time"] = time.perf_counter() - t_start
     stats["tail_share"] = tail_share(stats["batch_sizes"], stats["step_times"], stats["time"], len(prompts))
     return batch.results, finish_stats(stats)

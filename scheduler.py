@@ -27,9 +27,6 @@ waiting ranks fail, naming the rank, once a peer has been silent for TLT_COLLECT
 A single process has no idle time and therefore never trains the drafter online; that is the
 technique, not a bug: the training is free only because it fills time otherwise wasted.
 
-Also here, because they concern ranks: `derive_seed` (a seed per rank or row, step and purpose)
-and `print0` (only rank 0 prints).
-
 Test: python -m pytest tests/test_scheduler.py   (4 gloo processes with skewed loads)
 """
 import datetime
@@ -40,7 +37,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
-from common import multi_rank
+from common import add_segment, multi_rank
 from drafter import DRAFTER_BATCH, train_step
 
 TIMELINE_CHARS = {"plain": "#", "spec": "S", "train": "t", "wait": "."}
@@ -119,7 +116,7 @@ def idle_train(drafter, optimizer, buffer, rng, *, enabled=True, batch_size=DRAF
             _, applied = train_step(drafter, optimizer, buffer, rng, batch_size=batch_size, device=device)
             steps += applied
             skipped += not applied
-            _extend(segments, "train", s, time.perf_counter() - t0)
+            add_segment(segments, "train", s, time.perf_counter() - t0)
         else:
             time.sleep(0.001)
     try:
@@ -128,15 +125,8 @@ def idle_train(drafter, optimizer, buffer, rng, *, enabled=True, batch_size=DRAF
         raise RuntimeError(f"the idle barrier failed: a peer is gone (torchrun's summary names the rank that "
                            f"failed first; its log says why): {e}") from e
     idle = time.perf_counter() - t0
-    _extend(segments, "wait", segments[-1][2] if segments else 0.0, idle)
+    add_segment(segments, "wait", segments[-1][2] if segments else 0.0, idle)
     return steps, skipped, idle, segments
-
-
-def _extend(segments, kind, start, end):
-    if segments and segments[-1][0] == kind:
-        segments[-1][2] = end
-    else:
-        segments.append([kind, start, end])
 
 
 @torch.no_grad()

@@ -48,6 +48,8 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from drafter import NgramDrafter
+
 
 def probs(logits, temperature):
     """(..., V) logits -> (..., V) float32 probabilities; temperature 0 gives one-hot argmax."""
@@ -213,12 +215,12 @@ class RunningBatch:
         self.target, self.temperature, self.eos_id, self.generator = target, temperature, eos_id, generator
         self.max_new_tokens = max_new_tokens
         dev = target.wte.weight.device
-        B, W = len(prompts), need + 1
-        self.tokens = torch.zeros(B, W, dtype=torch.long, device=dev)
+        B, width = len(prompts), need + 1
+        self.tokens = torch.zeros(B, width, dtype=torch.long, device=dev)
         for b, p in enumerate(prompts):
             self.tokens[b, :len(p)] = torch.tensor(p, device=dev)
         self.prompt_len = torch.tensor([len(p) for p in prompts], device=dev)
-        self.hidden = torch.zeros(B, W, target.config.n_embd, device=dev, dtype=target.wte.weight.dtype)
+        self.hidden = torch.zeros(B, width, target.config.n_embd, device=dev, dtype=target.wte.weight.dtype)
         self.row_id = torch.arange(B, device=dev)
         self.sampler = sampler
         if keys is None:  # "rejection" never reads them, so it draws nothing for them
@@ -309,7 +311,7 @@ class RunningBatch:
         n_new = L - start  # (B,) >= 1
         T = int(n_new.max())  # sync: the padded width of the catch-up
         j = start[:, None] + torch.arange(T, device=dev)  # (B, T)
-        j = torch.minimum(j, L[:, None])  # padding repeats a valid index; its cache entries are dead
+        j = torch.minimum(j, L[:, None])  # padding reads position L: dead entries, rolled back below
         logits, h_pred = drafter(self.hidden[rows[:, None], j], self.tokens.gather(1, j + 1), self.dcache)
         self.dcache.lengths = L.clone()  # roll the padding back
         last = (n_new - 1)[:, None, None]
@@ -342,7 +344,7 @@ class RunningBatch:
         positions = L[:, None] + 1 + torch.arange(k + 1, device=dev)  # (B, k+1): the drafts', then the bonus token's
         noise = self._step_noise(positions)
         # 1. draft k tokens per row
-        if hasattr(drafter, "propose"):  # model-free: look the drafts up in the row's own tokens
+        if isinstance(drafter, NgramDrafter):  # model-free: look the drafts up in the row's own tokens
             draft = drafter.propose(self.tokens, self.n_tokens, k)  # (B, k)
             q = F.one_hot(draft, self.target.config.vocab_size).float() if self.sampler == "rejection" else None
         else:
@@ -354,7 +356,8 @@ class RunningBatch:
             n_acc, nxt = verify(draft, q, probs(t_logits, self.temperature), self.generator)
         else:
             n_acc, nxt = verify_gumbel(draft, self._choose(t_logits, positions, noise))
-        # 3. keep a ragged number per row: states for pending + accepted, tokens accepted + next
+        # 3. keep a ragged number per row: the tokens accepted + next; all k+1 states are written, and those of
+        # rejected drafts are dead (past the row's end, overwritten later)
         self.hidden[rows[:, None], L[:, None] + torch.arange(k + 1, device=dev)] = t_hidden
         emitted = torch.cat([draft, torch.zeros_like(nxt)[:, None]], dim=1)
         emitted.scatter_(1, n_acc[:, None], nxt[:, None])

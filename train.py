@@ -144,6 +144,11 @@ def parse_args(argv=None):
     if args.block_size < need:
         p.error(f"--block-size {args.block_size} is too small for --max-n {args.max_n}: the longest prompt + "
                 f"response + {max(args.draft_ks)} draft tokens needs {need}")
+    world_size = int(os.environ.get("WORLD_SIZE", 1))  # torchrun's; 1 for a single process
+    if args.prompts_per_step * args.group_size < world_size:
+        p.error(f"--prompts-per-step {args.prompts_per_step} x --group-size {args.group_size} = "
+                f"{args.prompts_per_step * args.group_size} rows per step leave some of the {world_size} ranks without "
+                f"work; raise --prompts-per-step")
     args.warmup_dir = args.warmup_dir or args.out_dir
     args.rl_seed = args.seed if args.rl_seed is None else args.rl_seed
     return args
@@ -164,11 +169,6 @@ def main(argv=None):
     check_out_dir(args.out_dir)
     check_out_dir(args.warmup_dir)
     task_cfg = task_config(args)
-    world_size = int(os.environ.get("WORLD_SIZE", 1))
-    if args.prompts_per_step * args.group_size < world_size:
-        raise SystemExit(f"error: --prompts-per-step {args.prompts_per_step} x --group-size {args.group_size} = "
-                         f"{args.prompts_per_step * args.group_size} rows per step leave some of the {world_size} "
-                         f"ranks without work; raise --prompts-per-step")
     ddp, rank, local_rank, world_size, device, store = compute_init(args.device)
     liveness = Liveness(store, rank, world_size, COLLECTIVE_TIMEOUT_S) if ddp else None
     try:
@@ -213,7 +213,7 @@ def run(args, task_cfg, ddp, rank, world_size, device, liveness=None):
 
     n_rows = args.prompts_per_step * args.group_size
     print0(f"RL: {args.rl_steps} steps x {args.prompts_per_step} prompts x {args.group_size} samples on {world_size} "
-           f"rank(s) ({len(range(n_rows)[my_rows(n_rows, 0, world_size)])} rows on rank 0) | tlt {'on' if args.tlt else 'off'} | drafter updates "
+           f"rank(s) ({n_rows // world_size}{'+' if n_rows % world_size else ''} rows each) | tlt {'on' if args.tlt else 'off'} | drafter updates "
            f"{'on' if args.drafter_updates and args.tlt else 'off'} | sd threshold {args.sd_threshold}")
     history = []
     for step in range(start, args.rl_steps):
@@ -330,6 +330,7 @@ def rl_step(step, args, task_cfg, model, net, drafter, opt, d_opt, bandit, buffe
     for g in d_opt.param_groups:
         g["lr"] = drafter_lr(args, step)
     drng = random.Random(derive_seed(args.rl_seed, rank, step, Seed.DRAFTER_TRAINING))
+    t_idle = time.perf_counter() - t0
     d_steps, d_skipped, idle, idle_segs = idle_train(drafter, d_opt, buffer, drng, enabled=train_drafter,
                                                      batch_size=args.drafter_batch, device=device, liveness=liveness)
     # 5. every rank ends with the same drafter
@@ -352,7 +353,7 @@ def rl_step(step, args, task_cfg, model, net, drafter, opt, d_opt, bandit, buffe
     local = {"rank": rank, "rollout_time": rollout_time, "idle_time": idle, "drafter_steps": d_steps,
              "drafter_skipped": d_skipped, "tokens": st["tokens"], "drafter_checksum": drafter.checksum(),
              "rows": len(rows), "tail_share": st["tail_share"], "responses": [s.response for s in samples],
-             "segments": st["segments"] + [[k, a + rollout_time, b + rollout_time] for k, a, b in idle_segs]}
+             "segments": st["segments"] + [[k, a + t_idle, b + t_idle] for k, a, b in idle_segs]}
     counts = {"tokens": st["tokens"], "sd_tokens": st["sd_tokens"], "sd_row_steps": st["sd_row_steps"],
               "accepted": st["accepted"], "drafted": st["drafted"], "top1_agree": top1[0], "top1_positions": top1[1],
               "careful": sum(map(task.careful_share, texts)), "response_tokens": sum(len(s.response) for s in samples)}
@@ -424,10 +425,10 @@ def summary(history, acc0, acc1, total_time):
         print0("  bandit's k per batch  " + ", ".join(f"{Bandit.bucket_sizes(b)}: {k}" for b, k in best.items())
                + " (rank 0, end of run)")
     n = max(1, len(history) // 10)  # a step's reward swings with its prompt mix; tenths of the run show the trend
-    print0(f"  reward                {sum(h['reward'] for h in history[:n]) / n:.3f} -> "
-           f"{sum(h['reward'] for h in history[-n:]) / n:.3f} (means of the first and the last {n} steps)")
+
     def tenths(key):
         return sum(h[key] for h in history[:n]) / n, sum(h[key] for h in history[-n:]) / n
+    print0("  reward                {:.3f} -> {:.3f}".format(*tenths("reward")) + f" (means of the first and the last {n} steps)")
     line = "  response length       {:.1f} -> {:.1f} tokens".format(*tenths("response_len"))
     if any(h["careful_share"] for h in history):
         line += ", careful steps {:.0%} -> {:.0%}".format(*tenths("careful_share"))
