@@ -87,8 +87,9 @@ def parse_args(argv=None):
     p.add_argument("--drafter-warmup-seqs", type=int, default=2048, help="target samples the drafter warms up on")
     p.add_argument("--drafter-warmup-steps", type=int, default=2500, help="drafter optimizer steps in its warm-up (0: a cold "
                    "start, no warm-up and no sampling for one: the idle ranks build the drafter during RL)")
-    p.add_argument("--drafter-lr", type=float, default=2e-3, help="peak drafter learning rate of the warm-up, and of a cold "
-                   "start's online training, which decays from it to --drafter-online-lr over the RL steps")
+    p.add_argument("--drafter-lr", type=float, default=2e-3, help="peak drafter learning rate of the warm-up")
+    p.add_argument("--drafter-cold-lr", type=float, default=4e-3, help="a cold start's drafter learning rate on idle ranks: "
+                   "it decays on a cosine from this to a twentieth of it over the RL steps")
     p.add_argument("--drafter-online-lr", type=float, default=5e-5, help="drafter learning rate on idle ranks during RL")
     p.add_argument("--drafter-batch", type=int, default=DRAFTER_BATCH, help="sequences per drafter training step")
     p.add_argument("--drafter-keep", type=int, default=32, help="RL steps of hidden states the drafter buffer keeps")
@@ -120,7 +121,7 @@ def parse_args(argv=None):
     p.add_argument("--ckpt-every", type=int, default=10, help="write the RL checkpoint every N steps")
     args = p.parse_args(argv)
     positive = ("warmup_steps", "warmup_tokens", "warmup_lr", "drafter_warmup_seqs", "drafter_batch",
-                "drafter_keep", "drafter_lr", "drafter_online_lr", "prompts_per_step", "group_size", "rl_epochs", "rl_lr",
+                "drafter_keep", "drafter_lr", "drafter_cold_lr", "drafter_online_lr", "prompts_per_step", "group_size", "rl_epochs", "rl_lr",
                 "clip_eps", "update_tokens", "ckpt_every", "eval_samples")
     non_negative = ("rl_steps", "drafter_warmup_steps", "careful_bonus", "kl_coef", "temperature", "sd_threshold", "timeline_every", "eval_per_bucket")
     for names, ok, what in ((positive, lambda v: v > 0, "positive"), (non_negative, lambda v: v >= 0, "non-negative")):
@@ -159,7 +160,7 @@ def parse_args(argv=None):
 
 def rl_meta(args, config, task_cfg):
     """What an RL checkpoint depends on: the warm-ups it started from and every RL setting."""
-    keys = ("rl_seed", "careful_bonus", "drafter", "drafter_online_lr", "prompts_per_step", "group_size", "rl_lr", "rl_epochs", "clip_eps", "kl_coef", "tlt", "drafter_updates",
+    keys = ("rl_seed", "careful_bonus", "drafter", "drafter_cold_lr", "drafter_online_lr", "prompts_per_step", "group_size", "rl_lr", "rl_epochs", "clip_eps", "kl_coef", "tlt", "drafter_updates",
             "sd_threshold", "drafter_keep", "update_tokens", "sampler")
     return {**drafter_meta(args, config, task_cfg, task_config(args, warmup=True)), **{k: getattr(args, k) for k in keys}, "draft_ks": list(args.draft_ks)}
 
@@ -271,12 +272,13 @@ def my_rows(n_rows, rank, world_size):
 
 def drafter_lr(args, step):
     """The idle ranks' drafter learning rate at RL step `step`. A warmed-up drafter only follows the
-    target: a small constant rate. A cold start builds the drafter from nothing: it starts at the
-    warm-up's peak rate and decays on a cosine to the small one over the RL steps, as a warm-up would."""
+    target: a small constant rate. A cold start builds the drafter from nothing, as a warm-up would,
+    with a cosine from --drafter-cold-lr down to a twentieth of it over the RL steps (a higher peak
+    than the warm-up's, because idle time gives it fewer steps; RESULTS.md has the rates tried)."""
     if args.drafter_warmup_steps > 0:
         return args.drafter_online_lr
-    frac = step / max(1, args.rl_steps - 1)
-    return args.drafter_online_lr + (args.drafter_lr - args.drafter_online_lr) * 0.5 * (1 + math.cos(math.pi * frac))
+    frac, peak = step / max(1, args.rl_steps - 1), args.drafter_cold_lr
+    return peak / 20 + (peak - peak / 20) * 0.5 * (1 + math.cos(math.pi * frac))
 
 
 def step_rows(args, task_cfg, step, rank, world_size):
