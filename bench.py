@@ -233,9 +233,8 @@ def tail_workload(args, task_cfg, model, drafter, n_steps=4):
         out, st = rollout(model, drafter, prompts, task_cfg.max_response_len, generator=generator(model, seed),
                           tlt=tlt, sd_threshold=targs.sd_threshold, bandit=bandit, eos_id=task.EOS_ID,
                           sampler=targs.sampler, keys=[seed * 10_000 + i for i in range(len(prompts))])
-        st["reward"] = statistics.mean(task.reward(p.prompt(), task.decode(o.response)) for p, o in zip(rows, out))
-        st["responses"] = [o.response for o in out]
-        return st
+        reward = statistics.mean(task.reward(p.prompt(), task.decode(o.response)) for p, o in zip(rows, out))
+        return st, reward, [o.response for o in out]
     for i, shard in enumerate(shards):  # bandit warm-up
         run(True, shard, 100 + i)
     plain, tlt = [], []
@@ -243,20 +242,20 @@ def tail_workload(args, task_cfg, model, drafter, n_steps=4):
         for i, shard in enumerate(shards):
             plain.append(run(False, shard, 10 * r + i))
             tlt.append(run(True, shard, 10 * r + i))
-    t_plain = statistics.median([sum(s["time"] for s in plain[r * n_steps:(r + 1) * n_steps]) for r in range(args.repeats)])
-    t_tlt = statistics.median([sum(s["time"] for s in tlt[r * n_steps:(r + 1) * n_steps]) for r in range(args.repeats)])
-    share = statistics.median(s["tail_share"] for s in plain)
-    sd_row_steps = sum(s["sd_row_steps"] for s in tlt)
-    accept = sum(s["sd_tokens"] for s in tlt) / sd_row_steps if sd_row_steps else None
+    t_plain = statistics.median([sum(s.time for s, _, _ in plain[r * n_steps:(r + 1) * n_steps]) for r in range(args.repeats)])
+    t_tlt = statistics.median([sum(s.time for s, _, _ in tlt[r * n_steps:(r + 1) * n_steps]) for r in range(args.repeats)])
+    share = statistics.median(s.tail_share for s, _, _ in plain)
+    sd_row_steps = sum(s.sd_row_steps for s, _, _ in tlt)
+    accept = sum(s.sd_tokens for s, _, _ in tlt) / sd_row_steps if sd_row_steps else None
     print(f"\nlong-tail rollouts (rank 0's shards of the default run's first {n_steps} steps, {len(shards[0][0])} rows each, "
           f"sd threshold {targs.sd_threshold}): plain {t_plain:.2f}s, TLT {t_tlt:.2f}s, speedup {t_plain / t_tlt:.2f}x; "
           f"TLT accept length {accept or 0:.2f}; tail share of the plain rollouts {100 * share:.0f}% (median; time after "
           f"90% of the rows had finished)")
     # lossless: the same prompts and keys give the same responses with "gumbel" (up to float32 near-ties),
     # rewards equal in distribution with "rejection"
-    r_plain, r_tlt = statistics.mean(s["reward"] for s in plain), statistics.mean(s["reward"] for s in tlt)
-    n = sum(len(s["responses"]) for s in plain)
-    same = sum(a == b for p, t in zip(plain, tlt) for a, b in zip(p["responses"], t["responses"]))
+    r_plain, r_tlt = statistics.mean(r for _, r, _ in plain), statistics.mean(r for _, r, _ in tlt)
+    n = sum(len(resp) for _, _, resp in plain)
+    same = sum(a == b for p, t in zip(plain, tlt) for a, b in zip(p[2], t[2]))
     print(f"those rollouts ({n} samples each, sampler {targs.sampler}): mean reward plain {r_plain:.3f}, TLT {r_tlt:.3f}; "
           f"{same} of {n} responses token-identical")
     print("bandit's best k per batch size: " + ", ".join(f"{Bandit.bucket_sizes(b)}: {k}" for b, k in bandit.best().items()))

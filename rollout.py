@@ -30,11 +30,12 @@ Test: python -m pytest tests/test_rollout.py
 import random
 import time
 from collections import deque
+from dataclasses import dataclass, field
 
 import torch
 
 from common import add_segment, sync
-from speculative import RunningBatch, finish_stats, new_stats, record_sd
+from speculative import DecodeStats, RunningBatch
 
 ARMS = (0, 1, 2, 3, 4, 6, 8)
 
@@ -96,31 +97,42 @@ class Bandit:
         self.rng.setstate((state["rng_version"], tuple(state["rng"]), None))
 
 
+@dataclass
+class RolloutStats(DecodeStats):
+    """A rollout's DecodeStats plus its timing: seconds per phase, the running batch size and the
+    seconds of every step, the tail share, and the timeline segments [kind, start, end]."""
+    time: float = 0.0
+    prefill_time: float = 0.0
+    plain_time: float = 0.0
+    spec_time: float = 0.0
+    tail_share: float = 0.0
+    batch_sizes: list = field(default_factory=list)
+    step_times: list = field(default_factory=list)
+    segments: list = field(default_factory=list)
+
+
 @torch.no_grad()
 def rollout(target, drafter, prompts, max_new_tokens, *, temperature=1.0, eos_id=None, generator=None,
             tlt=True, sd_threshold=64, bandit=None, sampler="rejection", keys=None, progress=None):
     """Generate for every prompt. Returns (results, stats) where results[i] is a speculative.Sample
-    (response ids, tokens (N,), hidden states (N-1, C), prompt_len) and stats has the
-    per-phase times, the running batch size per step, SD figures, the tail share (see
-    `tail_share`) and a list of timeline segments (kind, t_start, t_end) relative to the call.
+    (response ids, tokens (N,), hidden states (N-1, C), prompt_len) and stats a RolloutStats
+    (timeline segments relative to the call; the tail share: see `tail_share`).
     sampler and keys: see speculative.RunningBatch; with "gumbel", the tokens do not depend on
     tlt, the threshold or the bandit's choices (up to float32 rounding: see speculative.py).
     progress, when given, is called after every decoding step (scheduler.Liveness.beat: this rank
     is slow, not dead)."""
     device = target.wte.weight.device
-    stats = new_stats()
-    stats.update(prefill_time=0.0, plain_time=0.0, spec_time=0.0, batch_sizes=[], step_times=[], segments=[],
-                 tail_share=0.0)
+    stats = RolloutStats()
     if not prompts:
-        return [], finish_stats(stats)
+        return [], stats
     use_sd = tlt and drafter is not None
     bandit = bandit if bandit is not None else Bandit()
     t_start = time.perf_counter()
     batch = RunningBatch(target, prompts, max_new_tokens, temperature=temperature, eos_id=eos_id, generator=generator,
-                       max_draft=max(bandit.arms) if use_sd else 0, sampler=sampler, keys=keys)
+                         max_draft=max(bandit.arms) if use_sd else 0, sampler=sampler, keys=keys)
     sync(device)
-    stats["prefill_time"] = time.perf_counter() - t_start
-    stats["segments"].append(["plain", 0.0, stats["prefill_time"]])  # the prefill is drawn as plain decoding
+    stats.prefill_time = time.perf_counter() - t_start
+    stats.segments.append(["plain", 0.0, stats.prefill_time])  # the prefill is drawn as plain decoding
     while batch.compact() > 0:
         B = batch.batch_size
         k = bandit.choose(B) if use_sd and B <= sd_threshold else 0
@@ -129,23 +141,24 @@ def rollout(target, drafter, prompts, max_new_tokens, *, temperature=1.0, eos_id
             n_emitted = batch.plain_step()
         else:
             n_emitted, n_acc = batch.speculative_step(drafter, k)
-            record_sd(stats, n_emitted, n_acc, k)
+            stats.add_speculative(n_emitted, n_acc, k)
         sync(device)
         t1 = time.perf_counter()
         if progress:
             progress()
-        n = int(n_emitted.sum())
         if use_sd and B <= sd_threshold:
-            bandit.update(B, k, n, t1 - t0)
-        stats["tokens"] += n
-        stats["steps"] += 1
-        stats["batch_sizes"].append(B)
-        stats["step_times"].append(t1 - t0)
-        stats["spec_time" if k else "plain_time"] += t1 - t0
-        add_segment(stats["segments"], "spec" if k else "plain", t0 - t_start, t1 - t_start)
-    stats["time"] = time.perf_counter() - t_start
-    stats["tail_share"] = tail_share(stats["batch_sizes"], stats["step_times"], stats["time"], len(prompts))
-    return batch.results, finish_stats(stats)
+            bandit.update(B, k, int(n_emitted.sum()), t1 - t0)
+        stats.add_step(n_emitted)
+        stats.batch_sizes.append(B)
+        stats.step_times.append(t1 - t0)
+        if k:
+            stats.spec_time += t1 - t0
+        else:
+            stats.plain_time += t1 - t0
+        add_segment(stats.segments, "spec" if k else "plain", t0 - t_start, t1 - t_start)
+    stats.time = time.perf_counter() - t_start
+    stats.tail_share = tail_share(stats.batch_sizes, stats.step_times, stats.time, len(prompts))
+    return batch.results, stats
 
 
 def tail_share(batch_sizes, step_times, total_time, n_rows, done_frac=0.9):

@@ -29,13 +29,15 @@ The pieces, in the order one speculative step uses them:
 5. Ragged acceptance: every row keeps its own number of tokens. Rolling back is assigning the
    cache lengths; no row waits for the slowest, no row is cut to the minimum.
 
-The library functions default to "rejection" (the textbook rule); train.py and bench.py default
-to "gumbel".
+The library functions (and rollout.py) default to "rejection", the textbook rule, which the drafter
+warm-up's sampling also uses; train.py, evaluate.py and bench.py pass "gumbel".
 
 `RunningBatch` holds the running batch (tokens, target hidden states, both caches); its
 `plain_step` and `speculative_step` are the two kinds of step, and `compact` drops finished rows
 from every tensor and cache. `autoregressive_generate` and `speculative_generate` each use one
-kind of step throughout; rollout.py mixes the two kinds of step by batch size.
+kind of step throughout; rollout.py mixes the two kinds of step by batch size. `DecodeStats`
+counts what they did (tokens, speculative row-steps, drafts proposed and accepted); the generate
+functions return it as a dict, the interface their callers and tests rely on.
 
 Host-device syncs are marked "sync:". On a CPU they are free; on a GPU there are a few per step
 (finding finished rows and the attention window), which is the price of a truly shrinking batch.
@@ -43,6 +45,7 @@ Host-device syncs are marked "sync:". On a CPU they are free; on a GPU there are
 Test: python -m pytest tests/test_speculative.py
 """
 import functools
+from dataclasses import asdict, dataclass, field
 from typing import NamedTuple
 
 import torch
@@ -390,24 +393,41 @@ class RunningBatch:
         return [r.response for r in self.results]
 
 
-def new_stats():
-    return {"steps": 0, "tokens": 0, "sd_row_steps": 0, "sd_tokens": 0, "drafted": 0, "accepted": 0, "accept_hist": {}}
+@dataclass
+class DecodeStats:
+    """What a generate call or a rollout measured, summed over its steps."""
+    steps: int = 0          # decoding steps (plain or speculative)
+    tokens: int = 0         # tokens emitted, all rows
+    sd_row_steps: int = 0   # (row, speculative step) pairs
+    sd_tokens: int = 0      # tokens emitted by speculative steps
+    drafted: int = 0        # draft tokens proposed
+    accepted: int = 0       # draft tokens accepted
+    accept_hist: dict = field(default_factory=dict)  # drafts accepted by one row in one step -> how often
 
+    def add_step(self, n_emitted):
+        self.steps += 1
+        self.tokens += int(n_emitted.sum())
 
-def record_sd(stats, n_emitted, n_acc, k):
-    stats["sd_row_steps"] += int(n_emitted.numel())
-    stats["sd_tokens"] += int(n_emitted.sum())
-    stats["drafted"] += k * int(n_acc.numel())
-    stats["accepted"] += int(n_acc.sum())
-    for a in n_acc.tolist():
-        stats["accept_hist"][a] = stats["accept_hist"].get(a, 0) + 1
+    def add_speculative(self, n_emitted, n_acc, k):
+        self.sd_row_steps += int(n_emitted.numel())
+        self.sd_tokens += int(n_emitted.sum())
+        self.drafted += k * int(n_acc.numel())
+        self.accepted += int(n_acc.sum())
+        for a in n_acc.tolist():
+            self.accept_hist[a] = self.accept_hist.get(a, 0) + 1
 
+    @property
+    def accept_len(self):  # tokens per row per verify step: accepted drafts plus the target's own
+        return self.sd_tokens / self.sd_row_steps if self.sd_row_steps else None
 
-def finish_stats(stats):
-    stats["accept_len"] = stats["sd_tokens"] / stats["sd_row_steps"] if stats["sd_row_steps"] else None
-    stats["accept_rate"] = stats["accepted"] / stats["drafted"] if stats["drafted"] else None  # per drafted token
-    stats["accept_hist"] = dict(sorted(stats["accept_hist"].items()))
-    return stats
+    @property
+    def accept_rate(self):  # accepted drafts per drafted token
+        return self.accepted / self.drafted if self.drafted else None
+
+    def as_dict(self):
+        """The generate functions' `stats`: every field, accept_len and accept_rate."""
+        return {**asdict(self), "accept_hist": dict(sorted(self.accept_hist.items())), "accept_len": self.accept_len,
+                "accept_rate": self.accept_rate}
 
 
 @torch.no_grad()
@@ -417,11 +437,10 @@ def autoregressive_generate(target, prompts, max_new_tokens, *, temperature=1.0,
     sampler and keys: see RunningBatch."""
     batch = RunningBatch(target, prompts, max_new_tokens, temperature=temperature, eos_id=eos_id, generator=generator,
                      sampler=sampler, keys=keys)
-    stats = new_stats()
+    stats = DecodeStats()
     while batch.compact() > 0:
-        stats["tokens"] += int(batch.plain_step().sum())
-        stats["steps"] += 1
-    return batch.outputs(), finish_stats(stats)
+        stats.add_step(batch.plain_step())
+    return batch.outputs(), stats.as_dict()
 
 
 @torch.no_grad()
@@ -433,10 +452,9 @@ def speculative_generate(target, drafter, prompts, max_new_tokens, *, k=4, tempe
         raise ValueError(f"k must be >= 1, got {k}")
     batch = RunningBatch(target, prompts, max_new_tokens, temperature=temperature, eos_id=eos_id,
                      generator=generator, max_draft=k, sampler=sampler, keys=keys)
-    stats = new_stats()
+    stats = DecodeStats()
     while batch.compact() > 0:
         n_emitted, n_acc = batch.speculative_step(drafter, k)
-        stats["tokens"] += int(n_emitted.sum())
-        stats["steps"] += 1
-        record_sd(stats, n_emitted, n_acc, k)
-    return batch.outputs(), finish_stats(stats)
+        stats.add_step(n_emitted)
+        stats.add_speculative(n_emitted, n_acc, k)
+    return batch.outputs(), stats.as_dict()

@@ -353,11 +353,11 @@ def rl_step(step, args, task_cfg, model, net, drafter, opt, d_opt, bandit, buffe
     t1 = time.perf_counter()
     # 7. the step's record (rank 0 logs it): this rank's part, then every rank's
     local = {"rank": rank, "rollout_time": rollout_time, "idle_time": idle, "drafter_steps": d_steps,
-             "drafter_skipped": d_skipped, "tokens": st["tokens"], "drafter_checksum": drafter.checksum(),
-             "rows": len(rows), "tail_share": st["tail_share"], "responses": [s.response for s in samples],
-             "segments": st["segments"] + [[k, a + t_idle, b + t_idle] for k, a, b in idle_segs]}
-    counts = {"tokens": st["tokens"], "sd_tokens": st["sd_tokens"], "sd_row_steps": st["sd_row_steps"],
-              "accepted": st["accepted"], "drafted": st["drafted"], "top1_agree": top1[0], "top1_positions": top1[1],
+             "drafter_skipped": d_skipped, "tokens": st.tokens, "drafter_checksum": drafter.checksum(),
+             "rows": len(rows), "tail_share": st.tail_share, "responses": [s.response for s in samples],
+             "segments": st.segments + [[k, a + t_idle, b + t_idle] for k, a, b in idle_segs]}
+    counts = {"tokens": st.tokens, "sd_tokens": st.sd_tokens, "sd_row_steps": st.sd_row_steps,
+              "accepted": st.accepted, "drafted": st.drafted, "top1_agree": top1[0], "top1_positions": top1[1],
               "careful": sum(map(task.careful_share, texts)), "response_tokens": sum(len(s.response) for s in samples)}
     rec, ranks = step_record(step, local, all_sum(counts, device), all_rewards, t1 - t0, t1 - t_update)
     rec.update(loss=loss, clip_frac=clip, skipped_update=skipped, drafter_lr=drafter_lr(args, step),

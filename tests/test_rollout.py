@@ -42,10 +42,10 @@ def test_tlt_greedy_rollout_equals_plain(threshold):
     assert len({tuple(r[0]) for r in plain}) > 3  # outputs are not trivial
     assert any(r[0][-1] == EOS for r in plain) and any(len(r[0]) == 40 for r in plain)
     if threshold == 100:  # from the first step
-        assert st_tlt["sd_row_steps"] > 0 and st_tlt["spec_time"] > 0
+        assert st_tlt.sd_row_steps > 0 and st_tlt.spec_time > 0
     if threshold == 0:
-        assert st_tlt["sd_row_steps"] == 0
-    assert st_plain["sd_row_steps"] == 0 and st_plain["accept_len"] is None
+        assert st_tlt.sd_row_steps == 0
+    assert st_plain.sd_row_steps == 0 and st_plain.accept_len is None
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
@@ -61,7 +61,7 @@ def test_gumbel_rollout_is_token_identical_to_plain_for_any_threshold(temperatur
     for threshold in (7, 100):  # a switch mid-rollout, and speculation from the first step
         bandit = Bandit(arms=(3, 0, 1, 6), seed=threshold)  # speculates first, then tries plain steps too
         tlt, st = rollout(target, drafter, ps, 40, tlt=True, sd_threshold=threshold, bandit=bandit, **how)
-        assert st["sd_row_steps"] > 0 and st["accept_hist"].get(0, 0) > 0  # speculated, and rejected some drafts
+        assert st.sd_row_steps > 0 and st.accept_hist.get(0, 0) > 0  # speculated, and rejected some drafts
         assert [r[0] for r in tlt] == [r[0] for r in plain]
 
 
@@ -74,7 +74,7 @@ def test_hidden_states_align_with_tokens(tlt):
     results, st = rollout(target, drafter, ps, 30, temperature=1.0, eos_id=EOS, generator=gen, tlt=tlt,
                           sd_threshold=4, bandit=Bandit(seed=0))
     if tlt:
-        assert st["sd_row_steps"] > 0
+        assert st.sd_row_steps > 0
     for (gen_ids, tokens, hidden, plen), p in zip(results, ps):
         assert tokens.tolist() == p + gen_ids and plen == len(p)
         assert hidden.shape[0] == tokens.shape[0] - 1
@@ -86,11 +86,11 @@ def test_hidden_states_align_with_tokens(tlt):
 def test_batch_shrinks_as_rows_finish():
     target, drafter = tiny_models(2)
     _, st = rollout(target, drafter, prompts(10, seed=5), 40, temperature=0, eos_id=EOS, tlt=False)
-    sizes = st["batch_sizes"]
+    sizes = st.batch_sizes
     assert sizes[0] <= 10 and sizes[-1] >= 1
     assert all(a >= b for a, b in zip(sizes, sizes[1:]))
     assert sizes[-1] < sizes[0]  # rows really left the batch
-    assert st["tail_share"] == tail_share(sizes, st["step_times"], st["time"], 10)
+    assert st.tail_share == tail_share(sizes, st.step_times, st.time, 10)
 
 
 def test_tail_share_counts_the_time_after_90_percent_of_rows_finished():
@@ -104,7 +104,7 @@ def test_tail_share_counts_the_time_after_90_percent_of_rows_finished():
 def test_empty_rollout():
     target, drafter = tiny_models()
     results, st = rollout(target, drafter, [], 10)
-    assert results == [] and st["tokens"] == 0
+    assert results == [] and st.tokens == 0
 
 
 def test_bandit_converges_to_best_arm_per_bucket():

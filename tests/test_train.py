@@ -171,8 +171,8 @@ def test_mismatched_or_corrupt_checkpoint_is_refused_and_left_alone(tmp_path):
     assert digest(target) == before
     ckpt = os.path.join(out, "ckpt.pt")
     ck = torch.load(ckpt, weights_only=True)  # same config, but the bandit state of an older version
-    ck["bandits"][0]["rewards"] = [[b, a, [float(n) for n, _ in r]] for b, a, r in ck["bandits"][0]["rewards"]]
-    assert ck["bandits"][0]["rewards"], "the 1-step run must have recorded bandit rewards"
+    ck["bandits"][0]["plays"] = [[b, a, [float(n) for n, _ in r]] for b, a, r in ck["bandits"][0]["plays"]]
+    assert any(r for _, _, r in ck["bandits"][0]["plays"]), "the 1-step run must have scored some bandit plays"
     torch.save(ck, ckpt)
     old = digest(ckpt)
     r = run_train(TINY + ["--out-dir", out, "--rl-steps", "2"])
