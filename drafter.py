@@ -22,7 +22,9 @@ attends across sequences or into padding.
 Training-time test: drafting feeds h~ back in, but teacher forcing only ever shows the drafter
 the target's real h. So every training step runs a second pass whose inputs are the first pass's
 own predictions (h~_t in place of h_t) with the same targets, and adds its loss. That is the
-cheap part of EAGLE-3's idea, meant to keep the 2nd..k-th drafted tokens good.
+cheap part of EAGLE-3's idea, meant to keep the 2nd..k-th drafted tokens good. A cold start
+(train.py --drafter-warmup-steps 0) trains with the teacher-forced pass alone: idle time is all it
+has, and a step at half the cost gives it twice the steps, which it needs more.
 
 The buffer keeps (tokens, hidden states, prompt length) per sequence, tagged with the RL step it
 came from, for the last `keep_steps` steps. `train_step` serves the warm-up and online training.
@@ -141,27 +143,27 @@ def pairs(seqs, device="cpu"):
     return h_in.to(device), x_next.to(device), h_tgt.to(device), mask.to(device)
 
 
-def drafter_loss(drafter, h_in, x_next, h_tgt, mask, n_positions=None):
-    """Loss of one teacher-forced pass plus one pass fed with its own predictions (see docstring),
-    summed over the masked positions and divided by n_positions (default: this batch's count;
-    when ranks train together, the count over all of them, so the mean is the global one)."""
+def drafter_loss(drafter, h_in, x_next, h_tgt, mask, n_positions=None, passes=2):
+    """Loss of one teacher-forced pass plus (passes=2) one pass fed with its own predictions (see
+    docstring), summed over the masked positions and divided by n_positions (default: this batch's
+    count; when ranks train together, the count over all of them, so the mean is the global one)."""
     with torch.no_grad():
         p_target = F.softmax(F.linear(h_tgt, drafter.target.lm_head.weight), dim=-1)  # (B, T, V)
     m = mask.float()
     n = m.sum() if n_positions is None else torch.as_tensor(float(n_positions))
     total = 0.0
     h_feed = h_in
-    for _ in range(2):
+    for _ in range(passes):
         logits, h_pred = drafter(h_feed, x_next)
         reg = F.smooth_l1_loss(h_pred, h_tgt, reduction="none").mean(-1)  # (B, T)
         ce = -(p_target * F.log_softmax(logits, dim=-1)).sum(-1)  # (B, T)
         total = total + ((HIDDEN_WEIGHT * reg + CE_WEIGHT * ce) * m).sum()
         # the next pass sees, at position t, the drafter's own guess of h_t (made at t-1)
         h_feed = torch.cat([h_in[:, :1], h_pred[:, :-1].detach()], dim=1)
-    return total / (2 * n.clamp(min=1.0))
+    return total / (passes * n.clamp(min=1.0))
 
 
-def train_step(drafter, optimizer, buffer, rng, batch_size=DRAFTER_BATCH, device="cpu", sync_grads=False):
+def train_step(drafter, optimizer, buffer, rng, batch_size=DRAFTER_BATCH, device="cpu", sync_grads=False, passes=2):
     """One optimizer step on a batch from the buffer; returns (loss, applied). Short on purpose:
     the idle-rank loop checks for preemption between steps. sync_grads: all ranks train together
     (the warm-up) on the mean over every rank's positions, with gradients summed over ranks;
@@ -172,7 +174,7 @@ def train_step(drafter, optimizer, buffer, rng, batch_size=DRAFTER_BATCH, device
     if sync_grads:
         n_positions = batch[3].sum().double()
         dist.all_reduce(n_positions)
-    loss = drafter_loss(drafter, *batch, n_positions=n_positions)
+    loss = drafter_loss(drafter, *batch, n_positions=n_positions, passes=passes)
     # for the log, this rank's mean (with sync_grads the loss is divided by every rank's count)
     logged = loss.item() * (float(n_positions) / max(float(batch[3].sum()), 1.0) if sync_grads else 1.0)
     optimizer.zero_grad(set_to_none=True)

@@ -88,7 +88,7 @@ class Liveness:
                                        f"(limit {self.timeout_s:.0f}s, TLT_COLLECTIVE_TIMEOUT): it is dead or hung")
 
 
-def idle_train(drafter, optimizer, buffer, rng, *, enabled=True, batch_size=DRAFTER_BATCH, device="cpu",
+def idle_train(drafter, optimizer, buffer, rng, *, enabled=True, batch_size=DRAFTER_BATCH, passes=2, device="cpu",
                liveness=None, timeout_s=300.0, grace_s=0.02):
     """Train the drafter until every rank has reached this point. Returns (steps, skipped steps,
     idle seconds, segments) with segments as [kind, start, end] relative to the call. With a
@@ -113,7 +113,7 @@ def idle_train(drafter, optimizer, buffer, rng, *, enabled=True, batch_size=DRAF
             raise RuntimeError(f"idle-rank barrier not completed after {timeout_s:.0f}s: a rank is dead or stuck")
         if can_train:
             s = time.perf_counter() - t0
-            _, applied = train_step(drafter, optimizer, buffer, rng, batch_size=batch_size, device=device)
+            _, applied = train_step(drafter, optimizer, buffer, rng, batch_size=batch_size, device=device, passes=passes)
             steps += applied
             skipped += not applied
             add_segment(segments, "train", s, time.perf_counter() - t0)

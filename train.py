@@ -333,8 +333,10 @@ def rl_step(step, args, task_cfg, model, net, drafter, opt, d_opt, bandit, buffe
         g["lr"] = drafter_lr(args, step)
     drng = random.Random(derive_seed(args.rl_seed, rank, step, Seed.DRAFTER_TRAINING))
     t_idle = time.perf_counter() - t0
+    cold = args.drafter_warmup_steps == 0  # a cold start trains with the teacher-forced pass alone (drafter.py)
     d_steps, d_skipped, idle, idle_segs = idle_train(drafter, d_opt, buffer, drng, enabled=train_drafter,
-                                                     batch_size=args.drafter_batch, device=device, liveness=liveness)
+                                                     batch_size=args.drafter_batch, passes=1 if cold else 2,
+                                                     device=device, liveness=liveness)
     # 5. every rank ends with the same drafter
     if train_drafter:
         sync_drafter(drafter, d_steps)

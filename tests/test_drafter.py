@@ -401,3 +401,21 @@ def test_checksum_tracks_weights(target, buffers):
         p = b.stack.blocks[0].attn.qkv.weight
         p[3, 5] = torch.nextafter(p[3, 5], torch.tensor(1e9))
     assert b.checksum() != a.checksum()
+
+
+def test_one_pass_loss_is_the_teacher_forced_part(target, buffers):
+    """passes=1 (a cold start's training) is the first, teacher-forced pass of the two-pass loss:
+    the two-pass loss is the mean of it and the pass fed with the drafter's own predictions."""
+    train_buf, _, _ = buffers
+    drafter = make_drafter(target, seed=0)
+    batch = train_buf.sample(8, random.Random(0))
+    with torch.no_grad():
+        one, two = drafter_loss(drafter, *batch, passes=1), drafter_loss(drafter, *batch)
+        h_in, x_next, h_tgt, mask = batch
+        _, h_pred = drafter(h_in, x_next)
+        fed = torch.cat([h_in[:, :1], h_pred[:, :-1]], dim=1)
+        second = drafter_loss(drafter, fed, x_next, h_tgt, mask, passes=1)
+    assert torch.allclose(two, (one + second) / 2, atol=1e-6)
+    assert not torch.allclose(one, two)
+    loss, applied = train_step(drafter, make_optimizer(drafter), train_buf, random.Random(1), batch_size=4, passes=1)
+    assert applied and loss > 0
