@@ -170,13 +170,12 @@ def train_step(drafter, optimizer, buffer, rng, batch_size=DRAFTER_BATCH, device
     idle-rank training is local, then synced. A step whose gradient is not finite is not applied
     (applied False); under sync_grads every rank sees the same summed gradient and skips with it."""
     batch = buffer.sample(batch_size, rng, device)
-    n_positions = None
+    n_local = batch[3].sum().double()  # the positions the loss counts here
+    n_positions = n_local.clone()
     if sync_grads:
-        n_positions = batch[3].sum().double()
         dist.all_reduce(n_positions)
     loss = drafter_loss(drafter, *batch, n_positions=n_positions, passes=passes)
-    # for the log, this rank's mean (with sync_grads the loss is divided by every rank's count)
-    logged = loss.item() * (float(n_positions) / max(float(batch[3].sum()), 1.0) if sync_grads else 1.0)
+    logged = loss.item() * float(n_positions) / max(float(n_local), 1.0)  # this rank's mean, for the log
     optimizer.zero_grad(set_to_none=True)
     loss.backward()
     if sync_grads:
@@ -214,9 +213,9 @@ def fresh_agreement(drafter, samples, chunk=4, device="cpu"):
 
 class NgramDrafter:
     """TLT-Base: a model-free drafter, the baseline the learned drafter must beat (TLT falls back on
-    one while its learned drafter is not ready; here it is an alternative, `--drafter ngram`). Prompt lookup: find the latest earlier place where
-    the row's last n tokens occurred in its own prompt and response, and propose the k tokens that
-    followed there; with no match, propose the last token again (it will most likely be rejected).
+    one while its learned drafter is not ready; here it is an alternative, `--drafter ngram`).
+    Prompt lookup: find the latest earlier place where the row's last n tokens occurred in its own
+    prompt and response, and propose the k tokens that followed there; with no match, propose the last token again (it will most likely be rejected).
     It costs no forward pass and learns nothing, so it drafts well only where a response repeats
     itself, such as a re-check pass that goes over the sum again. The same verify rules apply:
     its proposal is a one-hot q, which rejection sampling accepts with probability p(d)."""

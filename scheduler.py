@@ -131,21 +131,18 @@ def idle_train(drafter, optimizer, buffer, rng, *, enabled=True, batch_size=DRAF
 
 @torch.no_grad()
 def sync_drafter(drafter, local_steps):
-    """Average drafter weights over ranks, weighted by local training steps. A rank whose weights
-    are not finite (they cannot be, since non-finite steps are never applied, but a checkpoint
-    refuses them) contributes nothing. Returns True when the weights changed."""
+    """Average drafter weights over ranks, weighted by local training steps (a non-finite step is
+    never applied, drafter.train_step, so every rank's weights are finite)."""
     if not multi_rank():
-        return False
+        return
     flat = parameters_to_vector(drafter.parameters()).double()
-    w = torch.tensor([float(local_steps) if bool(torch.isfinite(flat).all()) else 0.0], dtype=torch.float64,
-                     device=flat.device)
-    flat = torch.nan_to_num(flat) * w
+    w = torch.tensor([float(local_steps)], dtype=torch.float64, device=flat.device)
     dist.all_reduce(w)
     if w.item() == 0:  # nobody trained: weights are already identical
-        return False
+        return
+    flat *= local_steps
     dist.all_reduce(flat)
     vector_to_parameters((flat / w).to(next(drafter.parameters()).dtype), drafter.parameters())
-    return True
 
 
 def gather_ranks(record):

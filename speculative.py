@@ -134,9 +134,9 @@ def gumbel_choose(logits, temperature, streams, positions, chunk=NOISE_CHUNK):
     `gumbel_argmax` with the noise made chunk by chunk over the vocabulary, a running max across
     chunks, so a step never holds (B, T, V) noise at once (0.7 GB in int64 at V = 150k, B = 64,
     T = 9). The same tokens: within a chunk and across chunks the first maximum wins."""
+    if temperature == 0:
+        return logits.argmax(-1)
     V = logits.shape[-1]
-    if temperature == 0 or V <= chunk:  # one chunk: the plain argmax
-        return gumbel_argmax(logits, temperature, None if temperature == 0 else stream_noise(streams, positions, V))
     best_val = best_idx = None
     for lo in range(0, V, chunk):
         hi = min(lo + chunk, V)
@@ -255,23 +255,24 @@ class RunningBatch:
     def batch_size(self):
         return self.row_id.shape[0]
 
-    def _choose(self, logits, positions, noise=None):
-        """The target's tokens: logits (B, T, V) for the tokens at positions (B, T) -> (B, T).
-        noise: the "gumbel" sampler's noise at those positions when the caller made it already."""
-        if self.sampler == "rejection":
-            return draw(probs(logits.flatten(0, 1), self.temperature), self.generator).view(logits.shape[:2])
-        if noise is not None:
-            return gumbel_argmax(logits, self.temperature, noise)
-        return gumbel_choose(logits, self.temperature, self.streams, positions)
-
-    def _step_noise(self, positions):
-        """A speculative step's "gumbel" noise (B, k+1, V), made once for the drafts and the verify
-        pass alike; None where there is none (rejection sampling, greedy) or where the vocabulary
-        is too large to hold it at once (then each choice makes its own, chunk by chunk)."""
+    def _noise(self, positions):
+        """The "gumbel" sampler's noise (B, T, V) for the tokens at positions (B, T); a speculative
+        step makes it once for its drafts and its verify pass. None for rejection sampling, greedy
+        decoding, or a vocabulary past NOISE_CHUNK (then each choice is made chunk by chunk)."""
         V = self.target.config.vocab_size
         if self.sampler != "gumbel" or self.temperature == 0 or V > NOISE_CHUNK:
             return None
         return stream_noise(self.streams, positions, V)
+
+    def _choose(self, logits, positions, noise=None):
+        """The target's tokens: logits (B, T, V) for the tokens at positions (B, T) -> (B, T).
+        noise: `_noise(positions)`, when the caller made it already."""
+        if self.sampler == "rejection":
+            return draw(probs(logits.flatten(0, 1), self.temperature), self.generator).view(logits.shape[:2])
+        noise = self._noise(positions) if noise is None else noise
+        if noise is None and self.temperature > 0:  # a vocabulary too large to hold the noise at once
+            return gumbel_choose(logits, self.temperature, self.streams, positions)
+        return gumbel_argmax(logits, self.temperature, noise)
 
     def _append(self, new, n_new):
         """Write new (B, W) tokens, of which row b keeps its first n_new[b], after each row's end;
@@ -328,7 +329,8 @@ class RunningBatch:
                 d = draw(q, self.generator)
                 qs.append(q)
             else:  # the noise the target will see at that position, on the drafter's logits
-                d = self._choose(q_logits[:, None], positions[:, i:i + 1], None if noise is None else noise[:, i:i + 1])[:, 0]
+                at = slice(i, i + 1)
+                d = self._choose(q_logits[:, None], positions[:, at], None if noise is None else noise[:, at])[:, 0]
             drafts.append(d)
             if i + 1 < k:
                 q_logits, h = drafter(h, d[:, None], self.dcache)
@@ -345,7 +347,7 @@ class RunningBatch:
         rows = torch.arange(B, device=dev)
         L = self.n_tokens - 1  # target cache length; tokens[L] is pending
         positions = L[:, None] + 1 + torch.arange(k + 1, device=dev)  # (B, k+1): the drafts', then the bonus token's
-        noise = self._step_noise(positions)
+        noise = self._noise(positions)
         # 1. draft k tokens per row
         if isinstance(drafter, NgramDrafter):  # model-free: look the drafts up in the row's own tokens
             draft = drafter.propose(self.tokens, self.n_tokens, k)  # (B, k)

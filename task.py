@@ -206,7 +206,7 @@ def reward(prompt, response, careful_bonus=0.0):
         problem = parse_prompt(prompt)
         m = re.search(r">([0-9]+)\s*$", response)
         right = problem is not None and m is not None and int(m.group(1)) == problem.answer
-        return float(right) * (1.0 + careful_bonus * careful_share(response)) if careful_bonus else float(right)
+        return float(right) * (1.0 + careful_bonus * careful_share(response))
     except Exception:  # the contract is "never raises"; a broken input is simply wrong
         return 0.0
 

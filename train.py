@@ -263,13 +263,6 @@ def rl_prompts(args, task_cfg, step):
     return [task.sample_problem(prng, task_cfg) for _ in range(args.prompts_per_step)]
 
 
-def my_rows(n_rows, rank, world_size):
-    """The rows of a step's global batch that this rank generates: a contiguous slice, the slices of
-    all ranks differing in size by at most one. Rows, not prompts, are dealt, so a GRPO group may
-    span ranks (its advantages are computed from all ranks' rewards) and 8 ranks share 4 prompts."""
-    return slice(rank * n_rows // world_size, (rank + 1) * n_rows // world_size)
-
-
 def drafter_lr(args, step):
     """The idle ranks' drafter learning rate at RL step `step`. A warmed-up drafter only follows the
     target: a small constant rate. A cold start builds the drafter from nothing, as a warm-up would,
@@ -283,12 +276,14 @@ def drafter_lr(args, step):
 
 def step_rows(args, task_cfg, step, rank, world_size):
     """This rank's rows of the step's global batch (prompts x G samples): their problems, their keys,
-    and the slice of the global batch they are. A row's key depends on the seed, the step and its
+    and the slice of the global batch they are. Rows, not prompts, are dealt, in contiguous slices
+    whose sizes differ by at most one, so a GRPO group may span ranks (its advantages come from every
+    rank's rewards) and 8 ranks share 4 prompts. A row's key depends on the seed, the step and its
     place in the global batch, never on this rank's layout: with --sampler gumbel the tokens are the
     same on any number of ranks, with or without speculation."""
     problems = rl_prompts(args, task_cfg, step)
     n_rows = len(problems) * args.group_size
-    mine = my_rows(n_rows, rank, world_size)
+    mine = slice(rank * n_rows // world_size, (rank + 1) * n_rows // world_size)
     rows = [problems[i // args.group_size] for i in range(n_rows)][mine]
     keys = [derive_seed(args.rl_seed, step, i, Seed.ROLLOUT_KEYS) for i in range(n_rows)][mine]
     return rows, keys, mine, n_rows
