@@ -9,6 +9,8 @@ All load the warmed-up target and drafter from --out-dir (warming them up first 
 train.py's defaults plus --train-args), on the GPU when there is one, print a table, and end with
 one JSON line holding every figure. Checkpoints made with other flags need the same flags here, e.g.
     python bench.py --out-dir out_4x128 --train-args "--n-layer 4 --n-embd 128 --warmup-lr 3e-3 --warmup-steps 900"
+--train-args "--dtype bfloat16" runs every forward under bf16 autocast, as train.py does; its
+warm-ups are bf16 ones, so it needs a --out-dir of its own.
 
 Decoding bench. Fresh prompts (not the training ones) whose reference responses are longer than
 --max-new tokens, so every row decodes exactly --max-new tokens (no row leaves early and the batch
@@ -44,7 +46,7 @@ import task
 import train
 import warmup
 from drafter import Drafter, DrafterBuffer, make_optimizer, train_step
-from common import OneLineParser, check_out_dir, sync, wants_cuda
+from common import OneLineParser, check_out_dir, machine, sync, wants_cuda
 from rollout import Bandit, rollout
 from speculative import SAMPLERS, autoregressive_generate, speculative_generate
 
@@ -100,7 +102,8 @@ def load_models(targs):
     check_out_dir(targs.out_dir)
     task_cfg = train.task_config(targs)
     device = torch.device("cuda" if wants_cuda(targs.device) else "cpu")
-    _, model, drafter = warmup.prepare_models(targs, task_cfg, train.task_config(targs, warmup=True), False, 0, 1, device)
+    with train.autocast(targs, device):  # a warm-up made here is made as train.py would make it
+        _, model, drafter = warmup.prepare_models(targs, task_cfg, train.task_config(targs, warmup=True), False, 0, 1, device)
     return targs, task_cfg, model.eval(), drafter.eval()
 
 
@@ -141,6 +144,45 @@ def forward_time(model, T, drafter=None, repeats=200):
         sync(device)
         best = min(best, time.perf_counter() - t0)
     return best / repeats
+
+
+@torch.no_grad()
+def count_syncs(model, drafter, batch_size=1, k=4, steps=8, sampler="gumbel"):
+    """Host-device round trips per speculative step and per compaction, counted on a GPU by
+    torch.cuda.set_sync_debug_mode("warn"), which warns once per synchronizing call. The rows run
+    to the length limit (no <|eos|>), after one unmeasured step that fills the drafter's cache.
+    Prints the counts and returns {"step": syncs per speculative step, "compact": per compact()};
+    on a CPU prints "n/a on CPU" and returns None. speculative.py says which remain and why."""
+    import warnings
+    from speculative import RunningBatch
+    if model.wte.weight.device.type != "cuda":
+        print("host-device syncs per speculative step: n/a on CPU")
+        return None
+    prompts = [[1 + b % 7, 2, 3, 4, 5] for b in range(batch_size)]
+    max_new = min((steps + 1) * (k + 1), model.config.block_size - 5 - k)
+    batch = RunningBatch(model, prompts, max_new, max_draft=k, sampler=sampler, generator=generator(model, 0))
+    batch.compact()
+    batch.speculative_step(drafter, k)
+    batch.compact()
+    torch.cuda.synchronize()
+    counts, n = {"step": 0, "compact": 0}, 0
+    before = torch.cuda.get_sync_debug_mode()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            while n < steps and batch.batch_size:
+                for name, fn in (("step", lambda: batch.speculative_step(drafter, k)), ("compact", batch.compact)):
+                    seen = len(caught)
+                    fn()
+                    counts[name] += len(caught) - seen
+                n += 1
+        finally:
+            torch.cuda.set_sync_debug_mode(before)
+    out = {name: c / max(n, 1) for name, c in counts.items()}
+    print(f"host-device syncs at batch {batch_size}, k = {k} ({sampler}), over {n} steps: "
+          f"{out['step']:.1f} per speculative step, {out['compact']:.1f} per compaction")
+    return out
 
 
 def decode_row(args, model, drafter, prompts, sampler):
@@ -191,11 +233,12 @@ def decode_bench(args, task_cfg, model, drafter):
     print(f"draft/target cost ratio c = {c:.3f}; a {k1 + 1}-token verify pass costs {verify:.2f} one-token passes")
     print(f"batch {b1['batch']}, k = {k1}: standard formula accept_len / (1 + k c) = {ideal:.2f}x; with the measured "
           f"verify cost accept_len / (verify + k c) = {predicted:.2f}x; measured {b1['speedup']:.2f}x "
-          f"(the rest is sampling and bookkeeping per step)")
+          f"(the rest is sampling and bookkeeping per step): {100 * b1['speedup'] / predicted:.0f}% of the prediction")
+    syncs = count_syncs(model, drafter, k=k1, sampler=args.sampler)
     tail = tail_workload(args, task_cfg, model, drafter)
     return {"decode": rows, "cost_ratio": c, "verify_cost_ratio": verify, "formula_speedup_b1": ideal,
             "predicted_speedup_b1": predicted, "temperature": 1.0, "sampler": args.sampler, "crossover": crossover,
-            "samplers": price, "max_new": args.max_new, "rollout": tail}
+            "samplers": price, "max_new": args.max_new, "rollout": tail, "syncs_per_step": syncs}
 
 
 @torch.no_grad()
@@ -364,6 +407,20 @@ def e2e_runs(args, root):
     return records
 
 
+def amdahl_bound(mean, names):
+    """What the rollout speedup allows: with a share f of --tlt off's step in the rollout and TLT's
+    rollout s times faster, the step is at most 1 / ((1 - f) + f / s) faster; what TLT's step spends
+    outside its rollout, against --tlt off's, is what keeps the measurement from that bound.
+    `mean(name, key)`: the mean of a run's records."""
+    share = mean("off", "rollout_time") / mean("off", "step_time")
+    s = mean("off", "rollout_time") / mean("on", "rollout_time")
+    outside = {}
+    for n in names:
+        update, wait = mean(n, "update_time"), mean(n, "slowest_wait")
+        outside[n] = {"update": update, "wait": wait, "other": mean(n, "step_time") - mean(n, "rollout_time") - update - wait}
+    return {"share": share, "rollout_speedup": s, "bound": 1 / ((1 - share) + share / s), "outside": outside}
+
+
 def e2e_bench(args, task_cfg, model, drafter):
     root = os.path.join(args.out_dir, "bench_e2e")
     records = e2e_runs(args, root)
@@ -394,6 +451,13 @@ def e2e_bench(args, task_cfg, model, drafter):
         print(f"  step by step, off / {n}: median {statistics.median(paired[n]):.2f}x, from {paired[n][0]:.2f}x to "
               f"{paired[n][-1]:.2f}x; {other[n]} of {len(records[n])} steps generated other responses (sampler {args.sampler})")
     print(f"--tlt off: rollout is {100 * median('off', 'rollout_time') / median('off', 'step_time'):.0f}% of the median step")
+    amdahl = amdahl_bound(mean, timed)
+    print(f"\nAmdahl: --tlt off spends {100 * amdahl['share']:.0f}% of a step in its rollout, and TLT's rollout is "
+          f"{amdahl['rollout_speedup']:.2f}x faster, so TLT's step can be at most {amdahl['bound']:.2f}x faster (measured "
+          f"{step['off'] / step['on']:.2f}x; {1 / (1 - amdahl['share']):.1f}x with an infinitely fast rollout). Outside the rollout, ms per step:")
+    print(f"{'':8} {'update':>7} {'wait':>7} {'other':>7}   (wait: the slowest rank, from its rollout's end to its update's start)")
+    for n in timed:
+        print(f"{n:8} " + " ".join(f"{1000 * amdahl['outside'][n][k]:7.1f}" for k in ("update", "wait", "other")))
     print("\nThose runs' bandits pick their own k, and accepted drafts per drafted token fall as k grows, so the")
     print("drafters are compared step by step in two more runs with k fixed at 4 (--draft-ks 4), same seeds:")
     print("step  accept length at k = 4: adaptive  frozen   gap   drafter top-1: adaptive  frozen   reward: off    on")
@@ -409,7 +473,7 @@ def e2e_bench(args, task_cfg, model, drafter):
     return {"e2e": {"final_accept_len": final, "off_step_time": step["off"], "on_step_time": step["on"],
                     "frozen_step_time": step["frozen"], "ngram_step_time": step["ngram"], "speedup": step["off"] / step["on"],
                     "frozen_speedup": step["off"] / step["frozen"], "ngram_speedup": step["off"] / step["ngram"],
-                    "off_rollout_share": mean("off", "rollout_share"),
+                    "off_rollout_share": mean("off", "rollout_share"), "amdahl": amdahl,
                     "median_paired_speedup": {n: statistics.median(p) for n, p in paired.items()},
                     "tail_share": {n: median(n, "tail_share") for n in ("off", "on")}, "steps": args.e2e_steps,
                     "nproc": args.nproc, "accept_len": series("accept_len", ("on", "frozen", "ngram", "on_k4", "frozen_k4")),
@@ -442,17 +506,17 @@ def main(argv=None):
         torch.set_num_threads(args.threads)
     targs, task_cfg, model, drafter = load_models(args.targs)
     device = model.wte.weight.device
-    print(f"bench on {torch.get_num_threads()} CPU thread(s)" if device.type == "cpu" else
-          f"bench on {torch.cuda.get_device_name(device)}")
-    if args.e2e:
-        result = e2e_bench(args, task_cfg, model, drafter)
-    elif args.drift:
-        result = drift_bench(targs, task_cfg, model, drafter)
-    elif args.drafters:
-        result = drafters_bench(args, targs, task_cfg, model, drafter)
-    else:
-        result = decode_bench(args, task_cfg, model, drafter)
-    print(json.dumps(result))
+    print(f"bench on {machine(device)}, {targs.dtype}")
+    with train.autocast(targs, device):  # --train-args "--dtype bfloat16": every forward under bf16 autocast
+        if args.e2e:
+            result = e2e_bench(args, task_cfg, model, drafter)
+        elif args.drift:
+            result = drift_bench(targs, task_cfg, model, drafter)
+        elif args.drafters:
+            result = drafters_bench(args, targs, task_cfg, model, drafter)
+        else:
+            result = decode_bench(args, task_cfg, model, drafter)
+    print(json.dumps({**result, "dtype": targs.dtype, "machine": machine(device)}))
 
 
 if __name__ == "__main__":

@@ -27,7 +27,8 @@ cheap part of EAGLE-3's idea, meant to keep the 2nd..k-th drafted tokens good. A
 has, and a step at half the cost gives it twice the steps, which it needs more.
 
 The buffer keeps (tokens, hidden states, prompt length) per sequence, tagged with the RL step it
-came from, for the last `keep_steps` steps. `train_step` serves the warm-up and online training.
+came from, for the last `keep_steps` steps and at most `keep_tokens` tokens (the oldest go first),
+hidden states in the run's dtype. `train_step` serves the warm-up and online training.
 
 Test: python -m pytest tests/test_drafter.py
 """
@@ -65,38 +66,71 @@ class Drafter(nn.Module):
         h_pred = self.norm(self.stack(x, cache))
         return F.linear(h_pred, self.target.lm_head.weight.detach()), h_pred
 
+    def propose(self, batch, k):
+        """What the speculative step asks of every drafter: k drafts per row of a
+        speculative.RunningBatch (B, k) and, with rejection sampling, their distributions q (B, k, V).
+        The learned drafter's drafting reads the batch's recorded hidden states and its own cache,
+        which the batch holds, so the batch runs it (`RunningBatch.draft`)."""
+        return batch.draft(self, k)
+
     def new_cache(self, batch_size, max_len=None, device=None, dtype=None):
         p = self.fuse.weight
         return KVCache(self.config, batch_size, max_len or self.config.block_size,
                        device=device or p.device, dtype=dtype or p.dtype, n_layer=1)
 
     def checksum(self):
-        """A short hash of every weight's bytes: equal across ranks means bit-identical drafters."""
+        """A short hash of every weight's bytes: equal across ranks means bit-identical drafters.
+        The bytes are read as uint8 (numpy has no bfloat16), so it works in any dtype and a float32
+        drafter hashes exactly the bytes it holds."""
         h = hashlib.sha256()
         for p in self.parameters():
-            h.update(p.detach().cpu().contiguous().numpy().tobytes())
+            h.update(p.detach().cpu().contiguous().flatten().view(torch.uint8).numpy().tobytes())
         return h.hexdigest()[:16]
 
 
 class DrafterBuffer:
-    """Sequences (token ids, target hidden states) from the last `keep_steps` RL steps."""
+    """Sequences (token ids, target hidden states) from the last `keep_steps` RL steps, and at most
+    `keep_tokens` tokens in all (None: no bound): past it the oldest sequences go first, so memory
+    stays bounded however long the responses get (a whole RL step of long ones may not fit).
+    Hidden states are kept in `dtype` (bfloat16 in a bf16 run: half the memory) and batches are
+    made in float32 (`pairs`)."""
 
-    def __init__(self, keep_steps=32):
-        self.keep_steps = keep_steps
-        self.items = []  # (step, tokens (N,) long, hidden (N-1, C) float, prompt_len)
+    def __init__(self, keep_steps=32, keep_tokens=None, dtype=torch.float32):
+        self.keep_steps, self.keep_tokens, self.dtype = keep_steps, keep_tokens, dtype
+        self.items = []  # (step, tokens (N,) long, hidden (N-1, C) in self.dtype, prompt_len), oldest first
+        self.staged = []  # (step, samples) given to add_rows, stored on the buffer's next use
 
     def add(self, step, tokens, hidden, prompt_len):
         # hidden[j] is the target's state after reading tokens[j]; the last token is never read
         if hidden.shape[0] != tokens.shape[0] - 1:
             raise ValueError(f"need one hidden state per token but the last: {tokens.shape[0]} tokens, {hidden.shape[0]} states")
-        self.items.append((step, tokens.cpu(), hidden.detach().float().cpu(), int(prompt_len)))
+        self.items.append((step, tokens.cpu(), hidden.detach().to(self.dtype).cpu(), int(prompt_len)))
         newest = max(s for s, *_ in self.items)
         self.items = [it for it in self.items if it[0] > newest - self.keep_steps]
+        if self.keep_tokens is not None:
+            n, first = self.num_tokens(), 0
+            while n > self.keep_tokens:  # drop the oldest sequences until the rest fit
+                n, first = n - self.items[first][1].shape[0], first + 1
+            del self.items[:first]
+
+    def add_rows(self, step, samples):
+        """A rollout's samples (speculative.Sample), staged without a copy: they are stored (`add`:
+        to the host, in the buffer's dtype) on the buffer's next use, which is on idle time, so the
+        rank that finishes its rollout last never pays for it before its update."""
+        self.staged.append((step, samples))
+
+    def _store_staged(self):
+        staged, self.staged = self.staged, []
+        for step, samples in staged:
+            for s in samples:
+                self.add(step, s.tokens, s.hidden, s.prompt_len)
 
     def __len__(self):
+        self._store_staged()
         return len(self.items)
 
     def num_tokens(self):
+        self._store_staged()
         return sum(t.shape[0] for _, t, _, _ in self.items)
 
     def sample(self, batch_size, rng, device="cpu"):
@@ -108,6 +142,7 @@ class DrafterBuffer:
         exactly batch_size of the possible windows: the longest sequences, the tail that
         speculation serves, are drawn as often as the median ones (a window kept whole would draw
         the two ends batch_size times less often)."""
+        self._store_staged()
         by_len = sorted(self.items, key=lambda it: it[1].shape[0])
         start = rng.randrange(-(batch_size - 1), len(by_len))
         chosen = by_len[max(start, 0):start + batch_size]
@@ -147,8 +182,8 @@ def drafter_loss(drafter, h_in, x_next, h_tgt, mask, n_positions=None, passes=2)
     """Loss of one teacher-forced pass plus (passes=2) one pass fed with its own predictions (see
     docstring), summed over the masked positions and divided by n_positions (default: this batch's
     count; when ranks train together, the count over all of them, so the mean is the global one)."""
-    with torch.no_grad():
-        p_target = F.softmax(F.linear(h_tgt, drafter.target.lm_head.weight), dim=-1)  # (B, T, V)
+    with torch.no_grad():  # both softmaxes in float32: under bf16 autocast the logits are bf16
+        p_target = F.softmax(F.linear(h_tgt, drafter.target.lm_head.weight).float(), dim=-1)  # (B, T, V)
     m = mask.float()
     n = m.sum() if n_positions is None else torch.as_tensor(float(n_positions))
     total = 0.0
@@ -156,7 +191,7 @@ def drafter_loss(drafter, h_in, x_next, h_tgt, mask, n_positions=None, passes=2)
     for _ in range(passes):
         logits, h_pred = drafter(h_feed, x_next)
         reg = F.smooth_l1_loss(h_pred, h_tgt, reduction="none").mean(-1)  # (B, T)
-        ce = -(p_target * F.log_softmax(logits, dim=-1)).sum(-1)  # (B, T)
+        ce = -(p_target * F.log_softmax(logits.float(), dim=-1)).sum(-1)  # (B, T)
         total = total + ((HIDDEN_WEIGHT * reg + CE_WEIGHT * ce) * m).sum()
         # the next pass sees, at position t, the drafter's own guess of h_t (made at t-1)
         h_feed = torch.cat([h_in[:, :1], h_pred[:, :-1].detach()], dim=1)
@@ -198,17 +233,18 @@ def top1_agreement(drafter, h_in, x_next, h_tgt, mask):
     return int((agree & mask).sum()), int(mask.sum())
 
 
-@torch.no_grad()
-def fresh_agreement(drafter, samples, chunk=4, device="cpu"):
-    """`top1_agreement` over a rollout's samples (speculative.Sample), in chunks of similar-length
-    sequences: it runs before the idle barrier, so the slowest rank pays for it, and padding is kept small."""
-    agree = total = 0
+def agreement_chores(drafter, samples, into, chunk=4, device="cpu"):
+    """`top1_agreement` over a rollout's samples (speculative.Sample), as chores for the idle loop
+    (scheduler.idle_train): each scores one chunk of similar-length sequences (little padding) and
+    adds (agreeing positions, positions) to the list `into`. They run on idle time, before the
+    drafter trains on these rows; the last rank to arrive runs none, so the figure leaves its rows out."""
     samples = sorted(samples, key=lambda s: s.tokens.shape[0])
-    for i in range(0, len(samples), chunk):
-        seqs = [(s.tokens, s.hidden, s.prompt_len) for s in samples[i:i + chunk]]
-        a, n = top1_agreement(drafter, *pairs(seqs, device))
-        agree, total = agree + a, total + n
-    return agree, total
+
+    def score(part):
+        a, n = top1_agreement(drafter, *pairs([(s.tokens, s.hidden, s.prompt_len) for s in part], device))
+        into[0] += a
+        into[1] += n
+    return [lambda part=samples[i:i + chunk]: score(part) for i in range(0, len(samples), chunk)]
 
 
 class NgramDrafter:
@@ -223,8 +259,10 @@ class NgramDrafter:
     def __init__(self, n=3):
         self.n = n
 
-    def propose(self, tokens, n_tokens, k):
-        """tokens (B, W) with row b's first n_tokens[b] valid -> drafts (B, k)."""
+    def propose(self, batch, k):
+        """A speculative.RunningBatch -> drafts (B, k) from its tokens (B, W), row b's first
+        n_tokens[b] valid, and q = None: the proposals are deterministic (a one-hot q)."""
+        tokens, n_tokens = batch.tokens, batch.n_tokens
         B, W = tokens.shape
         n = self.n
         offs = torch.arange(n, device=tokens.device)
@@ -235,7 +273,7 @@ class NgramDrafter:
         start = torch.where(match, j[None], -1).max(1).values  # (B,) the latest match, -1 for none
         follow = (start + n)[:, None] + torch.arange(k, device=tokens.device)  # (B, k)
         follow = torch.where(start[:, None] >= 0, follow, n_tokens[:, None] - 1)  # no match: the last token
-        return tokens.gather(1, torch.minimum(follow, n_tokens[:, None] - 1))
+        return tokens.gather(1, torch.minimum(follow, n_tokens[:, None] - 1)), None
 
 
 def make_optimizer(drafter, lr=3e-3):

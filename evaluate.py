@@ -14,19 +14,19 @@ Test: python -m pytest tests/test_train.py   (a run prints both checks)
 import torch
 
 import task
-from common import Seed, derive_seed, print0
+from common import Seed, beat, derive_seed, print0, wait_for_all
 from scheduler import gather_ranks
 from speculative import autoregressive_generate, speculative_generate
 
 
 @torch.no_grad()
 def evaluate(model, problems, rank=0, world_size=1, drafter=None, temperature=0.0, seed=0, batch_size=64,
-             sampler="gumbel", task_cfg=task.TaskConfig()):
+             sampler="gumbel", task_cfg=task.TaskConfig(), k=4):
     """Held-out accuracy by problem size, and every generated response (token ids), all ranks
     together. Greedy by default; with a drafter, decoding is speculative, which at temperature 0
     must give exactly the same tokens. At temperature > 0 problem j's key is derived from (seed, j),
     so with sampler "gumbel" the tokens do not depend on the ranks or on the drafter; with
-    "rejection" the sampling is seeded per rank."""
+    "rejection" the sampling is seeded per rank. k: the draft length of speculative decoding."""
     gen = torch.Generator(device=model.wte.weight.device).manual_seed(derive_seed(seed, rank, 0, Seed.EVAL))
     mine = list(range(rank, len(problems), world_size))
     outputs = [None] * len(problems)
@@ -39,9 +39,11 @@ def evaluate(model, problems, rank=0, world_size=1, drafter=None, temperature=0.
         if drafter is None:
             outs, _ = autoregressive_generate(model, prompts, max_new, **how)
         else:
-            outs, _ = speculative_generate(model, drafter, prompts, max_new, k=4, **how)
+            outs, _ = speculative_generate(model, drafter, prompts, max_new, k=k, **how)
         for j, o in zip(idx, outs):
             outputs[j] = o
+        beat()  # the shards' lengths differ, so the ranks finish far apart: waited for by liveness
+    wait_for_all()
     for part in gather_ranks(outputs):  # each rank filled its own indices
         outputs = [o if o is not None else p for o, p in zip(outputs, part)]
     rewards = [task.reward(p.prompt(), task.decode(o)) for p, o in zip(problems, outputs)]
@@ -53,17 +55,21 @@ def evaluate_both(model, drafter, problems, args, task_cfg, rank, world_size, wh
     problem) held-out accuracy. With --tlt on the sampling decodes speculatively: lossless, and
     faster, which pays for more samples and so for less noise. With check, also counts the
     responses in which speculative decoding differs from plain decoding, greedy and sampled
-    (exact-token sampling, one sample per problem)."""
+    (exact-token sampling, one sample per problem). Speculation drafts k = max(--draft-ks) tokens:
+    the longest draft the run may use, which --block-size was checked against (the bandit's choice
+    differs by batch size and rank); with --draft-ks 0 the run never speculates, nor does this."""
     if not problems:
         return {}
+    k = max(args.draft_ks)
+    drafter = drafter if k > 0 else None
     greedy, plain_out = evaluate(model, problems, rank, world_size, task_cfg=task_cfg)
     sampled, _ = evaluate(model, problems * args.eval_samples, rank, world_size, drafter=drafter if args.tlt else None,
-                          temperature=args.temperature, seed=args.seed, sampler=args.sampler, task_cfg=task_cfg)
+                          temperature=args.temperature, seed=args.seed, sampler=args.sampler, task_cfg=task_cfg, k=k)
     print0(f"held-out accuracy {when} ({len(problems)} problems), greedy:  {format_accuracy(greedy)}")
     print0(f"held-out accuracy {when}, sampled at T={args.temperature:g}: {format_accuracy(sampled)}")
-    if check:  # lossless in practice: speculative decoding gives the plain responses, token for token
-        _, sd_greedy = evaluate(model, problems, rank, world_size, drafter=drafter, task_cfg=task_cfg)
-        how = dict(temperature=args.temperature, seed=args.seed + 1, sampler="gumbel", task_cfg=task_cfg)
+    if check and drafter is not None:  # lossless in practice: speculative decoding gives the plain responses, token for token
+        _, sd_greedy = evaluate(model, problems, rank, world_size, drafter=drafter, task_cfg=task_cfg, k=k)
+        how = dict(temperature=args.temperature, seed=args.seed + 1, sampler="gumbel", task_cfg=task_cfg, k=k)
         _, plain_sampled = evaluate(model, problems, rank, world_size, **how)
         _, sd_sampled = evaluate(model, problems, rank, world_size, drafter=drafter, **how)
         # float32 passes of different shapes (1 token, k + 1 tokens) round differently, so a near-tie

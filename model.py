@@ -26,9 +26,22 @@ well makes the drafter's share large, and speculation then barely pays (RESULTS.
 
 Simplifications on purpose: rotary position embeddings (positions are per row, so RoPE is a
 gather, not a slice, and one complex multiply), LayerNorm without bias and GPT-2's tanh GELU (on a
-CPU at batch 1 every kernel launch counts, and LayerNorm is one fused kernel where RMSNorm is a few), tied embedding and LM head, no dropout. float32 everywhere; bf16 on CUDA
-would need the rotary multiply kept in float32 (there is no bf16 complex type), untested here for
-want of a GPU.
+CPU at batch 1 every kernel launch counts, and LayerNorm is one fused kernel where RMSNorm is a few),
+tied embedding and LM head, no dropout.
+
+No host-device sync in a forward with a cache: the attention window (how many key positions the
+new tokens may see) is `cache.window`, an upper bound on the longest row after the append that the
+caller knows on the host and sets before the forward (speculative.RunningBatch does; on the cache,
+so it reaches the drafter's forward too, which shares RotaryStack). Keys past a row's own position
+are masked anyway, so a loose bound only wastes attention. Without it the forward reads the
+lengths to learn the window (a sync), which is fine outside a decoding loop.
+
+bf16: weights in float32 under torch.autocast (CPU or CUDA) is the supported way. Under autocast
+the linear layers run in bf16 and the residual stream, the norms' inputs and `hidden` stay
+float32; the rotary multiply is done in float32 (there is no bf16 complex type) and cast back,
+and the rotary table stays float32 even after model.bfloat16(). The KV cache is made in the
+autocast dtype (`new_cache`: half the memory, and what SDPA reads under autocast, so it casts
+nothing per layer) and the attention mask in that dtype too. SDPA's softmax accumulates in float32.
 
 Test: python -m pytest tests/test_model.py
 """
@@ -69,6 +82,13 @@ class KVCache:
         self.kv = torch.zeros((n_layer, 2, batch_size, config.n_head, max_len, hd), device=device, dtype=dtype)
         self.lengths = torch.zeros(batch_size, dtype=torch.long, device=device)
         self.max_len = max_len
+        # the attention window of the next forward with this cache, set by a caller that knows it on
+        # the host: an upper bound on max(lengths) + T after that append; the forward consumes it
+        # (None: it reads the lengths, a sync). See RotaryStack.forward.
+        self.window = None
+        # 0 .. max_len-1 and 0 .. B-1, made once: slicing them is free, a fresh arange is a kernel
+        self.offsets = torch.arange(max_len, device=device)
+        self.rows = torch.arange(batch_size, device=device)
 
     @property
     def k(self):
@@ -83,29 +103,37 @@ class KVCache:
         return self.lengths.shape[0]
 
     def keep(self, rows):
-        """Compaction: keep only `rows` (a long tensor of row indices), in that order: slot i gets
-        row rows[i]. Only the slots whose row changes are copied, and the cache becomes a view of
+        """Compaction: keep only `rows` (row indices, a list or a long tensor), in that order: slot i
+        gets row rows[i]. Only the slots whose row changes are copied, and the cache becomes a view of
         its first len(rows) slots. RunningBatch.compact moves the few live rows past the new end
         into the holes that finished rows leave, so a compaction copies a few rows instead of the
-        whole cache (tens of MB at batch 64 with 12 layers)."""
-        n = rows.shape[0]
-        moved = (rows != torch.arange(n, device=rows.device)).nonzero()[:, 0]
-        if moved.numel():
-            self.kv[:, :, moved] = self.kv[:, :, rows[moved]]  # the right side is a copy: safe for any order
-        self.kv = self.kv[:, :, :n]
-        self.lengths = self.lengths[rows]
+        whole cache (tens of MB at batch 64 with 12 layers). A list is read on the host; a tensor is
+        read once (a sync)."""
+        rows = rows.tolist() if torch.is_tensor(rows) else list(rows)
+        moved = [i for i, r in enumerate(rows) if r != i]
+        dev = self.kv.device
+        if moved:  # the right side is a copy: safe for any order
+            self.kv[:, :, torch.tensor(moved, device=dev)] = self.kv[:, :, torch.tensor([rows[i] for i in moved], device=dev)]
+        self.kv = self.kv[:, :, :len(rows)]
+        self.lengths = self.lengths[torch.tensor(rows, dtype=torch.long, device=dev)]
+        self.rows = self.rows[:len(rows)]
 
 
-def rope_tables(head_dim, max_len, base, device):
+def rope_table(head_dim, max_len, base, device=None):
+    """(max_len, head_dim/2, 2) float32: cos and sin of every position's angle per channel pair,
+    computed in float64 (bf16 angles would be off by whole radians at position 200)."""
     inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float64) / head_dim))
     angles = torch.outer(torch.arange(max_len, device=device, dtype=torch.float64), inv_freq)  # (L, hd/2)
-    return angles.cos(), angles.sin()
+    return torch.stack((angles.cos(), angles.sin()), dim=-1).float()
 
 
 def apply_rope(x, rot):
-    # x (..., T, hd) real; rot (B, 1, T, hd/2) complex, e^(i angle). Each pair of channels is one complex
-    # number, and rotating it by its position's angle is one complex multiply: a single kernel.
-    return torch.view_as_real(torch.view_as_complex(x.unflatten(-1, (-1, 2))) * rot).flatten(-2)
+    # x (..., T, hd) real; rot (..., T, hd/2) complex, e^(i angle). Each pair of channels is one complex
+    # number, and rotating it by its position's angle is one complex multiply: a single kernel. In at
+    # least float32 (there is no bf16 complex type), back in x's dtype after; for float32 and float64
+    # both casts are no-ops.
+    wide = x.dtype if x.dtype in (torch.float32, torch.float64) else torch.float32
+    return torch.view_as_real(torch.view_as_complex(x.to(wide).unflatten(-1, (-1, 2))) * rot).flatten(-2).to(x.dtype)
 
 
 class Attention(nn.Module):
@@ -118,12 +146,15 @@ class Attention(nn.Module):
     def forward(self, x, rot, kv=None, where=None, mask=None):
         B, T, C = x.shape
         qkv = self.qkv(x).view(B, T, 3, self.n_head, C // self.n_head).permute(2, 0, 3, 1, 4)  # (3, B, H, T, hd)
-        qk = apply_rope(qkv[:2], rot)  # queries and keys rotated in one go
-        q, k, v = qk[0], qk[1], qkv[2]
+        # rot turns queries and keys and multiplies values by 1: one multiply, and keys and values
+        # come out side by side, as the cache holds them
+        qkv = apply_rope(qkv, rot)  # (3, B, H, T, hd)
+        q, k, v = qkv
         if kv is None:  # plain causal pass, positions 0..T-1
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         else:  # kv: this layer's (2, B, H, max_len, hd) slice of the cache; where = (rows, positions)
-            kv[:, where[0], :, where[1]] = torch.stack((k, v)).permute(1, 3, 0, 2, 4)  # row b's T entries at its positions
+            # row b's T entries at its positions (the cast is a no-op unless the cache was made outside autocast)
+            kv[:, where[0], :, where[1]] = qkv[1:].permute(1, 3, 0, 2, 4).to(kv.dtype)
             n_keys = mask.shape[-1]
             y = F.scaled_dot_product_attention(q, kv[0, :, :, :n_keys], kv[1, :, :, :n_keys], attn_mask=mask)
         return self.proj(y.transpose(1, 2).reshape(B, T, C))
@@ -151,27 +182,48 @@ class RotaryStack(nn.Module):
         super().__init__()
         self.config = config
         self.blocks = nn.ModuleList(Block(config) for _ in range(n_layer))
-        cos, sin = rope_tables(config.n_embd // config.n_head, config.block_size, config.rope_base, "cpu")
-        self.register_buffer("rope_cos", cos.float(), persistent=False)
-        self.register_buffer("rope_sin", sin.float(), persistent=False)
+        self.register_buffer("rope", self._rope_table("cpu"), persistent=False)  # (block_size, 3, hd/2, 2)
+
+    def _rope_table(self, device):
+        """Per position: the rotation of queries, of keys, and 1 (+0i) for values (see Attention)."""
+        c = self.config
+        turn = rope_table(c.n_embd // c.n_head, c.block_size, c.rope_base, device)  # (L, hd/2, 2)
+        one = torch.zeros_like(turn)
+        one[..., 0] = 1.0
+        return torch.stack((turn, turn, one), dim=1)
+
+    def _apply(self, fn, recurse=True):
+        # .to(), .double(), .bfloat16() reach buffers through here: a table pushed below float32 is
+        # made again in float32 on its new device (float64, from .double(), is kept)
+        super()._apply(fn, recurse)
+        if self.rope.dtype not in (torch.float32, torch.float64):
+            self.rope = self._rope_table(self.rope.device)
+        return self
 
     def forward(self, x, cache=None):
+        """x (B, T, C) -> (B, T, C). With a cache, the attention window is cache.window, an upper
+        bound on max(cache.lengths) + T that the caller knows on the host (keys past a row's own
+        position are masked anyway), used once; without it the forward reads the lengths, a sync."""
         B, T, _ = x.shape
         if cache is None:
             pos = torch.arange(T, device=x.device).expand(B, T)
+            window, limit = T, self.config.block_size
         else:
-            pos = cache.lengths[:, None] + torch.arange(T, device=x.device)  # (B, T)
-        # host-device sync: the attention window is the longest row after the append
-        n_keys = int(pos[:, -1].max()) + 1
-        limit = self.config.block_size if cache is None else min(cache.max_len, self.config.block_size)
-        if n_keys > limit:
-            raise ValueError(f"position {n_keys - 1} is past the model's {limit} positions")
-        rot = torch.complex(self.rope_cos[pos], self.rope_sin[pos])[:, None]  # (B, 1, T, hd/2)
+            pos = cache.lengths[:, None] + cache.offsets[:T]  # (B, T)
+            window, cache.window = cache.window, None
+            if window is None:
+                window = int(cache.lengths.max()) + T  # sync: no window given, so read the longest row
+            limit = min(cache.max_len, self.config.block_size)
+        if window > limit:
+            raise ValueError(f"position {window - 1} is past the model's {limit} positions")
+        rot = torch.view_as_complex(self.rope[pos]).permute(2, 0, 1, 3)[:, :, None]  # (3, B, 1, T, hd/2): q, k, v
         where = mask = None
         if cache is not None:  # a query at position p sees keys 0..p of its own row, never stale entries past p
-            where = (torch.arange(B, device=x.device)[:, None], pos)
-            seen = torch.arange(n_keys, device=x.device) <= pos[:, None, :, None]  # (B, 1, T, n_keys)
-            mask = torch.zeros(seen.shape, dtype=x.dtype, device=x.device).masked_fill_(~seen, float("-inf"))
+            where = (cache.rows[:, None], pos)
+            # in the dtype SDPA computes in (the autocast one, if on), so it casts nothing per layer
+            dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
+            unseen = cache.offsets[:window] > pos[:, None, :, None]  # (B, 1, T, window)
+            mask = torch.zeros(unseen.shape, dtype=dtype, device=x.device).masked_fill_(unseen, float("-inf"))
         for i, block in enumerate(self.blocks):
             x = block(x, rot, None if cache is None else cache.kv[i], where, mask)
         if cache is not None:
@@ -204,9 +256,13 @@ class GPT(nn.Module):
         return self.lm_head(hidden), hidden
 
     def new_cache(self, batch_size, max_len=None, device=None, dtype=None):
+        """A KVCache on the model's device, in the dtype attention computes in: the autocast dtype
+        when made under autocast, else the weights' dtype."""
         p = self.wte.weight
-        return KVCache(self.config, batch_size, max_len or self.config.block_size,
-                       device=device or p.device, dtype=dtype or p.dtype)
+        device = torch.device(device or p.device)
+        if dtype is None:
+            dtype = torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else p.dtype
+        return KVCache(self.config, batch_size, max_len or self.config.block_size, device=device, dtype=dtype)
 
     def num_params(self):
         return sum(p.numel() for p in self.parameters())

@@ -95,16 +95,37 @@ def global_mean_scale(n_local, device="cpu"):
     return world / max(n.item(), 1.0)
 
 
+def deal_by_tokens(lengths, world_size):
+    """Row indices -> the rows each rank updates: {rank: [rows]}, with about the same number of
+    tokens per rank (longest row first, each to the rank with the fewest tokens so far). The
+    rollout deals rows to ranks as they come; after it, the rows that carry a gradient are what
+    the update costs, and they are spread unevenly (a group whose rewards are all equal has none),
+    so a rank with more of them would keep the others waiting at DDP's all-reduce. Every rank
+    computes the same deal from the same lengths."""
+    load, deal = [0] * world_size, {r: [] for r in range(world_size)}
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        r = min(range(world_size), key=lambda r: (load[r], r))
+        deal[r].append(i)
+        load[r] += lengths[i]
+    return deal
+
+
 def grpo_update(model, net, opt, sequences, prompt_lens, advantages, *, pad_id, update_tokens, epochs=1, clip_eps=0.2,
-                kl_coef=0.0, ref_model=None, device="cpu"):
+                kl_coef=0.0, ref_model=None, device="cpu", n_total=None):
     """One GRPO update on this rank's rollouts: `sequences` (token lists, prompt + response) with
     their prompt lengths and advantages. `net` is `model`, or its DDP wrapper under torchrun.
     Length-grouped micro-batches of about `update_tokens` padded tokens, gradients accumulated, one
     all-reduce (DDP), one optimizer step per epoch. A rank with no rows still takes part with a
     zero loss, so collectives line up. Returns (loss, clip fraction, skipped) where skipped means
-    a non-finite loss or gradient, skipped on every rank."""
+    a non-finite loss or gradient, skipped on every rank. n_total: the response tokens of the whole
+    global batch, when the caller knows it (train.rl_step, which re-deals the rows); else it is
+    all-reduced from every rank's own (`global_mean_scale`)."""
     n_local = sum(len(s) - p for s, p in zip(sequences, prompt_lens))
-    scale = global_mean_scale(n_local, device)  # the token-level mean is over every rank's tokens
+    # the token-level mean is over every rank's tokens
+    if n_total is None:
+        scale = global_mean_scale(n_local, device)
+    else:
+        scale = (dist.get_world_size() if dist.is_initialized() else 1) / max(n_total, 1)
     # rows with advantage 0 (groups whose rewards are all equal) add exactly 0 to the loss and its
     # gradient, so skipping them changes nothing but the time (not so with a KL term)
     active = [i for i in range(len(sequences)) if kl_coef > 0 or advantages[i] != 0]

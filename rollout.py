@@ -146,7 +146,7 @@ def rollout(target, drafter, prompts, max_new_tokens, *, temperature=1.0, eos_id
         t1 = time.perf_counter()
         if progress:
             progress()
-        if use_sd and B <= sd_threshold:
+        if use_sd and B <= sd_threshold:  # sync: the bandit scores k by this step's tokens per second, on the host
             bandit.update(B, k, int(n_emitted.sum()), t1 - t0)
         stats.add_step(n_emitted)
         stats.batch_sizes.append(B)
@@ -156,6 +156,7 @@ def rollout(target, drafter, prompts, max_new_tokens, *, temperature=1.0, eos_id
         else:
             stats.plain_time += t1 - t0
         add_segment(stats.segments, "spec" if k else "plain", t0 - t_start, t1 - t_start)
+    stats.settle()  # sync: the counts the steps left on the device, read once
     stats.time = time.perf_counter() - t_start
     stats.tail_share = tail_share(stats.batch_sizes, stats.step_times, stats.time, len(prompts))
     return batch.results, stats

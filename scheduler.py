@@ -11,10 +11,13 @@ completed, trains the drafter on its local buffer one short step at a time:
 So idle time becomes drafter training with torch.distributed alone: no scheduler process, no
 RPC. Preemption comes from the last rank finishing its rollout, never from the trainer's own
 progress. A step must be short, since the slowest rank waits at most one step for the others.
+Whatever else the drafter needs from the step (its health figure on the fresh rows) is done in
+the same loop, before training; the last rank to arrive does none of it, so between its rollout
+and its update there is only what the update needs.
 
 Then every rank must hold the same drafter again: parameters are averaged, weighted by each
 rank's number of local steps (a rank that trained 0 steps contributes nothing; if nobody trained,
-nothing changes). All-reduce gives every rank bit-identical sums, so the checksums match, and
+nothing changes), in one all-reduce that runs while the target updates. All-reduce gives every rank bit-identical sums, so the checksums match, and
 train.py warns if they ever do not. Only the weights are synced: each rank's AdamW moments stay
 its own, built from its own steps, which is harmless (they only scale that rank's next updates,
 whose result is averaged again). A checkpoint holds rank 0's optimizer state, and after a resume
@@ -29,120 +32,85 @@ technique, not a bug: the training is free only because it fills time otherwise 
 
 Test: python -m pytest tests/test_scheduler.py   (4 gloo processes with skewed loads)
 """
-import datetime
-import math
 import time
+from collections import deque
 
 import torch
 import torch.distributed as dist
 from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
-from common import add_segment, multi_rank
+from common import Liveness, add_segment, multi_rank, until_all_arrive  # Liveness lives in common (every wait uses it)
 from drafter import DRAFTER_BATCH, train_step
 
 TIMELINE_CHARS = {"plain": "#", "spec": "S", "train": "t", "wait": "."}
 
 
-class Liveness:
-    """Tells a slow rank from a dead one. A long-tail rollout can take minutes on a real model, so
-    a rank that waits for the others must not give up after a fixed time; it gives up when a peer
-    stops making progress. Every rank bumps its own counter in the rendezvous store while it works
-    (`beat`: each decoding step, each idle step; at most once a second), and a waiting rank reads
-    the others' counters (`check`: at most once a second) and raises, naming the rank, when one has
-    not moved for `timeout_s` seconds by the waiting rank's own clock.
+def idle_train(drafter, optimizer, buffer, rng, *, chores=(), enabled=True, batch_size=DRAFTER_BATCH, passes=2,
+               device="cpu", liveness=None, timeout_s=300.0, grace_s=0.02):
+    """Train the drafter until every rank has reached this point: the technique's idle loop,
 
-    The idle barrier runs in a process group of its own with a timeout of days, since liveness is
-    judged here; every other collective keeps the short timeout of the default group, as ranks
-    reach those together. A killed rank closes its connections and fails the barrier at once;
-    a hung one (stopped, deadlocked) stops beating and is caught by `check`."""
+        work = dist.barrier(async_op=True)      # completes when the LAST rank arrives
+        while not work.is_completed():
+            next chore, or one drafter train_step
 
-    def __init__(self, store, rank, world_size, timeout_s, every_s=1.0):
-        self.store, self.rank, self.world_size = store, rank, world_size
-        self.timeout_s, self.every_s = timeout_s, every_s
-        self.group = dist.new_group(backend="gloo", timeout=datetime.timedelta(days=7))  # collective: every rank
-        self._last_beat = self._last_check = -math.inf
-        self._seen = {}  # peer -> (its counter, when this rank saw it change)
+    `chores` are what the drafter needs from this step before it trains on it (its health figure on
+    the fresh rows, one chunk per chore), run one per turn. The ones still waiting when the last
+    rank arrives are dropped: they never delay it. A single process has no idle time and nobody
+    to delay, so it runs them all and trains nothing. Returns (steps, skipped steps, idle seconds,
+    segments) with segments as [kind, start, end] relative to the call.
 
-    def beat(self):
-        now = time.monotonic()
-        if now - self._last_beat >= self.every_s:
-            self.store.add(f"alive/{self.rank}", 1)
-            self._last_beat = now
-
-    def start_wait(self):
-        """A new wait: a peer's silence is counted from now (between waits nobody needs to beat)."""
-        self._seen, self._last_check = {}, -math.inf
-
-    def check(self):
-        now = time.monotonic()
-        if now - self._last_check < self.every_s:
-            return
-        self._last_check = now
-        for r in range(self.world_size):
-            if r != self.rank:
-                count = self.store.add(f"alive/{r}", 0)  # adding 0 reads the counter
-                if r not in self._seen or self._seen[r][0] != count:
-                    self._seen[r] = (count, now)
-                elif now - self._seen[r][1] > self.timeout_s:
-                    raise RuntimeError(f"rank {r} has made no progress for {now - self._seen[r][1]:.0f}s "
-                                       f"(limit {self.timeout_s:.0f}s, TLT_COLLECTIVE_TIMEOUT): it is dead or hung")
-
-
-def idle_train(drafter, optimizer, buffer, rng, *, enabled=True, batch_size=DRAFTER_BATCH, passes=2, device="cpu",
-               liveness=None, timeout_s=300.0, grace_s=0.02):
-    """Train the drafter until every rank has reached this point. Returns (steps, skipped steps,
-    idle seconds, segments) with segments as [kind, start, end] relative to the call. With a
-    `Liveness`, waits as long as every peer makes progress; without one, at most timeout_s."""
+    Preemption bound: the loop looks at the barrier between turns, so a rank that is busy when the
+    last rank arrives stops within one chore or one drafter step (DRAFTER_BATCH sequences: a few
+    milliseconds here; `metrics.jsonl`'s `slowest_wait` shows what the slowest rank paid for it).
+    The barrier's grace period, liveness and errors: common.until_all_arrive."""
     t0 = time.perf_counter()
+    chores = deque(chores)
     if not multi_rank():
+        while chores:
+            chores.popleft()()
         return 0, 0, 0.0, []
-    work = dist.barrier(group=liveness.group if liveness else None, async_op=True)
-    if liveness:
-        liveness.start_wait()
     steps, skipped, segments = 0, 0, []
     can_train = enabled and len(buffer) > 0
-    # grace period: the last rank to arrive sees the barrier complete within moments and must not
-    # start a drafter step that everyone would then wait for
-    while not work.is_completed() and time.perf_counter() - t0 < grace_s:
-        time.sleep(0.0005)
-    while not work.is_completed():
-        if liveness:
-            liveness.beat()
-            liveness.check()
-        elif time.perf_counter() - t0 > timeout_s:  # a peer died or hangs: fail loudly, don't wait forever
-            raise RuntimeError(f"idle-rank barrier not completed after {timeout_s:.0f}s: a rank is dead or stuck")
-        if can_train:
-            s = time.perf_counter() - t0
+    for _ in until_all_arrive(liveness, grace_s=grace_s, timeout_s=timeout_s):  # the async barrier, turn by turn
+        s = time.perf_counter() - t0
+        if chores:
+            chores.popleft()()
+        elif can_train:
             _, applied = train_step(drafter, optimizer, buffer, rng, batch_size=batch_size, device=device, passes=passes)
             steps += applied
             skipped += not applied
-            add_segment(segments, "train", s, time.perf_counter() - t0)
         else:
             time.sleep(0.001)
-    try:
-        work.wait()  # surfaces an error if the barrier failed
-    except RuntimeError as e:  # a peer closed its connections: it crashed or was killed
-        raise RuntimeError(f"the idle barrier failed: a peer is gone (torchrun's summary names the rank that "
-                           f"failed first; its log says why): {e}") from e
+            continue
+        add_segment(segments, "train", s, time.perf_counter() - t0)
     idle = time.perf_counter() - t0
     add_segment(segments, "wait", segments[-1][2] if segments else 0.0, idle)
     return steps, skipped, idle, segments
 
 
 @torch.no_grad()
-def sync_drafter(drafter, local_steps):
-    """Average drafter weights over ranks, weighted by local training steps (a non-finite step is
-    never applied, drafter.train_step, so every rank's weights are finite)."""
+def start_drafter_sync(drafter, local_steps):
+    """Average the drafter weights over ranks, weighted by each rank's local training steps, in the
+    background: one all-reduce of [steps * weights, steps] is started here, so it overlaps the
+    target's update, and the returned `finish()` (called after the update, before the next rollout)
+    waits for it and writes the average in. A rank that trained 0 steps adds nothing: the slowest
+    rank, which never trains, must not pull the others back. If nobody trained, nothing changes.
+    Every rank gets bit-identical sums, so identical weights (a non-finite step is never applied,
+    drafter.train_step, so every rank's weights are finite)."""
     if not multi_rank():
-        return
-    flat = parameters_to_vector(drafter.parameters()).double()
-    w = torch.tensor([float(local_steps)], dtype=torch.float64, device=flat.device)
-    dist.all_reduce(w)
-    if w.item() == 0:  # nobody trained: weights are already identical
-        return
-    flat *= local_steps
-    dist.all_reduce(flat)
-    vector_to_parameters((flat / w).to(next(drafter.parameters()).dtype), drafter.parameters())
+        return lambda: None
+    params = list(drafter.parameters())
+    flat = torch.cat([parameters_to_vector(params).double() * local_steps,
+                      torch.tensor([float(local_steps)], dtype=torch.float64, device=params[0].device)])
+    work = dist.all_reduce(flat, async_op=True)
+
+    @torch.no_grad()
+    def finish():
+        work.wait()
+        total = flat[-1].item()  # sync: the summed step count
+        if total > 0:
+            vector_to_parameters((flat[:-1] / total).to(params[0].dtype), params)
+    return finish
 
 
 def gather_ranks(record):

@@ -3,18 +3,20 @@
 The pieces, in the order one speculative step uses them:
 
 1. `probs(logits, temperature)`: softmax at a temperature; temperature 0 is greedy (one-hot).
-2. Drafting: the drafter first catches up on the target hidden states it has not read yet (a
-   ragged number per row), then proposes k tokens, feeding its own predicted hidden state back.
+2. Drafting: the drafter proposes k tokens per row (`propose(batch, k)`, the one method every
+   drafter offers). The learned drafter (`RunningBatch.draft`) first catches up on the target
+   hidden states it has not read yet (a ragged number per row), then proposes k tokens, feeding
+   its own predicted hidden state back; the n-gram drafter looks them up in the row's own text.
 3. Verification: the target reads [pending token, d_1..d_k] in one forward pass (T = k + 1).
 4. The verify rule, one of two samplers (both lossless; greedy decoding is the same in both):
    - "rejection", `verify`: exact rejection sampling (Leviathan et al. 2023, Chen et al. 2023).
      Draft d_i is kept with probability min(1, p(d_i) / q(d_i)); at the first rejection the next
      token is drawn from normalise(max(p - q, 0)); if all k are kept, from p at position k+1.
      The emitted tokens are then distributed exactly as the target's own samples.
-   - "gumbel", `verify_gumbel`: exact-token sampling. Every row has a key, and the token at
+   - "gumbel", `verify_gumbel`: exact-token sampling. Every row has a 64-bit key, and the token at
      position t is argmax(logits_t / T + g(key, t)), where g is a vector of Gumbel(0, 1) noise,
      one value per token id, computed from (key, t, token id) by a counter-based hash
-     (`gumbel_noise`). By the Gumbel-max trick that argmax is a sample of softmax(logits_t / T),
+     (`gumbel_seeds` per (key, t), made once per batch for every position; `gumbel_noise` per token). By the Gumbel-max trick that argmax is a sample of softmax(logits_t / T),
      so each token's marginal is exactly the target's. The noise depends on where a token is,
      not on how it was computed, so plain decoding, a speculative step, a different batch order
      or another rank all pick the same token from the same logits. The drafter drafts with the
@@ -39,8 +41,17 @@ kind of step throughout; rollout.py mixes the two kinds of step by batch size. `
 counts what they did (tokens, speculative row-steps, drafts proposed and accepted); the generate
 functions return it as a dict, the interface their callers and tests rely on.
 
-Host-device syncs are marked "sync:". On a CPU they are free; on a GPU there are a few per step
-(finding finished rows and the attention window), which is the price of a truly shrinking batch.
+Host-device round trips (marked "sync:"; free on a CPU, a stall of the GPU's queue on a GPU). A
+speculative step (drafting, verify, bookkeeping) makes none: every size it needs is a bound the
+host keeps (`RunningBatch.longest`: the attention windows; `unread`: the drafter's catch-up width),
+handed to each forward through `cache.window`, and DecodeStats keeps the step's counts on the
+device until the end. What remains per step is one read in `compact`: which rows finished (the
+host must know, to shrink the batch and hand results back: the price of a truly shrinking batch),
+read together with every row's length, which makes the next step's windows exact. A step in which
+rows finish reads their tokens too. rollout.py adds the bandit's read of the step's tokens and the
+clock's torch.cuda.synchronize (it scores k by measured tokens per second). Once per batch: the
+prefill's distinct prompts (torch.unique) and, with "gumbel" and no keys, the base key.
+`bench.count_syncs` counts them on a GPU.
 
 Test: python -m pytest tests/test_speculative.py
 """
@@ -51,13 +62,11 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from drafter import NgramDrafter
-
 
 def probs(logits, temperature):
     """(..., V) logits -> (..., V) float32 probabilities; temperature 0 gives one-hot argmax."""
     if temperature == 0:
-        return F.one_hot(logits.argmax(-1), logits.shape[-1]).float()
+        return torch.zeros_like(logits, dtype=torch.float32).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
     return F.softmax(logits.float() if temperature == 1 else logits.float() / temperature, dim=-1)
 
 
@@ -92,55 +101,52 @@ def _token_hashes(vocab_size, device):
     return _mix32_(torch.arange(vocab_size, device=device) + 0x9E3779B9)  # (V,), distinct: the hash is a bijection
 
 
-def row_streams(keys):
-    """keys (B,) int64 >= 0 -> (B,) where each row's noise stream starts: a hash of its 64-bit key.
-    A RunningBatch computes it once per row, not once per decoding step."""
-    return _mix32_(_mix32_(keys >> 32) ^ (keys & MASK32))
+def gumbel_seeds(keys, positions):
+    """keys (B,) int64 >= 0 and positions (B, T) int64 in 0 .. 2^31 -> (B, T) the 32-bit seeds of
+    the "gumbel" sampler's noise: the position's hash, then the key's low 32 bits mixed in (one
+    round of the 32-bit mixer), then its high 32 bits (a second round). So the whole 64-bit key
+    reaches every seed and the position enters only through its hash: there is no shift structure.
+    (A 32-bit stream per row that steps by a constant per position gives two rows whose streams are
+    m steps apart the same noise m positions apart, and two rows in 65k the same stream.)"""
+    seed = _mix32_(positions + 0x632BE5AB)  # (B, T) the position's hash
+    seed = _mix32_(seed ^ (keys & MASK32)[:, None])  # round 1: the key's low half
+    return _mix32_(seed ^ (keys >> 32)[:, None])  # round 2: its high half
 
 
-def gumbel_noise(keys, positions, vocab_size):
-    """keys (B,) int64 >= 0 and positions (B, T) int64 -> (B, T, V) float32 Gumbel(0, 1) noise, a
-    pure function of (key, position, token id): the counter-based generator of the "gumbel" sampler."""
-    return stream_noise(row_streams(keys), positions, vocab_size)
-
-
-def stream_noise(streams, positions, vocab_size, lo=0, hi=None):
-    """`gumbel_noise` from the rows' `row_streams`, for token ids lo..hi-1 (default: all). A row's
-    stream steps by a constant per position (SplitMix's construction); each (row, position) seed
-    is then hashed with each token's own hash. The top 23 bits make a uniform in (0, 1), so the
-    noise lies in [-2.8, 16.7] and a token less likely than about 4e-9 times the most likely one
-    is never drawn: float32 resolution, like torch.rand's."""
-    seed = _mix32_((streams[:, None] + positions * 0x9E3779B9) & MASK32)  # (B, T)
-    bits = _mix32_(seed[..., None] ^ _token_hashes(vocab_size, streams.device)[lo:hi])  # (B, T, hi - lo)
+def gumbel_noise(seeds, vocab_size, lo=0, hi=None):
+    """seeds (B, T) from `gumbel_seeds` -> (B, T, hi - lo) float32 Gumbel(0, 1) noise for token ids
+    lo .. hi-1 (default: all): a pure function of (key, position, token id), the counter-based
+    generator of the "gumbel" sampler. Each seed is hashed with each token's own hash; the top 23
+    bits make a uniform in (0, 1), so the noise lies in [-2.8, 16.7] and a token less likely than
+    about 4e-9 times the most likely one is never drawn: float32 resolution, like torch.rand's."""
+    bits = _mix32_(seeds[..., None] ^ _token_hashes(vocab_size, seeds.device)[lo:hi])  # (B, T, hi - lo)
     u = ((bits >> 9).float() + 0.5).mul_(2.0 ** -23)  # in (0, 1): never 0 or 1
     return u.log_().neg_().log_().neg_()  # -log(-log(u))
-
-
-def gumbel_argmax(logits, temperature, noise):
-    """(..., V) logits and their (..., V) `gumbel_noise` -> (...) tokens: argmax(logits / T + noise),
-    a sample of softmax(logits / T) fixed by the noise; temperature 0 is plain argmax (noise unused).
-    In float32 whatever the logits' dtype: bf16 would coarsen the noise, and the token would no
-    longer be an exact sample."""
-    if temperature == 0:
-        return logits.argmax(-1)
-    return (logits.float() / temperature + noise).argmax(-1)
 
 
 NOISE_CHUNK = 8192  # token ids per chunk: at most B * T * 8192 noise values (int64 while hashed) at once
 
 
-def gumbel_choose(logits, temperature, streams, positions, chunk=NOISE_CHUNK):
-    """logits (B, T, V) of the tokens at positions (B, T) of rows with `row_streams` -> (B, T):
-    `gumbel_argmax` with the noise made chunk by chunk over the vocabulary, a running max across
-    chunks, so a step never holds (B, T, V) noise at once (0.7 GB in int64 at V = 150k, B = 64,
-    T = 9). The same tokens: within a chunk and across chunks the first maximum wins."""
+def gumbel_choose(logits, temperature, seeds, noise=None, chunk=NOISE_CHUNK):
+    """The "gumbel" sampler's tokens: logits (B, T, V) of the tokens whose positions have `seeds`
+    (B, T) -> (B, T), argmax(logits / T + gumbel_noise(seeds, V)), a sample of softmax(logits / T)
+    fixed by the noise; temperature 0 is plain argmax (no noise).
+
+    noise: that (B, T, V) noise, when the caller made it already (a speculative step makes it once
+    for its drafts and its verify pass; only where V <= chunk). Otherwise it is made here, chunk by
+    chunk over the vocabulary, with a running max across chunks, so a step never holds (B, T, V)
+    noise at once (0.7 GB in int64 at V = 150k, B = 64, T = 9); the same tokens: within a chunk and
+    across chunks the first maximum wins. In float32 whatever the logits' dtype: bf16 would coarsen
+    the noise, and the token would no longer be an exact sample."""
     if temperature == 0:
         return logits.argmax(-1)
     V = logits.shape[-1]
     best_val = best_idx = None
     for lo in range(0, V, chunk):
         hi = min(lo + chunk, V)
-        val, idx = (logits[..., lo:hi].float() / temperature + stream_noise(streams, positions, V, lo, hi)).max(-1)
+        x = logits[..., lo:hi].float()
+        x = x if temperature == 1 else x / temperature
+        val, idx = (x + (gumbel_noise(seeds, V, lo, hi) if noise is None else noise)).max(-1)
         if best_val is None:
             best_val, best_idx = val, idx
         else:
@@ -160,7 +166,7 @@ def verify(draft_tokens, q, p, generator=None):
     q_d = q.gather(-1, draft_tokens[..., None]).squeeze(-1)  # (B, k)
     u = torch.rand(B, k, generator=generator, device=p.device)
     accept = u * q_d < p_d  # u < p/q without dividing; p >= q always accepts since u < 1
-    n_accepted = accept.long().cumprod(dim=1).sum(dim=1)  # (B,) length of the accepted prefix
+    n_accepted = accept.cummin(dim=1).values.sum(dim=1)  # (B,) length of the accepted prefix
     # residual at the first rejection; at n_accepted == k, q is zero there so residual = p[:, k]
     q_pad = torch.cat([q, torch.zeros_like(q[:, :1])], dim=1)  # (B, k+1, V)
     at = n_accepted[:, None, None].expand(B, 1, p.shape[-1])
@@ -173,12 +179,11 @@ def verify(draft_tokens, q, p, generator=None):
 
 def verify_gumbel(draft_tokens, target_tokens):
     """The "gumbel" sampler's rule: draft_tokens (B, k), target_tokens (B, k+1) (the target's
-    noisy argmax at the same positions and one more) -> n_accepted (B,), next_token (B,). Row b
-    keeps its drafts up to the first that differs from the target's token, then emits the
-    target's token there: exactly the tokens plain decoding would have produced."""
+    noisy argmax at the same positions and one more) -> n_accepted (B,). Row b keeps its drafts up
+    to the first that differs from the target's token, then emits the target's token there; so it
+    emits target_tokens[b, :n_accepted[b] + 1], exactly the tokens plain decoding would have produced."""
     k = draft_tokens.shape[1]
-    n_accepted = (draft_tokens == target_tokens[:, :k]).long().cumprod(dim=1).sum(dim=1)  # (B,)
-    return n_accepted, target_tokens.gather(1, n_accepted[:, None])[:, 0]
+    return (draft_tokens == target_tokens[:, :k]).cummin(dim=1).values.sum(dim=1)  # (B,)
 
 
 class Sample(NamedTuple):
@@ -195,6 +200,10 @@ class RunningBatch:
     Per row: tokens[b, :n_tokens[b]] are prompt + generated tokens, the last one "pending" (sampled
     but not yet read by the target), so the target cache holds n_tokens - 1 positions and
     hidden[b, j] is the target's final hidden state after reading tokens[b, j].
+
+    On the host it keeps bounds instead of reading the device: `longest` >= every row's n_tokens
+    (exact after each compact, then grown by the most a step can add), which sizes every attention
+    window, and `unread` >= how many recorded states the drafter has not read, its catch-up width.
 
     sampler "rejection" draws from `generator`; sampler "gumbel" picks every token from the row's
     key (keys[b], any int64 >= 0) and the token's position, and draws nothing from `generator`
@@ -216,13 +225,13 @@ class RunningBatch:
             raise ValueError(f"prompt ({longest}) + max_new_tokens ({max_new_tokens}) + draft ({max_draft}) "
                              f"= {need} exceeds block_size {target.config.block_size}")
         self.target, self.temperature, self.eos_id, self.generator = target, temperature, eos_id, generator
-        self.max_new_tokens = max_new_tokens
         dev = target.wte.weight.device
         B, width = len(prompts), need + 1
         self.tokens = torch.zeros(B, width, dtype=torch.long, device=dev)
         for b, p in enumerate(prompts):
             self.tokens[b, :len(p)] = torch.tensor(p, device=dev)
         self.prompt_len = torch.tensor([len(p) for p in prompts], device=dev)
+        self.end = self.prompt_len + max_new_tokens  # (B,) a row is done at this many tokens
         self.hidden = torch.zeros(B, width, target.config.n_embd, device=dev, dtype=target.wte.weight.dtype)
         self.row_id = torch.arange(B, device=dev)
         self.sampler = sampler
@@ -231,164 +240,186 @@ class RunningBatch:
                                       if sampler == "gumbel" else 0)
         elif min(keys) < 0:
             raise ValueError("keys must be non-negative")
-        self.streams = row_streams(torch.as_tensor(keys, dtype=torch.long).to(dev))  # (B,), one per row
+        # every position's noise seed, hashed once per batch (8 bytes a position: nothing beside the KV cache)
+        self.seeds = None if sampler != "gumbel" else gumbel_seeds(torch.as_tensor(keys, dtype=torch.long).to(dev),
+                                                                   torch.arange(width, device=dev).expand(B, width))
         self.cache = target.new_cache(B, max_len=need)
         self.dcache = None  # the drafter's cache, made on the first speculative step
         self.results = [None] * B  # per original row, a Sample once it has finished
+        self.cap = longest + max_new_tokens  # no row grows past it
+        self.unread = None  # no drafter cache yet
         # prefill: each distinct prompt once (a GRPO group repeats its prompt G times), padded, in
         # one pass; then copy its cache entries to the rows that share it and roll each row back
         # to its true length. Every row then samples its own first token.
         distinct, inverse = torch.unique(torch.cat([self.prompt_len[:, None], self.tokens[:, :longest]], 1), dim=0,
                                          return_inverse=True)  # (U, 1 + longest): length, then the padded prompt
         once = target.new_cache(distinct.shape[0], max_len=longest)
+        once.window = longest
         logits, hidden = target(distinct[:, 1:], once)  # (U, T, V), (U, T, C)
         self.cache.kv[..., :longest, :] = once.kv[:, :, inverse]
         self.cache.lengths = self.prompt_len.clone()
         self.hidden[:, :longest] = hidden[inverse]
-        last = logits[inverse, self.prompt_len - 1]  # (B, V)
-        first = self._choose(last[:, None], self.prompt_len[:, None])[:, 0]
         self.n_tokens = self.prompt_len.clone()
         self.done = torch.zeros(B, dtype=torch.bool, device=dev)
-        self._append(first[:, None], torch.ones_like(first))
+        self._at(self.prompt_len[:, None])
+        first, _ = self._choose(logits[inverse, self.prompt_len - 1][:, None])  # (B, 1)
+        self._append(first)
+        self.longest = longest + 1
 
     @property
     def batch_size(self):
         return self.row_id.shape[0]
 
-    def _noise(self, positions):
-        """The "gumbel" sampler's noise (B, T, V) for the tokens at positions (B, T); a speculative
-        step makes it once for its drafts and its verify pass. None for rejection sampling, greedy
-        decoding, or a vocabulary past NOISE_CHUNK (then each choice is made chunk by chunk)."""
-        V = self.target.config.vocab_size
-        if self.sampler != "gumbel" or self.temperature == 0 or V > NOISE_CHUNK:
-            return None
-        return stream_noise(self.streams, positions, V)
+    def _at(self, positions):
+        """This step picks tokens at positions (B, T): with "gumbel", keep their seeds and, where the
+        vocabulary fits one chunk, make their noise now, once for every choice the step makes there
+        (a speculative step's drafts and its verify pass)."""
+        self.step_seeds = self.noise = None
+        if self.sampler == "gumbel" and self.temperature > 0:
+            self.step_seeds = self.seeds.gather(1, positions)  # (B, T)
+            if self.target.config.vocab_size <= NOISE_CHUNK:
+                self.noise = gumbel_noise(self.step_seeds, self.target.config.vocab_size)  # (B, T, V)
 
-    def _choose(self, logits, positions, noise=None):
-        """The target's tokens: logits (B, T, V) for the tokens at positions (B, T) -> (B, T).
-        noise: `_noise(positions)`, when the caller made it already."""
+    def _choose(self, logits, at=slice(None)):
+        """The one place a token is picked: logits (B, T, V) of the tokens at the step's positions
+        [:, at] (see `_at`) -> tokens (B, T) and, with "rejection", their distributions (B, T, V)
+        (None with "gumbel")."""
         if self.sampler == "rejection":
-            return draw(probs(logits.flatten(0, 1), self.temperature), self.generator).view(logits.shape[:2])
-        noise = self._noise(positions) if noise is None else noise
-        if noise is None and self.temperature > 0:  # a vocabulary too large to hold the noise at once
-            return gumbel_choose(logits, self.temperature, self.streams, positions)
-        return gumbel_argmax(logits, self.temperature, noise)
+            p = probs(logits, self.temperature)
+            return draw(p.flatten(0, 1), self.generator).view(p.shape[:-1]), p
+        if self.temperature == 0:
+            return logits.argmax(-1), None
+        noise = None if self.noise is None else self.noise[:, at]
+        return gumbel_choose(logits, self.temperature, self.step_seeds[:, at], noise), None
 
-    def _append(self, new, n_new):
-        """Write new (B, W) tokens, of which row b keeps its first n_new[b], after each row's end;
-        truncate at <|eos|> and at max_new_tokens and mark those rows done."""
-        B, W = new.shape
-        offs = torch.arange(W, device=new.device)
-        pos = self.n_tokens[:, None] + offs  # (B, W)
-        self.tokens.scatter_(1, pos, new)  # writes past n_new land beyond the row's end: dead
-        keep = offs[None] < n_new[:, None]
-        if self.eos_id is not None:  # cut after the first <|eos|>
-            is_eos = keep & (new == self.eos_id)
-            first_eos = torch.where(is_eos.any(1), is_eos.float().argmax(1), W)
-            keep &= offs[None] <= first_eos[:, None]
-            self.done |= is_eos.any(1)
-        budget = self.prompt_len + self.max_new_tokens - self.n_tokens
-        n_kept = torch.minimum(keep.sum(1), budget)
+    def _append(self, new, n_new=None):
+        """Write new (B, W) tokens, of which row b keeps its first n_new[b] (default: all W), after
+        each row's end; cut after the first <|eos|> and at max_new_tokens, and mark those rows done.
+        Returns the tokens kept per row (B,)."""
+        W = new.shape[1]
+        offs = self.cache.offsets[:W]
+        self.tokens.scatter_(1, self.n_tokens[:, None] + offs, new)  # writes past what is kept land beyond the row's end: dead
+        budget = self.end - self.n_tokens  # (B,)
+        n_kept = budget.clamp_(max=W) if n_new is None else torch.minimum(n_new, budget)
+        if self.eos_id is not None:  # keep up to the first <|eos|> among the kept tokens
+            before = (new != self.eos_id).cummin(1).values.sum(1)  # (B,) tokens before the first <|eos|>
+            self.done |= before < n_kept  # it is among the kept ones: the row ends on it
+            n_kept = torch.minimum(n_kept, before + 1)
         self.n_tokens = self.n_tokens + n_kept
-        self.done |= self.n_tokens >= self.prompt_len + self.max_new_tokens
+        self.done |= self.n_tokens >= self.end
         return n_kept
 
     @torch.no_grad()
     def plain_step(self):
-        """One token for every running row. Returns the number of tokens emitted."""
-        pending = self.tokens.gather(1, (self.n_tokens - 1)[:, None])  # (B, 1)
-        logits, hidden = self.target(pending, self.cache)  # (B, 1, V), (B, 1, C)
-        self.hidden[torch.arange(self.batch_size, device=hidden.device), self.n_tokens - 1] = hidden[:, 0]
-        nxt = self._choose(logits, self.n_tokens[:, None])  # (B, 1)
-        return self._append(nxt, torch.ones_like(nxt[:, 0]))
+        """One token for every running row. Returns the number of tokens emitted per row."""
+        L = self.n_tokens - 1  # (B,) target cache length; tokens[L] is pending
+        self.cache.window = self.longest  # the longest row after the append: the forward reads nothing
+        logits, hidden = self.target(self.tokens.gather(1, L[:, None]), self.cache)  # (B, 1, V), (B, 1, C)
+        self.hidden[self.cache.rows, L] = hidden[:, 0]
+        self._at(self.n_tokens[:, None])
+        nxt, _ = self._choose(logits)  # (B, 1)
+        self.longest = min(self.longest + 1, self.cap)
+        if self.unread is not None:
+            self.unread += 1
+        return self._append(nxt)
 
-    def _draft(self, drafter, k, L, positions, noise):
-        """The learned drafter's k tokens per row (B, k), and with "rejection" their distributions
-        q (B, k, V) (None with "gumbel"). It first catches up on the target hidden states it has
-        not read, then drafts, feeding its own predicted hidden state back."""
-        B, dev = self.batch_size, self.tokens.device
-        rows = torch.arange(B, device=dev)
-        if self.dcache is None:  # switch to SD: fill the drafter cache from recorded hidden states
-            self.dcache = drafter.new_cache(B, max_len=self.cache.max_len)
-        # catch up: pairs (h_j, x_{j+1}) for j = dcache.lengths .. L-1, a ragged count per row
-        start = self.dcache.lengths
-        n_new = L - start  # (B,) >= 1
-        T = int(n_new.max())  # sync: the padded width of the catch-up
-        j = start[:, None] + torch.arange(T, device=dev)  # (B, T)
-        j = torch.minimum(j, L[:, None])  # padding reads position L: dead entries, rolled back below
-        logits, h_pred = drafter(self.hidden[rows[:, None], j], self.tokens.gather(1, j + 1), self.dcache)
-        self.dcache.lengths = L.clone()  # roll the padding back
-        last = (n_new - 1)[:, None, None]
-        q_logits = logits.gather(1, last.expand(B, 1, logits.shape[-1]))[:, 0]  # (B, V)
-        h = h_pred.gather(1, last.expand(B, 1, h_pred.shape[-1]))  # (B, 1, C)
-        # draft k tokens, feeding the drafter its own hidden state; draft i goes to position L + 1 + i
+    def draft(self, drafter, k):
+        """The learned drafter's proposal (drafter.Drafter): k tokens per row (B, k) and, with
+        "rejection", their distributions q (B, k, V) (None with "gumbel"). It first catches up on the
+        target hidden states it has not read, then drafts, feeding its own predicted hidden state
+        back; draft i is the sampler's choice at position L + 1 + i, with the step's noise there."""
+        B = self.batch_size
+        if self.dcache is None:  # the switch to SD: the drafter reads every recorded hidden state
+            self.dcache = drafter.new_cache(B, max_len=self.cache.max_len, dtype=self.cache.kv.dtype)
+            self.unread = self.longest
+        # catch up: each row re-reads its last T pairs (h_j, x_{j+1}), j < L, T a bound on how many it
+        # has not read (pairs it had read are rewritten with the values they had); a row with L < T
+        # also reads padding past L: dead entries, rolled back below
+        T = min(self.unread, self.longest - 1)
+        L = self.n_tokens - 1  # (B,) the target cache length
+        start = (L - T).clamp_(min=0)  # (B,)
+        j = start[:, None] + self.cache.offsets[:T]  # (B, T)
+        self.dcache.lengths, self.dcache.window = start, self.longest - 1
+        logits, h = drafter(self.hidden[self.cache.rows[:, None], j], self.tokens.gather(1, j + 1), self.dcache)
+        last = (L - 1 - start)[:, None, None]  # (B, 1, 1): the column of pair L - 1
+        logits = logits.gather(1, last.expand(B, 1, logits.shape[-1]))  # (B, 1, V)
+        h = h.gather(1, last.expand(B, 1, h.shape[-1]))  # (B, 1, C)
+        self.dcache.lengths = L
+        # draft k tokens, feeding the drafter its own hidden state
         drafts, qs = [], []
         for i in range(k):
-            if self.sampler == "rejection":
-                q = probs(q_logits, self.temperature)
-                d = draw(q, self.generator)
-                qs.append(q)
-            else:  # the noise the target will see at that position, on the drafter's logits
-                at = slice(i, i + 1)
-                d = self._choose(q_logits[:, None], positions[:, at], None if noise is None else noise[:, at])[:, 0]
+            d, q = self._choose(logits, slice(i, i + 1))  # (B, 1), (B, 1, V) or None
             drafts.append(d)
+            qs.append(q)
             if i + 1 < k:
-                q_logits, h = drafter(h, d[:, None], self.dcache)
-                q_logits = q_logits[:, 0]
-        self.dcache.lengths = L.clone()  # entries built on guessed states are redone next step
-        return torch.stack(drafts, dim=1), torch.stack(qs, dim=1) if qs else None
+                self.dcache.window = self.longest + i
+                logits, h = drafter(h, d, self.dcache)  # (B, 1, V), (B, 1, C)
+        self.dcache.lengths = L  # entries built on guessed states are redone next step
+        self.unread = k + 1  # the most this step adds to a row
+        return torch.cat(drafts, 1), None if qs[0] is None else torch.cat(qs, 1)
 
     @torch.no_grad()
     def speculative_step(self, drafter, k):
         """Draft k tokens per row, verify them in one target pass, keep a ragged number per row.
-        `drafter` is a learned drafter.Drafter, or a drafter.NgramDrafter (no model: its drafts
-        are one-hot proposals). Returns (tokens emitted per row, drafts accepted per row)."""
-        B, dev = self.batch_size, self.tokens.device
-        rows = torch.arange(B, device=dev)
-        L = self.n_tokens - 1  # target cache length; tokens[L] is pending
-        positions = L[:, None] + 1 + torch.arange(k + 1, device=dev)  # (B, k+1): the drafts', then the bonus token's
-        noise = self._noise(positions)
+        `drafter`: anything with propose(batch, k) -> (drafts (B, k), q (B, k, V) or None, None
+        meaning deterministic proposals, a one-hot q): drafter.Drafter (whose proposal is `draft`)
+        or drafter.NgramDrafter. Returns (tokens emitted per row, drafts accepted per row)."""
+        V = self.target.config.vocab_size
+        L = self.n_tokens - 1  # (B,) target cache length; tokens[L] is pending
+        positions = self.n_tokens[:, None] + self.cache.offsets[:k + 1]  # (B, k+1): the drafts', then the bonus token's
+        self._at(positions)
         # 1. draft k tokens per row
-        if isinstance(drafter, NgramDrafter):  # model-free: look the drafts up in the row's own tokens
-            draft = drafter.propose(self.tokens, self.n_tokens, k)  # (B, k)
-            q = F.one_hot(draft, self.target.config.vocab_size).float() if self.sampler == "rejection" else None
-        else:
-            draft, q = self._draft(drafter, k, L, positions, noise)
+        draft, q = drafter.propose(self, k)  # (B, k), and q (B, k, V) or None
         # 2. verify: the target reads the pending token and the k drafts in one pass
-        pending = self.tokens.gather(1, L[:, None])  # (B, 1)
-        t_logits, t_hidden = self.target(torch.cat([pending, draft], dim=1), self.cache)  # (B, k+1, .)
+        self.cache.window = self.longest + k  # the longest row after the append: the forward reads nothing
+        t_logits, t_hidden = self.target(torch.cat([self.tokens.gather(1, L[:, None]), draft], 1), self.cache)  # (B, k+1, .)
+        # all k+1 states are written; those of rejected drafts are dead (past the row's end, overwritten later)
+        self.hidden[self.cache.rows[:, None], positions - 1] = t_hidden
+        # 3. keep a ragged number per row: emitted (B, k+1), of which row b keeps its first n_acc[b] + 1
         if self.sampler == "rejection":
+            if q is None:  # deterministic proposals: a one-hot q (scatter, as F.one_hot reads the ids' range on a CPU)
+                q = torch.zeros(*draft.shape, V, device=draft.device).scatter_(-1, draft[..., None], 1.0)  # (B, k, V)
             n_acc, nxt = verify(draft, q, probs(t_logits, self.temperature), self.generator)
-        else:
-            n_acc, nxt = verify_gumbel(draft, self._choose(t_logits, positions, noise))
-        # 3. keep a ragged number per row: the tokens accepted + next; all k+1 states are written, and those of
-        # rejected drafts are dead (past the row's end, overwritten later)
-        self.hidden[rows[:, None], L[:, None] + torch.arange(k + 1, device=dev)] = t_hidden
-        emitted = torch.cat([draft, torch.zeros_like(nxt)[:, None]], dim=1)
-        emitted.scatter_(1, n_acc[:, None], nxt[:, None])
+            emitted = torch.cat([draft, nxt[:, None]], 1).scatter_(1, n_acc[:, None], nxt[:, None])  # accepted drafts, then nxt
+        else:  # the target's own tokens: up to the first mismatch they are the drafts
+            emitted, _ = self._choose(t_logits)
+            n_acc = verify_gumbel(draft, emitted)
         n_emitted = self._append(emitted, n_acc + 1)
         self.cache.lengths = self.n_tokens - 1  # roll the rejected drafts back
+        self.longest = min(self.longest + k + 1, self.cap)
         return n_emitted, n_acc
 
     def compact(self):
         """Move finished rows to `results` and drop them from every tensor and cache.
         Returns the number of rows still running."""
-        if not bool(self.done.any()):  # sync: which rows finished
-            return self.batch_size
-        for b in self.done.nonzero()[:, 0].tolist():
-            n, plen = int(self.n_tokens[b]), int(self.prompt_len[b])
-            self.results[int(self.row_id[b])] = Sample(self.tokens[b, plen:n].tolist(), self.tokens[b, :n].clone(),
-                                                       self.hidden[b, :n - 1].clone(), plen)
+        B = self.batch_size
+        if B == 0:
+            return 0
+        # sync: the one read of every step: which rows finished (the host must know to shrink the
+        # batch), with every row's length (the longest makes the next windows exact)
+        done, n_tokens, prompt_len, row_id = torch.stack((self.done, self.n_tokens, self.prompt_len, self.row_id)).tolist()
+        self.longest = max(n_tokens)
+        finished = [b for b in range(B) if done[b]]
+        if not finished:
+            return B
+        responses = self.tokens[finished].tolist()  # sync: the finished rows' tokens
+        for b, row in zip(finished, responses):
+            n, plen = n_tokens[b], prompt_len[b]
+            self.results[row_id[b]] = Sample(row[plen:n], self.tokens[b, :n].clone(), self.hidden[b, :n - 1].clone(), plen)
         # the live rows past the new end fill the holes that finished rows leave before it, so the
         # caches copy a few rows instead of all of them (KVCache.keep); row_id keeps the order
-        live = (~self.done).nonzero()[:, 0]
-        keep = torch.arange(live.shape[0], device=live.device)
-        keep[self.done[:keep.shape[0]]] = live[live >= keep.shape[0]]
-        for name in ("tokens", "hidden", "prompt_len", "row_id", "n_tokens", "done", "streams"):
-            setattr(self, name, getattr(self, name)[keep])
+        live = [b for b in range(B) if not done[b]]
+        keep = list(range(len(live)))
+        for hole, row in zip([b for b in finished if b < len(live)], [b for b in live if b >= len(live)]):
+            keep[hole] = row
+        rows = torch.tensor(keep, dtype=torch.long, device=self.tokens.device)
+        for name in ("tokens", "hidden", "prompt_len", "end", "row_id", "n_tokens", "done", "seeds"):
+            if getattr(self, name) is not None:
+                setattr(self, name, getattr(self, name)[rows])
         self.cache.keep(keep)
         if self.dcache is not None:
             self.dcache.keep(keep)
+        self.longest = max((n_tokens[b] for b in keep), default=0)
         return self.batch_size
 
     def outputs(self):
@@ -397,7 +428,9 @@ class RunningBatch:
 
 @dataclass
 class DecodeStats:
-    """What a generate call or a rollout measured, summed over its steps."""
+    """What a generate call or a rollout measured, summed over its steps. The counts the device holds
+    (tokens emitted, drafts accepted) stay there until `settle()` reads them all at once (as_dict,
+    accept_len and accept_rate call it), so counting costs no sync per step."""
     steps: int = 0          # decoding steps (plain or speculative)
     tokens: int = 0         # tokens emitted, all rows
     sd_row_steps: int = 0   # (row, speculative step) pairs
@@ -406,28 +439,45 @@ class DecodeStats:
     accepted: int = 0       # draft tokens accepted
     accept_hist: dict = field(default_factory=dict)  # drafts accepted by one row in one step -> how often
 
+    def __post_init__(self):
+        self._pending = []  # (field name, (B,) device tensor) not yet read
+
     def add_step(self, n_emitted):
         self.steps += 1
-        self.tokens += int(n_emitted.sum())
+        self._pending.append(("tokens", n_emitted))
 
     def add_speculative(self, n_emitted, n_acc, k):
-        self.sd_row_steps += int(n_emitted.numel())
-        self.sd_tokens += int(n_emitted.sum())
-        self.drafted += k * int(n_acc.numel())
-        self.accepted += int(n_acc.sum())
-        for a in n_acc.tolist():
-            self.accept_hist[a] = self.accept_hist.get(a, 0) + 1
+        self.sd_row_steps += n_emitted.numel()
+        self.drafted += k * n_acc.numel()
+        self._pending += [("sd_tokens", n_emitted), ("accepted", n_acc)]
+
+    def settle(self):
+        """Read the pending device counts into the fields; returns self."""
+        if self._pending:
+            values = torch.cat([t for _, t in self._pending]).tolist()  # sync: every step's counts in one read
+            i = 0
+            for name, t in self._pending:
+                chunk, i = values[i:i + t.numel()], i + t.numel()
+                setattr(self, name, getattr(self, name) + sum(chunk))
+                if name == "accepted":
+                    for a in chunk:
+                        self.accept_hist[a] = self.accept_hist.get(a, 0) + 1
+            self._pending = []
+        return self
 
     @property
     def accept_len(self):  # tokens per row per verify step: accepted drafts plus the target's own
+        self.settle()
         return self.sd_tokens / self.sd_row_steps if self.sd_row_steps else None
 
     @property
     def accept_rate(self):  # accepted drafts per drafted token
+        self.settle()
         return self.accepted / self.drafted if self.drafted else None
 
     def as_dict(self):
         """The generate functions' `stats`: every field, accept_len and accept_rate."""
+        self.settle()
         return {**asdict(self), "accept_hist": dict(sorted(self.accept_hist.items())), "accept_len": self.accept_len,
                 "accept_rate": self.accept_rate}
 

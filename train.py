@@ -30,13 +30,13 @@ from torch.nn.parallel import DistributedDataParallel
 
 import rl
 import task
-from drafter import DRAFTER_BATCH, DrafterBuffer, NgramDrafter, fresh_agreement, make_optimizer
+from drafter import DRAFTER_BATCH, DrafterBuffer, NgramDrafter, agreement_chores, make_optimizer
 from model import GPTConfig
 from evaluate import evaluate_both, format_accuracy
 from common import (COLLECTIVE_TIMEOUT_S, OneLineParser, Seed, all_sum, check_out_dir, compute_init, derive_seed,
-                    load_on_rank0, on_off, print0, save_atomic, sync)
+                    load_on_rank0, machine, on_off, print0, save_on_rank0, sync)
 from rollout import ARMS, Bandit, rollout
-from scheduler import Liveness, gather_ranks, idle_train, render_timeline, sync_drafter
+from scheduler import Liveness, gather_ranks, idle_train, render_timeline, start_drafter_sync
 from speculative import SAMPLERS
 from warmup import drafter_meta, prepare_models
 
@@ -48,6 +48,19 @@ def task_config(args, warmup=False):
                            recheck=args.recheck, max_passes=args.max_passes, noise=args.noise, careful=args.careful)
 
 
+def autocast(args, device):
+    """The forwards' precision. --dtype bfloat16: torch.autocast in bf16 on `device` (matrix products
+    and attention in bf16; weights, gradients and optimizer state stay float32, the master copy);
+    float32: a context that does nothing. The files that own them keep the rotation, the softmaxes,
+    the Gumbel noise and the checksums in float32. Backward passes run inside it too, which changes
+    nothing (each backward op runs in its forward op's dtype, inside the context or not).
+    Autocast's weight cache is off: it keeps one bf16 copy of each weight until the outermost context
+    exits, and the optimizer steps taken inside one (warm-ups, idle training, the GRPO update) change
+    the weights in place, so later forwards would read the stale copy (measured: they do). The price
+    is one cast per weight per forward."""
+    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.dtype == "bfloat16", cache_enabled=False)
+
+
 def parse_args(argv=None):
     p = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     # run
@@ -56,6 +69,8 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=1337, help="base seed; per-rank, per-step seeds derive from it")
     p.add_argument("--rl-seed", type=int, default=None, help="seed of the RL phase only (default: --seed), for noise estimates")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="where to run")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="bfloat16: every forward (warm-ups, "
+                   "rollouts, GRPO update, evaluation) under bf16 autocast, weights and optimizer state kept in float32")
     # task
     p.add_argument("--max-n", type=int, default=task.TaskConfig.max_n, help="largest problem size (digits to sum)")
     p.add_argument("--alpha", type=float, default=task.TaskConfig.alpha, help="tail exponent of the problem-size distribution")
@@ -93,6 +108,8 @@ def parse_args(argv=None):
     p.add_argument("--drafter-online-lr", type=float, default=5e-5, help="drafter learning rate on idle ranks during RL")
     p.add_argument("--drafter-batch", type=int, default=DRAFTER_BATCH, help="sequences per drafter training step")
     p.add_argument("--drafter-keep", type=int, default=32, help="RL steps of hidden states the drafter buffer keeps")
+    p.add_argument("--drafter-keep-tokens", type=int, default=1_000_000, help="and at most this many tokens, the oldest "
+                   "sequences dropped first (bounded memory; at least --block-size)")
     # RL
     p.add_argument("--rl-steps", type=int, default=200, help="GRPO steps")
     p.add_argument("--prompts-per-step", type=int, default=4, help="prompts per RL step, all ranks together")
@@ -121,7 +138,7 @@ def parse_args(argv=None):
     p.add_argument("--ckpt-every", type=int, default=10, help="write the RL checkpoint every N steps")
     args = p.parse_args(argv)
     positive = ("warmup_steps", "warmup_tokens", "warmup_lr", "drafter_warmup_seqs", "drafter_batch",
-                "drafter_keep", "drafter_lr", "drafter_cold_lr", "drafter_online_lr", "prompts_per_step", "group_size", "rl_epochs", "rl_lr",
+                "drafter_keep", "drafter_keep_tokens", "drafter_lr", "drafter_cold_lr", "drafter_online_lr", "prompts_per_step", "group_size", "rl_epochs", "rl_lr",
                 "clip_eps", "update_tokens", "ckpt_every", "eval_samples")
     non_negative = ("rl_steps", "drafter_warmup_steps", "careful_bonus", "kl_coef", "temperature", "sd_threshold", "timeline_every", "eval_per_bucket")
     for names, ok, what in ((positive, lambda v: v > 0, "positive"), (non_negative, lambda v: v >= 0, "non-negative")):
@@ -145,6 +162,8 @@ def parse_args(argv=None):
     if args.block_size < need:
         p.error(f"--block-size {args.block_size} is too small for --max-n {args.max_n}: the longest prompt + "
                 f"response + {max(args.draft_ks)} draft tokens needs {need}")
+    if args.drafter_keep_tokens < args.block_size:  # so the newest sequence always fits
+        p.error(f"--drafter-keep-tokens {args.drafter_keep_tokens} must be at least --block-size {args.block_size}")
     world_size = int(os.environ.get("WORLD_SIZE", 1))  # torchrun's; 1 for a single process
     if args.prompts_per_step * args.group_size < world_size:
         p.error(f"--prompts-per-step {args.prompts_per_step} x --group-size {args.group_size} = "
@@ -161,7 +180,7 @@ def parse_args(argv=None):
 def rl_meta(args, config, task_cfg):
     """What an RL checkpoint depends on: the warm-ups it started from and every RL setting."""
     keys = ("rl_seed", "careful_bonus", "drafter", "drafter_cold_lr", "drafter_online_lr", "prompts_per_step", "group_size", "rl_lr", "rl_epochs", "clip_eps", "kl_coef", "tlt", "drafter_updates",
-            "sd_threshold", "drafter_keep", "update_tokens", "sampler")
+            "sd_threshold", "drafter_keep", "drafter_keep_tokens", "update_tokens", "sampler")
     return {**drafter_meta(args, config, task_cfg, task_config(args, warmup=True)), **{k: getattr(args, k) for k in keys}, "draft_ks": list(args.draft_ks)}
 
 
@@ -190,16 +209,19 @@ def main(argv=None):
 
 def run(args, task_cfg, ddp, rank, world_size, device, liveness=None):
     t_run = time.time()
-    config, model, drafter = prepare_models(args, task_cfg, task_config(args, warmup=True), ddp, rank, world_size, device)
+    print0(f"{world_size} rank(s) on {machine(device)}")
+    with autocast(args, device):  # the warm-ups' forwards too: a bf16 run is bf16 end to end
+        config, model, drafter = prepare_models(args, task_cfg, task_config(args, warmup=True), ddp, rank, world_size, device)
     problems = task.eval_set(task_cfg, args.eval_per_bucket) if args.eval_per_bucket else []
-    acc0 = evaluate_both(model, drafter, problems, args, task_cfg, rank, world_size, "before RL")
+    with autocast(args, device):
+        acc0 = evaluate_both(model, drafter, problems, args, task_cfg, rank, world_size, "before RL")
 
     ref_model = copy.deepcopy(model).requires_grad_(False) if args.kl_coef > 0 else None  # frozen warm-up target
     net = DistributedDataParallel(model, forward_sync_buffers=False) if ddp else model  # the rotary tables never change
     opt = torch.optim.AdamW(model.parameters(), lr=args.rl_lr, betas=(0.9, 0.95), weight_decay=0.0)
     d_opt = make_optimizer(drafter, args.drafter_online_lr)
     bandit = Bandit(args.draft_ks, seed=derive_seed(args.rl_seed, rank, 0, Seed.BANDIT))
-    buffer = DrafterBuffer(keep_steps=args.drafter_keep)
+    buffer = DrafterBuffer(keep_steps=args.drafter_keep, keep_tokens=args.drafter_keep_tokens, dtype=getattr(torch, args.dtype))
     ckpt_path = os.path.join(args.out_dir, "ckpt.pt")
     metrics_path = os.path.join(args.out_dir, "metrics.jsonl")
     meta = rl_meta(args, config, task_cfg)
@@ -218,8 +240,9 @@ def run(args, task_cfg, ddp, rank, world_size, device, liveness=None):
            f"{'on' if args.drafter_updates and args.tlt else 'off'} | sd threshold {args.sd_threshold}")
     history = []
     for step in range(start, args.rl_steps):
-        rec, ranks = rl_step(step, args, task_cfg, model, net, drafter, opt, d_opt, bandit, buffer, rank, world_size,
-                             device, ref_model, liveness)
+        with autocast(args, device):  # rollout, drafter training, GRPO update
+            rec, ranks = rl_step(step, args, task_cfg, model, net, drafter, opt, d_opt, bandit, buffer, rank, world_size,
+                                 device, ref_model, liveness)
         history.append(rec)
         if rank == 0:
             with open(metrics_path, "a") as f:
@@ -227,11 +250,11 @@ def run(args, task_cfg, ddp, rank, world_size, device, liveness=None):
         log_step(rec, ranks, args)
         if (step + 1) % args.ckpt_every == 0 or step == args.rl_steps - 1:
             bandits = gather_ranks(bandit.state_dict())
-            if rank == 0:
-                save_atomic({"meta": meta, "step": step, "model": model.state_dict(), "drafter": drafter.state_dict(),
-                             "opt": opt.state_dict(), "d_opt": d_opt.state_dict(), "bandits": bandits}, ckpt_path)
+            save_on_rank0({"meta": meta, "step": step, "model": model.state_dict(), "drafter": drafter.state_dict(),
+                           "opt": opt.state_dict(), "d_opt": d_opt.state_dict(), "bandits": bandits}, ckpt_path)
 
-    acc1 = evaluate_both(model, drafter, problems, args, task_cfg, rank, world_size, "after RL", check=True)
+    with autocast(args, device):
+        acc1 = evaluate_both(model, drafter, problems, args, task_cfg, rank, world_size, "after RL", check=True)
     if history:
         summary(history, acc0, acc1, time.time() - t_run)
 
@@ -289,22 +312,13 @@ def step_rows(args, task_cfg, step, rank, world_size):
     return rows, keys, mine, n_rows
 
 
-def global_rewards(rewards, mine, n_rows, device):
-    """This rank's rewards (its slice `mine` of the global batch) -> every rank's, in global order."""
-    out = torch.zeros(n_rows, dtype=torch.float64, device=device)
-    out[mine] = rewards.to(out)
-    if dist.is_initialized():
-        dist.all_reduce(out)  # each rank fills its own slice; the others add zeros
-    return out.cpu()
-
-
 def rl_step(step, args, task_cfg, model, net, drafter, opt, d_opt, bandit, buffer, rank, world_size, device,
             ref_model=None, liveness=None):
     """One RL step on this rank, in the seven steps of the README. Returns the step's record and
     every rank's timeline segments."""
     t0 = time.perf_counter()
     # 1. this rank's rows of the step's global batch, each with its key
-    rows, keys, mine, n_rows = step_rows(args, task_cfg, step, rank, world_size)
+    rows, keys, _, n_rows = step_rows(args, task_cfg, step, rank, world_size)
     # 2. roll out: plain steps while the running batch is large, speculative ones in the tail; score
     gen = torch.Generator(device=device).manual_seed(derive_seed(args.rl_seed, rank, step, Seed.ROLLOUT))
     samples, st = rollout(model, NgramDrafter() if args.drafter == "ngram" else drafter,
@@ -315,54 +329,61 @@ def rl_step(step, args, task_cfg, model, net, drafter, opt, d_opt, bandit, buffe
     rollout_time = time.perf_counter() - t0
     texts = [task.decode(s.response) for s in samples]
     rewards = torch.tensor([task.reward(p.prompt(), t, args.careful_bonus) for p, t in zip(rows, texts)])
-    # the drafter's health before it trains on this step: teacher-forced top-1 agreement on the fresh rows
+    # 3-4. idle time: the drafter's health on the fresh rows (teacher-forced top-1 agreement with the
+    # target, before it trains on them), the rows into its buffer, then drafter training, until the
+    # last rank has finished its rollout. The last rank does none of it: nothing the drafter needs
+    # stands between its rollout and its update (what it would have scored is left out of the figure)
     learned = args.tlt and args.drafter == "learned"
-    top1 = fresh_agreement(drafter, samples, device=device) if learned else (0, 0)
-    # 3. the rollout's hidden states go to the drafter buffer
     train_drafter = learned and args.drafter_updates
+    top1 = [0, 0]
     if train_drafter:
-        for s in samples:
-            buffer.add(step, s.tokens, s.hidden, s.prompt_len)
-    # 4. idle: train the drafter until the last rank has finished its rollout
+        buffer.add_rows(step, samples)  # no copy here: the buffer stores them on its next use, idle time
     for g in d_opt.param_groups:
         g["lr"] = drafter_lr(args, step)
     drng = random.Random(derive_seed(args.rl_seed, rank, step, Seed.DRAFTER_TRAINING))
     t_idle = time.perf_counter() - t0
     cold = args.drafter_warmup_steps == 0  # a cold start trains with the teacher-forced pass alone (drafter.py)
-    d_steps, d_skipped, idle, idle_segs = idle_train(drafter, d_opt, buffer, drng, enabled=train_drafter,
-                                                     batch_size=args.drafter_batch, passes=1 if cold else 2,
-                                                     device=device, liveness=liveness)
-    # 5. every rank ends with the same drafter
-    if train_drafter:
-        sync_drafter(drafter, d_steps)
-    t_update = time.perf_counter()
-    # 6. group-normalised advantages over the global batch (a group may span ranks), one GRPO update
-    # of the target under DDP, its token-level mean over every rank's tokens
-    all_rewards = global_rewards(rewards, mine, n_rows, device)
-    adv = rl.group_advantages(all_rewards, args.group_size)[mine]
+    d_steps, d_skipped, idle, idle_segs = idle_train(
+        drafter, d_opt, buffer, drng, chores=agreement_chores(drafter, samples, top1, device=device) if learned else (),
+        enabled=train_drafter, batch_size=args.drafter_batch, passes=1 if cold else 2, device=device, liveness=liveness)
+    # 5. every rank ends with the same drafter: the weighted average overlaps the update
+    finish_sync = start_drafter_sync(drafter, d_steps if train_drafter else 0)
+    # 6. every rank's rewards and sequences (a group may span ranks), group-normalised advantages over
+    # the global batch, and one GRPO update of the target under DDP, on the rows that carry a gradient,
+    # re-dealt so that every rank updates about as many tokens; its token-level mean is over the global batch
+    everyone = gather_ranks((rewards.tolist(), [s.tokens.tolist() for s in samples], [s.prompt_len for s in samples]))
+    t_update = time.perf_counter()  # the update's first collective is done: every rank is here
+    all_rewards = torch.tensor([r for part in everyone for r in part[0]], dtype=torch.float64)
+    seqs, plens = [x for part in everyone for x in part[1]], [x for part in everyone for x in part[2]]
+    adv = rl.group_advantages(all_rewards, args.group_size)
+    active = [i for i in range(n_rows) if args.kl_coef > 0 or adv[i] != 0]  # a zero advantage adds a zero gradient
+    ours = [active[j] for j in rl.deal_by_tokens([len(seqs[i]) for i in active], world_size)[rank]]
     model.train()
-    loss, clip, skipped = rl.grpo_update(model, net, opt, [s.tokens.tolist() for s in samples],
-                                         [s.prompt_len for s in samples], adv, pad_id=task.PAD_ID,
-                                         update_tokens=args.update_tokens, epochs=args.rl_epochs,
-                                         clip_eps=args.clip_eps, kl_coef=args.kl_coef, ref_model=ref_model, device=device)
+    loss, clip, skipped = rl.grpo_update(model, net, opt, [seqs[i] for i in ours], [plens[i] for i in ours], adv[ours],
+                                         pad_id=task.PAD_ID, update_tokens=args.update_tokens, epochs=args.rl_epochs,
+                                         clip_eps=args.clip_eps, kl_coef=args.kl_coef, ref_model=ref_model, device=device,
+                                         n_total=sum(len(s) - p for s, p in zip(seqs, plens)))
+    finish_sync()
     model.eval()
     sync(device)  # the optimizer step may still be queued on a GPU
     t1 = time.perf_counter()
     # 7. the step's record (rank 0 logs it): this rank's part, then every rank's
     local = {"rank": rank, "rollout_time": rollout_time, "idle_time": idle, "drafter_steps": d_steps,
+             "wait_to_update": t_update - t0 - rollout_time,
              "drafter_skipped": d_skipped, "tokens": st.tokens, "drafter_checksum": drafter.checksum(),
-             "rows": len(rows), "tail_share": st.tail_share, "responses": [s.response for s in samples],
+             "rows": len(rows), "tail_share": st.tail_share,
              "segments": st.segments + [[k, a + t_idle, b + t_idle] for k, a, b in idle_segs]}
     counts = {"tokens": st.tokens, "sd_tokens": st.sd_tokens, "sd_row_steps": st.sd_row_steps,
               "accepted": st.accepted, "drafted": st.drafted, "top1_agree": top1[0], "top1_positions": top1[1],
               "careful": sum(map(task.careful_share, texts)), "response_tokens": sum(len(s.response) for s in samples)}
-    rec, ranks = step_record(step, local, all_sum(counts, device), all_rewards, t1 - t0, t1 - t_update)
+    responses = [s[p:] for s, p in zip(seqs, plens)]  # every rank's, in global row order
+    rec, ranks = step_record(step, local, all_sum(counts, device), all_rewards, responses, t1 - t0, t1 - t_update)
     rec.update(loss=loss, clip_frac=clip, skipped_update=skipped, drafter_lr=drafter_lr(args, step),
                bandit_best=bandit.best())
     return rec, ranks
 
 
-def step_record(step, local, total, all_rewards, step_time, update_time):
+def step_record(step, local, total, all_rewards, responses, step_time, update_time):
     """The step's metrics.jsonl record from this rank's `local` part and the sums over ranks, and
     every rank's part (the timeline draws their segments)."""
     ranks = gather_ranks(local)
@@ -372,20 +393,24 @@ def step_record(step, local, total, all_rewards, step_time, update_time):
     rollout_max, n_rows = slowest["rollout_time"], all_rewards.numel()
     # one hash of every response of the step in global row order: two runs, on any numbers of ranks,
     # can be compared token for token
-    digest = hashlib.sha256(json.dumps([x for r in ranks for x in r["responses"]]).encode()).hexdigest()[:16]
+    digest = hashlib.sha256(json.dumps(responses).encode()).hexdigest()[:16]
     return {
         "step": step, "step_time": step_time, "rollout_time": rollout_max, "update_time": update_time,
         "tail_share": slowest["tail_share"], "rollout_share": rollout_max / step_time, "responses_digest": digest,
+        # what stood between the slowest rank's rollout and its update: rewards, the barrier, a drafter
+        # step still in flight on another rank (idle training is free only if this stays near 0)
+        "slowest_wait": slowest["wait_to_update"],
         "reward": float(all_rewards.mean()),
         "accept_len": total["sd_tokens"] / total["sd_row_steps"] if total["sd_row_steps"] else None,
         "accept_rate": total["accepted"] / total["drafted"] if total["drafted"] else None,
         "drafter_top1": total["top1_agree"] / total["top1_positions"] if total["top1_positions"] else None,
+        "drafter_top1_positions": int(total["top1_positions"]),  # scored on idle time: the last rank's rows are left out
         # what the target writes: mean response length and share of careful steps
         "response_len": total["response_tokens"] / n_rows, "careful_share": total["careful"] / n_rows,
         "sd_token_frac": total["sd_tokens"] / max(total["tokens"], 1), "tok_s": total["tokens"] / max(rollout_max, 1e-9),
         "idle_time": max(r["idle_time"] for r in ranks), "drafter_steps": sum(r["drafter_steps"] for r in ranks),
         "drafter_skipped": sum(r["drafter_skipped"] for r in ranks), "drafter_checksum": local["drafter_checksum"],
-        "ranks": [{k: v for k, v in r.items() if k not in ("segments", "responses")} for r in ranks],
+        "ranks": [{k: v for k, v in r.items() if k != "segments"} for r in ranks],
     }, ranks
 
 
@@ -410,6 +435,8 @@ def summary(history, acc0, acc1, total_time):
     print0(f"  RL steps              {len(history)}")
     print0(f"  mean step time        {mean('step_time'):.3f}s (rollout {mean('rollout_time'):.3f}s, "
            f"update {mean('update_time'):.3f}s, rollout share {100 * mean('rollout_share'):.0f}%)")
+    print0(f"  slowest rank's wait   {1000 * mean('slowest_wait'):.1f} ms mean, from its rollout's end to its update's start "
+           f"(max {1000 * max(h['slowest_wait'] for h in history):.1f} ms)")
     print0(f"  tail share            {100 * statistics.median(h['tail_share'] for h in history):.0f}% median (the slowest rank's rollout time after 90% "
            f"of its rows had finished)")
     top1 = [h["drafter_top1"] for h in history if h["drafter_top1"] is not None]

@@ -35,7 +35,7 @@ import task
 from drafter import Drafter, DrafterBuffer, make_optimizer, top1_agreement, train_step
 from model import GPT, GPTConfig
 from rollout import rollout
-from common import Seed, derive_seed, group_by_length, load_on_rank0, print0, save_atomic
+from common import Seed, beat, beating, derive_seed, group_by_length, load_on_rank0, print0, save_on_rank0, wait_for_all
 
 
 # -----------------------------------------------------------------------------
@@ -124,18 +124,20 @@ def warmup_target(model, args, warmup_cfg, ddp, rank, world_size, device):
 
 def warmup_drafter(drafter, model, args, task_cfg, ddp, rank, world_size, device):
     """The target samples RL prompts (--drafter-warmup-seqs, split over ranks); the drafter trains on
-    them with gradients averaged over ranks."""
+    them with gradients averaged over ranks. The ranks' samples differ in length, so they finish
+    sampling far apart: each beats while it samples, and the first all-reduce waits by liveness."""
     rng = random.Random(derive_seed(args.seed, rank, 0, Seed.DRAFTER_DATA))
     gen = torch.Generator(device=device).manual_seed(derive_seed(args.seed, rank, 0, Seed.DRAFTER_SAMPLES))
-    buffer = DrafterBuffer(keep_steps=1)
+    buffer = DrafterBuffer(keep_steps=1, dtype=getattr(torch, args.dtype))  # every warm-up sample: no token bound
     n_local = len(range(rank, args.drafter_warmup_seqs, world_size))
     t0 = time.time()
     for i in range(0, n_local, 64):
         problems = [task.sample_problem(rng, task_cfg) for _ in range(min(64, n_local - i))]
         results, _ = rollout(model, None, [task.encode(p.prompt()) for p in problems], task_cfg.max_response_len,
-                             temperature=args.temperature, eos_id=task.EOS_ID, generator=gen, tlt=False)
+                             temperature=args.temperature, eos_id=task.EOS_ID, generator=gen, tlt=False, progress=beat)
         for s in results:
             buffer.add(0, s.tokens, s.hidden, s.prompt_len)
+    wait_for_all()
     print0(f"drafter warmup: {buffer.num_tokens():,} tokens of target samples per rank in {time.time() - t0:.1f}s")
     opt = make_optimizer(drafter, args.drafter_lr)
     t0 = time.time()
@@ -159,7 +161,10 @@ def model_meta(args, config, warmup_cfg):
     return {"model": config.to_dict(), "task": asdict(warmup_cfg), "warmup_steps": args.warmup_steps,
             "warmup_tokens": args.warmup_tokens, "warmup_lr": args.warmup_lr, "warmup_alpha_end": args.warmup_alpha_end,
             "merge_init": args.merge_init,
-            "seed": args.seed}
+            "seed": args.seed,
+            # bf16 trains other weights: a bf16 run never reuses a float32 warm-up, nor the other way;
+            # float32 adds no key, so warm-ups cached before --dtype existed (all float32) are still used
+            **({"dtype": args.dtype} if args.dtype != "float32" else {})}
 
 
 def drafter_meta(args, config, task_cfg, warmup_cfg):
@@ -179,6 +184,11 @@ def prepare_models(args, task_cfg, warmup_cfg, ddp, rank, world_size, device):
     drafter = Drafter(model).to(device)
     print0(f"target: {model.num_params():,} parameters; drafter: {sum(p.numel() for p in drafter.parameters()):,} "
            f"(+ the target's embedding and head, shared); {config}")
+    # a first CUDA step (kernels loaded on first use, library handles) can take long, each rank at
+    # its own pace: take it here, outside any collective; the next one (load_on_rank0) waits by liveness
+    with beating():
+        model(torch.zeros(1, 1, dtype=torch.long, device=device))[0].sum().backward()
+    model.zero_grad(set_to_none=True)
     path = os.path.join(args.warmup_dir, "target_warmup.pt")
     cached = load_on_rank0(path, model_meta(args, config, warmup_cfg))
     if cached:
@@ -186,8 +196,7 @@ def prepare_models(args, task_cfg, warmup_cfg, ddp, rank, world_size, device):
         print0(f"reusing the warmed-up target from {path}")
     else:
         warmup_target(model, args, warmup_cfg, ddp, rank, world_size, device)
-        if rank == 0:
-            save_atomic({"meta": model_meta(args, config, warmup_cfg), "model": model.state_dict()}, path)
+        save_on_rank0({"meta": model_meta(args, config, warmup_cfg), "model": model.state_dict()}, path)
     model.eval()
     if args.drafter_warmup_steps == 0:
         print0("cold start: no drafter warm-up; the drafter is built from nothing on idle ranks during RL")
@@ -199,6 +208,5 @@ def prepare_models(args, task_cfg, warmup_cfg, ddp, rank, world_size, device):
         print0(f"reusing the warmed-up drafter from {path}")
     else:
         warmup_drafter(drafter, model, args, task_cfg, ddp, rank, world_size, device)
-        if rank == 0:
-            save_atomic({"meta": drafter_meta(args, config, task_cfg, warmup_cfg), "drafter": drafter.state_dict()}, path)
+        save_on_rank0({"meta": drafter_meta(args, config, task_cfg, warmup_cfg), "drafter": drafter.state_dict()}, path)
     return config, model, drafter

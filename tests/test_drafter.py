@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from drafter import (Drafter, DrafterBuffer, drafter_loss, fresh_agreement, make_optimizer, pairs, top1_agreement,
+from drafter import (Drafter, DrafterBuffer, agreement_chores, drafter_loss, make_optimizer, pairs, top1_agreement,
                      train_step)
 from conftest import randomize
 from model import GPT, GPTConfig
@@ -323,6 +323,46 @@ def test_buffer_add_rejects_mismatched_lengths():
     assert len(buf) == 1 and buf.num_tokens() == 6
 
 
+def test_buffer_keeps_at_most_keep_tokens_dropping_the_oldest():
+    """After every add the buffer holds at most keep_tokens tokens, and what it holds is the longest
+    run of the newest sequences that fits: the oldest go first, never a newer one. The step bound
+    still applies on top."""
+    lengths = [5, 9, 3, 12, 7, 4, 10, 6, 8, 11]
+    buf = DrafterBuffer(keep_steps=4, keep_tokens=20)
+    added = []
+    for i, n in enumerate(lengths):
+        step = i // 2  # two sequences per step
+        buf.add(step, torch.full((n,), i, dtype=torch.long), torch.zeros(n - 1, 4), prompt_len=1)
+        added.append((i, n, step))
+        kept = [int(t[0]) for _, t, _, _ in buf.items]
+        expected, total = [], 0
+        for j, m, s in reversed(added):
+            if s <= step - 4 or total + m > 20:
+                break
+            expected.insert(0, j)
+            total += m
+        assert kept == expected, (i, kept, expected)
+        assert buf.num_tokens() == total <= 20
+    assert len(buf) < len(lengths)  # the bound did drop sequences
+    unbounded = DrafterBuffer(keep_steps=100)
+    for i, n in enumerate(lengths):
+        unbounded.add(0, torch.full((n,), i, dtype=torch.long), torch.zeros(n - 1, 4), prompt_len=1)
+    assert unbounded.num_tokens() == sum(lengths)
+
+
+def test_buffer_stores_hidden_states_in_its_dtype_and_batches_in_float32():
+    """A bf16 run keeps the hidden states in bf16 (half the memory); its batches are float32, the
+    bf16 values exactly."""
+    g = torch.Generator().manual_seed(3)
+    hidden = torch.randn(6, 4, generator=g)
+    buf = DrafterBuffer(dtype=torch.bfloat16)
+    buf.add(0, torch.arange(7), hidden, prompt_len=2)
+    assert buf.items[0][2].dtype == torch.bfloat16
+    h_in, _, h_tgt, _ = buf.sample(1, random.Random(0))
+    assert h_in.dtype == h_tgt.dtype == torch.float32
+    assert torch.equal(h_in[0], hidden.bfloat16().float()[:-1]) and not torch.equal(h_in[0], hidden[:-1])
+
+
 # ----------------------------------------------------------------------------- training works
 
 
@@ -366,9 +406,10 @@ def test_non_finite_step_is_not_applied(target, buffers):
     assert all(torch.equal(p, before[n]) for n, p in drafter.named_parameters())
 
 
-def test_fresh_agreement_counts_the_drafted_positions(target, buffers):
-    """Over a rollout's samples, fresh_agreement is top1_agreement over each sample's pairs from
-    prompt_len - 1 on, summed: the same figure as one padded batch of the same sequences."""
+def test_agreement_chores_count_the_drafted_positions(target, buffers):
+    """Over a rollout's samples, the agreement chores sum top1_agreement over each chunk's pairs from
+    prompt_len - 1 on: the same figure as one padded batch of the same sequences; a chore not run
+    leaves its chunk out."""
     train_buf, _, _ = buffers
     drafter = make_drafter(target, seed=0)
     gen = torch.Generator().manual_seed(0)
@@ -377,7 +418,14 @@ def test_fresh_agreement_counts_the_drafted_positions(target, buffers):
     while batch.compact() > 0:
         batch.plain_step()
     samples = batch.results
-    agree, n = fresh_agreement(drafter, samples, chunk=3)
+    into = [0, 0]
+    chores = agreement_chores(drafter, samples, into, chunk=3)
+    assert len(chores) == 4  # 10 samples in chunks of 3
+    chores[0]()
+    assert 0 < into[1] < sum(s.tokens.shape[0] - 1 - s.prompt_len for s in samples)
+    for chore in chores[1:]:
+        chore()
+    agree, n = into
     assert n == sum(s.tokens.shape[0] - 1 - s.prompt_len for s in samples)  # pairs t = plen-1 .. N-3
     assert (agree, n) == top1_agreement(drafter, *pairs([(s.tokens, s.hidden, s.prompt_len) for s in samples]))
     assert 0 < agree < n  # a random drafter agrees sometimes, not always
@@ -400,6 +448,19 @@ def test_checksum_tracks_weights(target, buffers):
     with torch.no_grad():
         p = b.stack.blocks[0].attn.qkv.weight
         p[3, 5] = torch.nextafter(p[3, 5], torch.tensor(1e9))
+    assert b.checksum() != a.checksum()
+
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float64])
+def test_checksum_works_in_any_dtype(target, dtype):
+    """numpy has no bfloat16: the checksum reads every dtype's bytes, and a one-step nudge of one
+    element is visible in each."""
+    a, b = make_drafter(target, seed=0).to(dtype), make_drafter(target, seed=0).to(dtype)
+    assert a.checksum() == b.checksum() != make_drafter(target, seed=0).checksum()
+    with torch.no_grad():
+        p = b.stack.blocks[0].attn.qkv.weight
+        p[3, 5] = torch.nextafter(p[3, 5], torch.tensor(1e9, dtype=dtype))
     assert b.checksum() != a.checksum()
 
 

@@ -284,3 +284,131 @@ def test_float32_cache_matches_float32_forward():
         a, _ = m(seq[:, :8], cache)
         b = torch.cat([m(seq[:, t:t + 1], cache)[0] for t in range(8, 12)], 1)
     torch.testing.assert_close(torch.cat([a, b], 1), ref, atol=1e-5, rtol=1e-4)
+
+
+# ----------------------------------------------------------------------------- the host's window, bf16
+
+
+def count_value_reads(fn):
+    """Run fn(); return how many times it read a value from a tensor (item, int, bool: on a GPU each
+    is a host-device sync)."""
+    class Count(torch.utils._python_dispatch.TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Count.n += func.overloadpacket.__name__ == "_local_scalar_dense"
+            return func(*args, **(kwargs or {}))
+    with Count():
+        fn()
+    return Count.n
+
+
+def test_a_window_from_the_host_spares_the_read_and_changes_nothing(gpt64):
+    """cache.window, an upper bound on the longest row after the append, spares the forward its
+    read of the lengths; any bound at least the true one gives the same output (keys past a row's
+    own position are masked), it is used for one forward only, and it is checked against the
+    cache's size."""
+    gen = torch.Generator().manual_seed(8)
+    seq = rand_ids(gen, 2, 12)
+    outs = []
+    for window in (None, 12, 30):  # none (read), exact, loose
+        cache = gpt64.new_cache(2, 32, dtype=torch.float64)
+        with torch.no_grad():
+            gpt64(seq[:, :8], cache)
+            cache.lengths = torch.tensor([8, 5])
+            cache.window = window
+            reads = count_value_reads(lambda: outs.append(gpt64(seq[:, 8:12], cache)[0]))
+        assert reads == (1 if window is None else 0), window
+        assert cache.window is None  # consumed
+    for out in outs[1:]:
+        assert_close(out, outs[0], "logits with a window given")
+    cache = gpt64.new_cache(1, 16, dtype=torch.float64)
+    cache.window = 17  # past the cache: the bound is checked, on the host
+    with pytest.raises(ValueError), torch.no_grad():
+        gpt64(seq[:1, :2], cache)
+
+
+BF16_TOL = 0.02  # of the largest |logit|. bf16 keeps 8 significant bits (a rounding is <= 2^-9 relative);
+# over 4 seeds of this model its logits moved by at most 0.7% of that from float32's and the cached
+# ones by 0 from the uncached ones: 0.02 is about 3x the worst seen.
+
+
+def test_bf16_autocast_cached_ragged_forward_matches_uncached_and_float32():
+    """Under torch.autocast("cpu", bfloat16) with float32 weights (how a bf16 run works): the cache
+    is made in bf16, hidden stays float32, logits come out in bf16; a ragged cached forward (right
+    padding, per-row lengths, appends of 2 and 4 tokens) matches each row's uncached forward, and
+    both are close to float32's but not equal to them (bf16 did run)."""
+    torch.manual_seed(9)
+    m = GPT(tiny_config()).eval()
+    with torch.no_grad():
+        for p in m.parameters():
+            if p.dim() > 1:
+                p.mul_(5.0)  # attention far from uniform
+    gen = torch.Generator().manual_seed(9)
+    lens = [5, 9, 2, 7]
+    rows = [rand_ids(gen, n + 6) for n in lens]
+    padded = torch.stack([torch.cat([r[:n], rand_ids(gen, max(lens) - n)]) for r, n in zip(rows, lens)])
+    with torch.no_grad():
+        f32 = torch.stack([m(r[None])[0][0, n:] for r, n in zip(rows, lens)])  # (B, 6, V)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            cache = m.new_cache(len(lens), 32)
+            m(padded, cache)
+            cache.lengths = torch.tensor(lens)
+            a, h = m(torch.stack([r[n:n + 2] for r, n in zip(rows, lens)]), cache)
+            b, _ = m(torch.stack([r[n + 2:] for r, n in zip(rows, lens)]), cache)
+            full = torch.stack([m(r[None])[0][0, n:] for r, n in zip(rows, lens)])
+    assert cache.kv.dtype == torch.bfloat16 and a.dtype == torch.bfloat16 and h.dtype == torch.float32
+    scale = f32.abs().max().item()
+    cached = torch.cat([a, b], 1).float()
+    assert (cached - full.float()).abs().max().item() <= BF16_TOL * scale, "cached vs uncached under bf16"
+    err = (full.float() - f32).abs().max().item()
+    assert 0 < err <= BF16_TOL * scale, f"bf16 vs float32: {err / scale:.4f} of the largest logit"
+
+
+def test_rope_table_keeps_its_precision_through_dtype_changes():
+    """The rotary table stays float32 when the model goes to bf16 or fp16 (bf16 angles would be off
+    by whole radians at position 200), follows .double() to float64, and keeps its values; a bf16
+    model's cached forward then matches its uncached one."""
+    m = GPT(tiny_config()).eval()
+    table = m.stack.rope.clone()
+    assert table.dtype == torch.float32
+    assert m.bfloat16().stack.rope.dtype == torch.float32 and torch.equal(m.stack.rope, table)
+    assert m.to(torch.float16).stack.rope.dtype == torch.float32 and torch.equal(m.stack.rope, table)
+    assert m.double().stack.rope.dtype == torch.float64
+    m.bfloat16()
+    idx = rand_ids(torch.Generator().manual_seed(10), 2, 9)
+    with torch.no_grad():
+        ref, _ = m(idx)
+        cache = m.new_cache(2, 16)
+        assert cache.kv.dtype == torch.bfloat16
+        got = torch.cat([m(idx[:, :5], cache)[0], m(idx[:, 5:], cache)[0]], 1)
+    scale = ref.float().abs().max().item()
+    assert (got.float() - ref.float()).abs().max().item() <= BF16_TOL * scale
+
+
+def test_bf16_plain_and_speculative_generate_run():
+    """Under autocast, plain and speculative decoding with exact-token sampling run, with bf16 caches
+    for the target and the drafter and float32 hidden states; the first token of every row (from the
+    same prefill in both) is the same. Later tokens may differ: in bf16 a pass of k + 1 tokens
+    rounds differently from one-token passes, so only the distribution is exact, not every token."""
+    from conftest import randomize
+    from drafter import Drafter
+    from speculative import RunningBatch, autoregressive_generate, speculative_generate
+    torch.manual_seed(11)
+    m = randomize(GPT(tiny_config()).eval(), 11, 0.5)
+    d = randomize(Drafter(m).eval(), 12, 0.3)
+    gen = torch.Generator().manual_seed(11)
+    prompts = [rand_ids(gen, n).tolist() for n in (1, 4, 7, 3)]
+    keys = [1000 + i for i in range(len(prompts))]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        batch = RunningBatch(m, prompts, 12, sampler="gumbel", keys=keys, max_draft=3)
+        batch.compact()
+        batch.speculative_step(d, 3)
+        assert batch.cache.kv.dtype == torch.bfloat16 and batch.dcache.kv.dtype == torch.bfloat16
+        assert batch.hidden.dtype == torch.float32
+        plain, _ = autoregressive_generate(m, prompts, 12, sampler="gumbel", keys=keys)
+        sd, st = speculative_generate(m, d, prompts, 12, k=3, sampler="gumbel", keys=keys)
+    assert [len(o) for o in plain] == [len(o) for o in sd] == [12] * len(prompts)
+    assert all(0 <= t < V for o in sd for t in o)
+    assert [o[0] for o in sd] == [o[0] for o in plain]
+    assert 1 <= st["accept_len"] <= 4 and st["sd_row_steps"] > 0

@@ -145,6 +145,21 @@ def test_update_on_two_ranks_equals_one_process(deal, tmp_path):
     mp.start_processes(_update_worker, args=(port, deal, out), nprocs=2, start_method="spawn")
     w0 = torch.cat([p.detach().reshape(-1) for p in _model().parameters()])
     one = _update(_model(), None, range(len(SEQS)), update_tokens=1000)  # one process, one micro-batch
-    two = torch.load(out)
+    two = torch.load(out, map_location="cpu")
     assert (one - w0).norm() > 1e-3  # the update moved the weights
     assert (two - one).norm() <= 1e-12 * (one - w0).norm(), float((two - one).norm() / (one - w0).norm())
+
+
+def test_deal_by_tokens_gives_every_row_once_and_balances_tokens():
+    """Every row goes to exactly one rank, the same deal on every call, and the ranks' token counts
+    differ by at most the longest row (the greedy deal's bound: a rank only gets a row while it
+    has the fewest tokens)."""
+    rng = torch.Generator().manual_seed(0)
+    lengths = (torch.rand(37, generator=rng) ** 3 * 200 + 10).long().tolist()  # long-tailed
+    for world in (1, 2, 3, 8):
+        deal = rl.deal_by_tokens(lengths, world)
+        assert sorted(i for rows in deal.values() for i in rows) == list(range(len(lengths)))
+        assert deal == rl.deal_by_tokens(lengths, world)
+        loads = [sum(lengths[i] for i in deal[r]) for r in range(world)]
+        assert max(loads) - min(loads) <= max(lengths)
+    assert rl.deal_by_tokens([], 2) == {0: [], 1: []}

@@ -1,5 +1,8 @@
 """Idle-rank drafter training across gloo processes: skewed loads, preemption by the last rank,
-identical drafters after the sync, no hang for 1, 2 or 4 ranks or a rank without prompts."""
+identical drafters after the sync, no hang for 1, 2 or 4 ranks or a rank without prompts. Slow is
+not dead (common.Liveness), in every wait where ranks arrive far apart: slow ranks are waited for,
+hung or killed ones fail the others with a message naming them. Successive groups on one store
+agree on fresh prefixes."""
 import json
 import os
 import random
@@ -14,7 +17,7 @@ import torch.multiprocessing as mp
 from drafter import Drafter, DrafterBuffer, make_optimizer
 from model import GPT, GPTConfig
 from rollout import rollout
-from scheduler import gather_ranks, idle_train, render_timeline, sync_drafter
+from scheduler import gather_ranks, idle_train, render_timeline, start_drafter_sync
 
 DEADLINE_S = 120  # a hang fails the test instead of blocking CI
 
@@ -49,7 +52,7 @@ def _worker(rank, world, port, loads, out_path):
     time.sleep(load or 0.0)  # the rollout of a skewed load
     rollout_time = time.perf_counter() - t0
     steps, _, idle, segments = idle_train(drafter, opt, buffer, random.Random(rank), batch_size=4)
-    sync_drafter(drafter, steps)
+    start_drafter_sync(drafter, steps)()
     recs = gather_ranks({"rank": rank, "rollout_time": rollout_time, "idle_time": idle, "drafter_steps": steps,
                          "checksum": drafter.checksum(), "before": before,
                          "segments": [["plain", 0.0, rollout_time]] + [[k, a + rollout_time, b + rollout_time]
@@ -153,72 +156,220 @@ def test_dead_peer_fails_the_idle_barrier_in_bounded_time():
 
 # ----------------------------------------------------------------------------- slow is not dead
 
-LIVENESS_S = 3.0  # the test's TLT_COLLECTIVE_TIMEOUT: also the default group's collective timeout
+LIVENESS_S = 3.0  # the tests' TLT_COLLECTIVE_TIMEOUT: also the default group's collective timeout
 
 
-def _liveness_worker(rank, port, fault, q):
-    """Rank 1 rolls out for 3 x LIVENESS_S: making progress ("slow"), silent ("hung"), or it dies
-    ("killed"). Rank 0 finished at once and waits in the idle barrier."""
-    import datetime
-    from scheduler import Liveness
-    torch.set_num_threads(1)
-    timeout = datetime.timedelta(seconds=LIVENESS_S)
-    store = dist.TCPStore("127.0.0.1", port, 2, rank == 0, timeout=datetime.timedelta(seconds=30))
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=2, timeout=timeout)
-    liveness = Liveness(store, rank, 2, LIVENESS_S, every_s=0.2)
-    target, drafter = _models()
+def _late_work(fault, progress):
+    """The late rank's long work, 3 x LIVENESS_S: making progress ("slow"), silent ("hung"), or it dies ("killed")."""
     t0 = time.time()
-    if rank == 1:
-        while time.time() - t0 < 3 * LIVENESS_S:
-            if fault == "slow":
-                liveness.beat()  # what rollout() does after every decoding step
-            elif fault == "killed":
-                os._exit(1)
-            time.sleep(0.05)
+    while time.time() - t0 < 3 * LIVENESS_S:
+        if fault == "slow":
+            progress()
+        elif fault == "killed":
+            os._exit(1)
+        time.sleep(0.05)
+
+
+def _idle(rank, world, fault):
+    """The idle barrier: the last rank rolls out late, the others train (or wait) meanwhile."""
+    from common import Liveness, beat
+    target, drafter = _models()
+    if rank == world - 1:
+        _late_work(fault, beat)  # beat: what rollout() is given as progress
+    idle_train(drafter, make_optimizer(drafter), DrafterBuffer(), random.Random(0), liveness=Liveness.current)
+
+
+def _wait(rank, world, fault):
+    """common.wait_for_all, the wait before every collective that ranks may reach far apart."""
+    from common import beat, wait_for_all
+    if rank == world - 1:
+        _late_work(fault, beat)
+    wait_for_all()
+
+
+def _drafter_warmup(rank, world, fault):
+    """warmup.warmup_drafter: the last rank samples late (a delay injected into its rollout), then
+    every rank trains the drafter with gradients all-reduced."""
+    import task
+    import train
+    import warmup
+    if rank == world - 1:
+        real = warmup.rollout
+
+        def late_rollout(*a, progress=None, **kw):
+            _late_work(fault, progress)  # fails if warmup_drafter passes no progress
+            return real(*a, progress=progress, **kw)
+        warmup.rollout = late_rollout
+    torch.manual_seed(0)
+    target = GPT(GPTConfig(vocab_size=task.VOCAB_SIZE, block_size=24, n_layer=1, n_head=2, n_embd=16)).eval()
+    args = train.parse_args(["--drafter-warmup-seqs", "4", "--drafter-warmup-steps", "2", "--drafter-batch", "2"])
+    warmup.warmup_drafter(Drafter(target), target, args, task.TaskConfig(max_n=3, max_passes=1), True, rank, world,
+                          torch.device("cpu"))
+
+
+def _checkpoint(rank, world, fault, path):
+    """common.save_on_rank0: rank 0's write is slow (the file system), or rank 0 stops in it."""
+    import signal
+    import common
+    if rank == 0:
+        real = torch.save
+
+        def late_save(*a, **kw):
+            if fault == "hung":
+                os.kill(os.getpid(), signal.SIGSTOP)  # the whole process stops, its beating thread too
+            time.sleep(3 * LIVENESS_S)  # one long call that cannot beat from inside
+            return real(*a, **kw)
+        torch.save = late_save
+    common.save_on_rank0({"w": torch.ones(3)}, path)
+    if not os.path.exists(path):
+        raise RuntimeError("save_on_rank0 returned before rank 0 had written the file")
+
+
+SCENARIOS = {"idle": _idle, "wait": _wait, "drafter_warmup": _drafter_warmup, "checkpoint": _checkpoint}
+
+
+def _liveness_worker(rank, world, port, scenario, fault, extra, q):
+    """One rank of a scenario, with a Liveness on a store that the test hosts (as torchrun's agent
+    does, so a stopped rank does not take the store with it). Reports (rank, outcome, message, seconds)."""
+    import datetime
+    from common import Liveness
+    torch.set_num_threads(1)
+    make_optimizer(_models()[1])  # the first call imports for seconds on a loaded machine: not part of the test
+    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=30))
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=LIVENESS_S))
+    Liveness(store, rank, world, LIVENESS_S, every_s=0.2)
+    t0 = time.time()
     try:
-        idle_train(drafter, make_optimizer(drafter), DrafterBuffer(), random.Random(0), liveness=liveness)
+        SCENARIOS[scenario](rank, world, fault, *extra)
+        dist.all_reduce(torch.ones(1))  # the default group, 3 s timeout: the ranks reached it together
         q.put((rank, "returned", "", time.time() - t0))
+        code = 0
     except Exception as e:
         q.put((rank, type(e).__name__, str(e), time.time() - t0))
-        q.close()
-        q.join_thread()  # flush the queue before leaving without cleanup
-        os._exit(1)
-    dist.barrier()
-    dist.destroy_process_group()
-    os._exit(0)
+        code = 1
+    q.close()
+    q.join_thread()  # flush the queue before leaving without cleanup
+    if code == 0:
+        dist.barrier()
+        dist.destroy_process_group()
+    os._exit(code)
 
 
-def _liveness_run(fault):
+def _liveness_run(scenario, fault, world=2, watch=(0, 1), extra=()):
+    """Run a scenario on `world` processes; wait for the ranks in `watch`, then kill the others.
+    -> ({rank: (outcome, message, seconds)}, exit codes)."""
+    import queue
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_liveness_worker, args=(r, port, fault, q)) for r in range(2)]
+    store = dist.TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False)
+    procs = [ctx.Process(target=_liveness_worker, args=(r, world, store.port, scenario, fault, extra, q))
+             for r in range(world)]
     for p in procs:
         p.start()
-    procs[0].join(timeout=60)
+    deadline = time.time() + 60
+    for r in watch:
+        procs[r].join(timeout=max(0.0, deadline - time.time()))
     for p in procs:
-        p.join(timeout=3 * LIVENESS_S + 5)
         if p.is_alive():
-            p.kill()
+            p.kill()  # SIGKILL also ends a stopped process
+        p.join()
     outcomes = {}
-    while not q.empty():
-        rank, outcome, message, waited = q.get(timeout=5)
-        outcomes[rank] = (outcome, message, waited)
+    try:
+        while True:
+            rank, outcome, message, waited = q.get(timeout=0.5)
+            outcomes[rank] = (outcome, message, waited)
+    except queue.Empty:
+        pass
     return outcomes, [p.exitcode for p in procs]
 
 
-def test_a_slow_rank_that_makes_progress_is_waited_for():
-    outcomes, codes = _liveness_run("slow")
-    outcome, _, waited = outcomes[0]
+@pytest.mark.parametrize("scenario", ["idle", "drafter_warmup", "checkpoint"])
+def test_a_slow_rank_that_makes_progress_is_waited_for(scenario, tmp_path):
+    """Past the timeout: in the idle barrier (rolling out), in the drafter warm-up (sampling), and
+    in rank 0's checkpoint write (one long torch.save, beaten from a background thread)."""
+    outcomes, codes = _liveness_run(scenario, "slow", extra=(str(tmp_path / "ckpt.pt"),) if scenario == "checkpoint" else ())
+    assert codes == [0, 0], outcomes
+    waiting = 1 if scenario == "checkpoint" else 0
+    outcome, _, waited = outcomes[waiting]
     assert outcome == "returned" and waited > 2 * LIVENESS_S  # waited past the timeout, and returned
-    assert codes == [0, 0]
 
 
-@pytest.mark.parametrize("fault", ["hung", "killed"])
-def test_a_hung_or_killed_rank_fails_its_peer_in_bounded_time_naming_it(fault):
-    outcomes, codes = _liveness_run(fault)
+@pytest.mark.parametrize("scenario,fault", [("idle", "hung"), ("idle", "killed"), ("drafter_warmup", "hung")])
+def test_a_hung_or_killed_rank_fails_its_peer_in_bounded_time_naming_it(scenario, fault):
+    outcomes, codes = _liveness_run(scenario, fault, watch=(0,))
     outcome, message, waited = outcomes[0]
     assert outcome == "RuntimeError" and codes[0] != 0
     assert waited < 2 * LIVENESS_S + 2  # silent for LIVENESS_S, checked once a fifth of a second
     if fault == "hung":
         assert "rank 1 has made no progress" in message
+
+
+def test_rank_0_stopped_in_its_checkpoint_write_fails_the_others_naming_it(tmp_path):
+    """A background beating thread does not hide a rank that stops: it stops with it."""
+    outcomes, codes = _liveness_run("checkpoint", "hung", watch=(1,), extra=(str(tmp_path / "ckpt.pt"),))
+    outcome, message, waited = outcomes[1]
+    assert outcome == "RuntimeError" and codes[1] != 0
+    assert "rank 0 has made no progress" in message and waited < 2 * LIVENESS_S + 2
+
+
+def test_three_ranks_one_hung_all_others_fail_naming_it():
+    """Rank 0 watches every rank, the others watch rank 0 only (reads that grow as W, not W^2); rank 0
+    names the silent rank 2, and rank 1, which never reads rank 2's counter, fails with rank 0's verdict."""
+    outcomes, codes = _liveness_run("wait", "hung", world=3, watch=(0, 1))
+    for rank in (0, 1):
+        outcome, message, waited = outcomes[rank]
+        assert outcome == "RuntimeError" and codes[rank] != 0
+        assert "rank 2 has made no progress" in message, message
+        assert waited < 3 * LIVENESS_S + 2
+    assert "found by rank 0" in outcomes[1][1]
+
+
+# ----------------------------------------------------------------------------- one store, successive groups
+
+def _group_worker(rank, port, delay, q):
+    """One rank of a 2-rank torchrun group: compute_init with the environment torchrun sets (the
+    store hosted by its agent, here the test), and a restart count that does not change."""
+    import common
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port), TORCHELASTIC_USE_AGENT_STORE="True", TORCHELASTIC_RESTART_COUNT="0",
+                      OMP_NUM_THREADS="1")
+    torch.set_num_threads(1)
+    agreed, real = [], common.agree_prefix
+
+    def spy(*a, **kw):
+        agreed.append(real(*a, **kw))
+        return agreed[-1]
+    common.agree_prefix = spy
+    time.sleep(delay)
+    common.compute_init("cpu")
+    t = torch.full((1,), float(rank + 1))
+    dist.all_reduce(t)
+    q.put((rank, agreed[0], t.item()))
+    dist.barrier()
+    dist.destroy_process_group()
+    os._exit(0)
+
+
+def test_successive_groups_on_one_store_agree_on_fresh_prefixes():
+    """A second group on the store of a first (an elastic restart that keeps the restart count:
+    nodes joined or left) must not read the first group's keys: rank 1 comes first and finds them
+    all, rank 0 comes 1.5 s later. Each group agrees on one prefix, a new one, and works."""
+    ctx = mp.get_context("spawn")
+    store = dist.TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False)
+    groups = []
+    for delays in ((0.0, 0.0), (1.5, 0.0)):
+        q = ctx.Queue()
+        procs = [ctx.Process(target=_group_worker, args=(r, store.port, delays[r], q)) for r in range(2)]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(timeout=60)
+        alive = [p for p in procs if p.is_alive()]
+        for p in alive:
+            p.kill()
+        assert not alive, "a group hung"
+        groups.append(dict((rank, (prefix, total)) for rank, prefix, total in (q.get(timeout=5) for _ in range(2))))
+    for g in groups:
+        assert g[0][0] == g[1][0]  # one prefix per group
+        assert g[0][1] == g[1][1] == 3.0  # and the group works
+    assert groups[0][0][0] != groups[1][0][0]

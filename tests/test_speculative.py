@@ -28,8 +28,18 @@ import torch
 from drafter import Drafter, DrafterBuffer, make_optimizer, train_step
 from conftest import randomize
 from model import GPT, GPTConfig
-from speculative import (RunningBatch, _mix32_, autoregressive_generate, gumbel_argmax, gumbel_noise, probs,
-                         draw, speculative_generate, verify, verify_gumbel)
+from speculative import (RunningBatch, _mix32_, autoregressive_generate, gumbel_choose, gumbel_noise, gumbel_seeds,
+                         probs, draw, speculative_generate, verify, verify_gumbel)
+
+
+def gumbel_argmax(logits, temperature, noise):
+    """The Gumbel-max token with the whole noise given: what gumbel_choose must equal."""
+    return (logits.float() / temperature + noise).argmax(-1)
+
+
+def noise_of(keys, positions, V):
+    """The "gumbel" sampler's noise (B, T, V) of rows with keys (B,) at positions (B, T)."""
+    return gumbel_noise(gumbel_seeds(torch.as_tensor(keys), torch.as_tensor(positions)), V)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -305,7 +315,9 @@ def random_dists(g, shape, scale=1.5):
     return torch.softmax(torch.randn(shape, generator=g) * scale, dim=-1)
 
 
-def make_pq(case, k, g):
+def make_pq(case, k, g, dtype=torch.float32):
+    """Target and drafter distributions p (k+1, V), q (k, V); with dtype bfloat16 they are what
+    `probs` makes of bf16 logits (the logits a bf16 forward gives), zeros kept."""
     p = random_dists(g, (k + 1, V_V))
     q = random_dists(g, (k, V_V))
     if case == "q_zero":  # the drafter never proposes tokens 0 and 1, the target likes them
@@ -317,6 +329,8 @@ def make_pq(case, k, g):
         q[:, 3:] += 0.3
     p = p / p.sum(-1, keepdim=True)
     q = q / q.sum(-1, keepdim=True)
+    if dtype != torch.float32:
+        p, q = probs(p.log().to(dtype), 1.0), probs(q.log().to(dtype), 1.0)
     return p, q
 
 
@@ -334,11 +348,12 @@ def first_emitted(drafts, n_acc, nxt):
     return torch.where(n_acc >= 1, drafts[:, 0], nxt)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("k", [1, 2, 3])
 @pytest.mark.parametrize("case", ["random", "q_zero", "p_zero"])
-def test_verify_first_token_is_distributed_as_target(case, k):
+def test_verify_first_token_is_distributed_as_target(case, k, dtype):
     g = torch.Generator().manual_seed(100 * k + len(case))
-    p, q = make_pq(case, k, g)
+    p, q = make_pq(case, k, g, dtype)
     drafts, n_acc, nxt = run_verify(p, q, N_VERIFY, g)
     assert n_acc.shape == nxt.shape == (N_VERIFY,)
     assert int(n_acc.min()) >= 0 and int(n_acc.max()) <= k
@@ -365,14 +380,15 @@ def test_verify_first_token_is_distributed_as_target(case, k):
     assert bool((p_of_draft[accepted] > 0).all())
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("k", [2, 3])
 @pytest.mark.parametrize("case", ["random", "q_zero", "p_zero"])
-def test_verify_first_two_tokens_jointly_distributed_as_target(case, k):
+def test_verify_first_two_tokens_jointly_distributed_as_target(case, k, dtype):
     """The first two emitted tokens have joint p_0 x p_1. A row that emits only one token this
     step (n_accepted = 0) gets its second token from the next verify step, which drafts from
     q_1.. and verifies against p_1.., exactly what speculative decoding would do next."""
     g = torch.Generator().manual_seed(7 + 10 * k + len(case))
-    p, q = make_pq(case, k, g)
+    p, q = make_pq(case, k, g, dtype)
     assert tv(p[0], p[1]) > 0.1  # the two positions differ, so a swapped position would show
     drafts, n_acc, nxt = run_verify(p, q, N_VERIFY, g)
     first = first_emitted(drafts, n_acc, nxt)
@@ -517,28 +533,30 @@ def test_mix32_is_lowbias32():
 
 def test_gumbel_noise_is_a_function_of_key_position_and_token():
     keys, pos = torch.tensor([3, 2 ** 40 + 3, 3]), torch.tensor([[5, 6], [5, 6], [6, 5]])
-    g = gumbel_noise(keys, pos, 7)
+    g = noise_of(keys, pos, 7)
     assert g.shape == (3, 2, 7) and g.dtype == torch.float32 and bool(torch.isfinite(g).all())
     assert torch.equal(g[0, 1], g[2, 0]) and torch.equal(g[0, 0], g[2, 1])  # same (key, position): same noise
     assert not torch.equal(g[0], g[1])  # keys that differ only in their high 32 bits: other noise
-    assert torch.equal(gumbel_noise(keys[:1], pos[:1, 1:], 7)[0, 0], g[0, 1])  # batch layout does not matter
+    assert torch.equal(noise_of(keys[:1], pos[:1, 1:], 7)[0, 0], g[0, 1])  # batch layout does not matter
     assert len(set(g[:2].flatten().tolist())) == 28  # otherwise all distinct
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("temperature", [1.0, 0.5, 2.0])
-def test_gumbel_tokens_follow_softmax_at_temperature(temperature):
+def test_gumbel_tokens_follow_softmax_at_temperature(temperature, dtype):
     """Tokens drawn as argmax(logits / T + g(key, t)) over N keys at one position, and over N
     positions of one key, follow softmax(logits / T). K = 5, N = 40000: TV tolerance 0.0224,
     false failure <= exp(-22.5) per check; pairs of adjacent positions of one key (K = 25, N = 20000,
-    tolerance 0.0707, false failure <= exp(-112)) are independent."""
+    tolerance 0.0707, false failure <= exp(-112)) are independent. bf16 logits (a bf16 forward's)
+    follow the softmax of their own values: the noise is added in float32."""
     g = torch.Generator().manual_seed(31)
-    logits = torch.randn(V_V, generator=g) * 1.5
+    logits = (torch.randn(V_V, generator=g) * 1.5).to(dtype)
     exact = torch.softmax(logits.double() / temperature, -1)
     N = N_VERIFY
     by_key = gumbel_argmax(logits.expand(N, 1, V_V), temperature,
-                           gumbel_noise(torch.arange(N) * 7919 + 11, torch.full((N, 1), 42), V_V))[:, 0]
+                           noise_of(torch.arange(N) * 7919 + 11, torch.full((N, 1), 42), V_V))[:, 0]
     by_pos = gumbel_argmax(logits.expand(1, N, V_V), temperature,
-                           gumbel_noise(torch.tensor([12345]), torch.arange(N)[None], V_V))[0]
+                           noise_of(torch.tensor([12345]), torch.arange(N)[None], V_V))[0]
     for tokens in (by_key, by_pos):
         assert tv(torch.bincount(tokens, minlength=V_V).double() / N, exact) <= tv_tolerance(V_V, N)
     pairs = by_pos.view(-1, 2)
@@ -557,8 +575,8 @@ def test_exponential_race_sample_is_exact_and_never_draws_zero_weight():
 def test_verify_gumbel_keeps_drafts_up_to_the_first_mismatch():
     draft = torch.tensor([[1, 2, 3], [1, 2, 3], [0, 2, 3], [1, 2, 3]])
     target = torch.tensor([[1, 2, 3, 4], [1, 5, 3, 4], [1, 2, 3, 4], [1, 2, 0, 4]])
-    n_acc, nxt = verify_gumbel(draft, target)
-    assert n_acc.tolist() == [3, 1, 0, 2] and nxt.tolist() == [4, 5, 1, 0]
+    n_acc = verify_gumbel(draft, target)
+    assert n_acc.tolist() == [3, 1, 0, 2]
 
 
 def random_drafter(target, seed):
@@ -598,27 +616,31 @@ def test_gumbel_speculative_is_token_identical_to_plain(greedy_setup, which, tem
 
 def test_gumbel_choice_in_chunks_equals_one_argmax_and_ignores_the_logits_dtype():
     """gumbel_choose hashes the noise one vocabulary chunk at a time (bounded memory) and picks the
-    same tokens as one argmax over the whole noise; bfloat16 logits give the tokens of the same
-    logits in float32 (the noise is added in float32, never coarsened to bf16)."""
-    from speculative import gumbel_choose, row_streams
+    same tokens as one argmax over the whole noise, made there or given; bfloat16 logits give the
+    tokens of the same logits in float32 (the noise is added in float32, never coarsened to bf16)."""
     g = torch.Generator().manual_seed(0)
     B, T, V = 6, 3, 50
     logits = torch.randn(B, T, V, generator=g) * 2
     keys, pos = torch.arange(B) * 31 + 5, torch.arange(T).expand(B, T) + 7
-    whole = gumbel_argmax(logits, 1.0, gumbel_noise(keys, pos, V))
+    seeds = gumbel_seeds(keys, pos)
+    whole = gumbel_argmax(logits, 1.0, gumbel_noise(seeds, V))
+    assert len(set(whole.flatten().tolist())) > 5  # varied tokens: a wrong chunk offset would show
     for chunk in (7, 16, 50, 8192):
-        assert torch.equal(gumbel_choose(logits, 1.0, row_streams(keys), pos, chunk=chunk), whole)
+        assert torch.equal(gumbel_choose(logits, 1.0, seeds, chunk=chunk), whole)
+    assert torch.equal(gumbel_choose(logits, 1.0, seeds, noise=gumbel_noise(seeds, V)), whole)
     low = logits.bfloat16()
-    exact = gumbel_argmax(low.float(), 0.7, gumbel_noise(keys, pos, V))
-    assert torch.equal(gumbel_choose(low, 0.7, row_streams(keys), pos, chunk=16), exact)
-    assert torch.equal(gumbel_argmax(low, 0.7, gumbel_noise(keys, pos, V)), exact)
+    exact = gumbel_argmax(low.float(), 0.7, gumbel_noise(seeds, V))
+    assert torch.equal(gumbel_choose(low, 0.7, seeds, chunk=16), exact)
+    assert torch.equal(gumbel_choose(low, 0.7, seeds, noise=gumbel_noise(seeds, V)), exact)
 
 
 def test_ngram_drafter_proposes_what_followed_the_last_match():
+    from types import SimpleNamespace
     from drafter import NgramDrafter
     tokens = torch.tensor([[5, 6, 7, 8, 5, 6, 0, 0], [1, 2, 3, 4, 9, 9, 9, 9], [3, 3, 3, 3, 3, 0, 0, 0]])
     n_tokens = torch.tensor([6, 4, 5])
-    drafts = NgramDrafter(n=2).propose(tokens, n_tokens, 3)
+    drafts, q = NgramDrafter(n=2).propose(SimpleNamespace(tokens=tokens, n_tokens=n_tokens), 3)
+    assert q is None  # deterministic proposals: a one-hot q
     assert drafts[0].tolist() == [7, 8, 5]  # "5 6" was followed by "7 8 5"; reads stay inside the row
     assert drafts[1].tolist() == [4, 4, 4]  # "3 4" never occurred before: the last token, again
     assert drafts[2].tolist() == [3, 3, 3]  # the latest earlier "3 3" (at 2) is followed by 3, 3 (clamped)
@@ -637,3 +659,100 @@ def test_ngram_speculation_is_lossless(greedy_setup, sampler, temperature):
     out, st = speculative_generate(target, NgramDrafter(n=1), prompts, N_NEW, k=3, **how)
     assert out == plain
     assert 0 < st["accepted"] < st["drafted"]
+
+
+def test_rows_whose_old_32_bit_streams_were_a_shift_apart_get_unrelated_noise():
+    """The old design gave a row a 32-bit stream s = mix(mix(key_hi) ^ key_lo) and position t the
+    seed mix(s + t * 0x9E3779B9): two keys whose streams differ by m * 0x9E3779B9 shared all their
+    noise m positions apart. Build such a pair (key_hi = 0, so s = mix(key_lo); the second key's low
+    half by inverting the mixer) and check that the 64-bit seeds now share nothing at any shift."""
+    G, M = 0x9E3779B9, 0xFFFFFFFF
+
+    def mix(x):  # lowbias32
+        x ^= x >> 16
+        x = (x * 0x7FEB352D) & M
+        x ^= x >> 15
+        x = (x * 0x846CA68B) & M
+        return x ^ (x >> 16)
+
+    def unmix(x):  # its inverse (Wellons' hash-prospector)
+        x ^= x >> 16
+        x = (x * 0x43021123) & M
+        x ^= (x >> 15) ^ (x >> 30)
+        x = (x * 0x1D69E2A5) & M
+        return x ^ (x >> 16)
+
+    key1, m, N = 12345, 5, 40
+    s2 = (mix(key1) + m * G) & M
+    key2 = unmix(s2)
+    assert mix(key2) == s2  # the construction holds: the old streams are m steps apart
+    old_seed = lambda key, t: mix((mix(key) + t * G) & M)  # noqa: E731
+    assert all(old_seed(key2, t) == old_seed(key1, t + m) for t in range(N))  # the old noise, shared
+    pos = torch.arange(N)[None].expand(2, N)
+    seeds = gumbel_seeds(torch.tensor([key1, key2]), pos)
+    for shift in range(-N + 1, N):  # no position of one row has a seed of the other, at any shift
+        a, b = seeds[0, max(shift, 0):N + min(shift, 0)], seeds[1, max(-shift, 0):N - max(shift, 0)]
+        assert not bool((a == b).any()), shift
+    noise = gumbel_noise(seeds, 16)  # (2, N, 16)
+    assert not torch.equal(noise[0, m:], noise[1, :-m])
+
+
+class NoDeviceReads(torch.utils._python_dispatch.TorchDispatchMode):
+    """Fails on what makes the host wait for a GPU: reading a value (item, bool, int), an op whose
+    output size depends on values (nonzero, unique, masked_select, boolean indexing), and tolist,
+    which on a CPU dispatches nothing and so is patched."""
+    BAD = {"_local_scalar_dense", "nonzero", "_unique2", "unique_dim", "unique_consecutive", "masked_select"}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        bool_index = name in ("index", "index_put_", "index_put") and any(
+            t is not None and t.dtype == torch.bool for t in (args[1] or []))
+        if name in self.BAD or bool_index:
+            raise AssertionError(f"host-device sync: aten.{name}")
+        return func(*args, **(kwargs or {}))
+
+    def __enter__(self):
+        self._tolist = torch.Tensor.tolist
+        torch.Tensor.tolist = lambda t: (_ for _ in ()).throw(AssertionError("host-device sync: tolist"))
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        torch.Tensor.tolist = self._tolist
+        return super().__exit__(*exc)
+
+
+@pytest.mark.parametrize("sampler,temperature", [("gumbel", 1.0), ("rejection", 0.7), ("gumbel", 0.0), ("rejection", 0.0)])
+def test_steps_read_nothing_from_the_device(greedy_setup, sampler, temperature):
+    """Plain and speculative steps (learned and n-gram drafter, the drafter's first catch-up
+    included) size everything from the host's bounds: no sync. compact() reads the device once
+    (which rows finished) when none finished; the generate stats read it once at the end."""
+    from drafter import NgramDrafter
+    target, drafter, pool, _, eos = greedy_setup
+    gen = RunningBatch(target, pool, N_NEW, temperature=temperature, eos_id=eos, sampler=sampler, max_draft=4,
+                       generator=torch.Generator().manual_seed(3), keys=list(range(len(pool))))
+    schedule = itertools.cycle([None, 4, None, 2, "ngram", 3, 1])
+    steps = 0
+    while gen.compact() > 0:
+        k = next(schedule)
+        with NoDeviceReads():
+            if k is None:
+                gen.plain_step()
+            else:
+                gen.speculative_step(NgramDrafter(n=1) if k == "ngram" else drafter, 3 if k == "ngram" else k)
+        steps += 1
+    assert steps >= 8 and all(r is not None for r in gen.results)
+    cache = target.new_cache(2, 16)  # the detector works: a forward given no window reads the lengths
+    with pytest.raises(AssertionError, match="sync"):
+        with NoDeviceReads():
+            target(torch.zeros(2, 3, dtype=torch.long), cache)
+    reads = []
+    real = torch.Tensor.tolist
+    try:
+        torch.Tensor.tolist = lambda t: reads.append(t.shape) or real(t)
+        gen2 = RunningBatch(target, pool, N_NEW, temperature=temperature, sampler=sampler, max_draft=2,
+                            generator=torch.Generator().manual_seed(3), keys=list(range(len(pool))))
+        reads.clear()
+        assert gen2.compact() == len(pool)  # nothing finished yet: one read
+        assert len(reads) == 1
+    finally:
+        torch.Tensor.tolist = real

@@ -28,13 +28,14 @@ RANK_KEYS = {"rank", "rollout_time", "idle_time", "drafter_steps", "tokens", "dr
 
 
 def run_train(args, timeout=240):
-    return subprocess.run([sys.executable, "train.py", *args], cwd=ROOT, env=ENV, capture_output=True, text=True,
-                          timeout=timeout)
+    """train.py in a process of its own, on the CPU (unless args say otherwise): the same on a GPU machine."""
+    return subprocess.run([sys.executable, "train.py", "--device", "cpu", *args], cwd=ROOT, env=ENV, capture_output=True,
+                          text=True, timeout=timeout)
 
 
 def torchrun(args, nproc=2, extra=()):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *extra,
-           "train.py", *args]
+           "train.py", "--device", "cpu", *args]
     return subprocess.Popen(cmd, cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
@@ -130,7 +131,8 @@ def _kill_worker(rank, marker):
 
 @pytest.mark.parametrize("bad", [["--bogus-flag"], ["--rl-steps", "-1"], ["--n-embd", "0"], ["--group-size", "0"],
                                  ["--block-size", "20"], ["--tlt", "maybe"], ["--rl-lr", "0"], ["--draft-ks", "4,x"],
-                                 ["--draft-ks", "4,4"], ["--draft-ks", "-1"], ["--eval-samples", "0"]])
+                                 ["--draft-ks", "4,4"], ["--draft-ks", "-1"], ["--eval-samples", "0"],
+                                 ["--dtype", "float16"], ["--drafter-keep-tokens", "39"]])
 def test_bad_flags_one_line_nonzero_nothing_written(bad, tmp_path):
     out = tmp_path / "never"
     r = run_train(TINY + ["--out-dir", str(out)] + bad)
@@ -170,7 +172,7 @@ def test_mismatched_or_corrupt_checkpoint_is_refused_and_left_alone(tmp_path):
     assert len(r.stderr.strip().splitlines()) == 1
     assert digest(target) == before
     ckpt = os.path.join(out, "ckpt.pt")
-    ck = torch.load(ckpt, weights_only=True)  # same config, but the bandit state of an older version
+    ck = torch.load(ckpt, map_location="cpu", weights_only=True)  # same config, but the bandit state of an older version
     ck["bandits"][0]["plays"] = [[b, a, [float(n) for n, _ in r]] for b, a, r in ck["bandits"][0]["plays"]]
     assert any(r for _, _, r in ck["bandits"][0]["plays"]), "the 1-step run must have scored some bandit plays"
     torch.save(ck, ckpt)
@@ -185,6 +187,53 @@ def test_mismatched_or_corrupt_checkpoint_is_refused_and_left_alone(tmp_path):
     r = run_train(TINY + ["--out-dir", out, "--rl-steps", "2"])
     assert r.returncode != 0 and "cannot read checkpoint" in r.stderr
     assert digest(ckpt) == cut
+
+
+def test_bf16_warmups_and_rl_steps_on_one_and_two_ranks(tmp_path):
+    """--dtype bfloat16 end to end: both warm-ups, two RL steps and the evaluations on one process,
+    and the same on 2 ranks (run side by side), finish; the ranks' drafters agree after each sync;
+    the warm-ups and the RL checkpoint record that they were made in bf16."""
+    one, two = str(tmp_path / "one"), str(tmp_path / "two")
+    bf16 = TINY + ["--dtype", "bfloat16", "--rl-steps", "2"]
+    proc = torchrun(bf16 + ["--out-dir", two, "--eval-per-bucket", "0"])
+    r = run_train(bf16 + ["--out-dir", one])
+    stdout, _ = proc.communicate(timeout=180)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert proc.returncode == 0, stdout[-3000:]
+    assert "held-out accuracy after RL" in r.stdout and "speculative vs plain decoding, greedy" in r.stdout
+    for out, n_ranks in ((one, 1), (two, 2)):
+        recs = metrics(out)
+        assert [m["step"] for m in recs] == [0, 1] and all(len(m["ranks"]) == n_ranks for m in recs)
+        assert all(len({r["drafter_checksum"] for r in m["ranks"]}) == 1 for m in recs)
+        for name in ("target_warmup.pt", "drafter_warmup.pt", "ckpt.pt"):
+            meta = torch.load(os.path.join(out, name), map_location="cpu", weights_only=True)["meta"]
+            assert meta["dtype"] == "bfloat16", name
+
+
+def test_dtype_keys_the_warmups_and_float32_keeps_the_old_meta():
+    """A bf16 warm-up is another warm-up: its meta differs. float32 adds no key, so warm-ups cached
+    before --dtype existed are still used."""
+    f32, bf16 = train.parse_args(TINY), train.parse_args(TINY + ["--dtype", "bfloat16"])
+    config = warmup.GPTConfig(vocab_size=train.task.VOCAB_SIZE, block_size=40, n_layer=1, n_head=2, n_embd=16)
+    metas = [warmup.model_meta(a, config, train.task_config(a, warmup=True)) for a in (f32, bf16)]
+    assert "dtype" not in metas[0] and metas[1] == {**metas[0], "dtype": "bfloat16"}
+
+
+def test_a_block_that_fits_the_longest_draft_fits_the_evaluation(tmp_path):
+    """--block-size 34 holds max-n 4's 31 positions plus --draft-ks 0,1,3's longest draft. The
+    evaluations draft that many tokens, not a fixed 4 (which needs 35 and failed before RL)."""
+    r = run_train(TINY + ["--out-dir", str(tmp_path), "--rl-steps", "1", "--block-size", "34", "--draft-ks", "0,1,3"])
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "held-out accuracy after RL" in r.stdout and "speculative vs plain decoding, greedy" in r.stdout
+
+
+def test_evaluation_without_drafts_decodes_plainly():
+    """--draft-ks 0 never speculates: the evaluation decodes plainly and skips the speculative check."""
+    args = train.parse_args(TINY + ["--draft-ks", "0", "--block-size", "31", "--eval-samples", "1"])
+    model, drafter = _tiny_models(args)
+    task_cfg = train.task_config(args)
+    acc = train.evaluate_both(model, drafter, train.task.eval_set(task_cfg, 1), args, task_cfg, 0, 1, "now", check=True)
+    assert set(acc) == {"greedy", "sampled"}
 
 
 def test_unwritable_out_dir(tmp_path):
@@ -283,7 +332,7 @@ def _rl_steps_worker(rank, world, port, out, n_steps, warm):
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     args = train.parse_args(SOMETIMES_RIGHT + ["--prompts-per-step", "3", "--group-size", "3", "--rl-lr", "3e-3"])
     model, drafter = _tiny_models(args)
-    model.load_state_dict(torch.load(warm)["model"])
+    model.load_state_dict(torch.load(warm, map_location="cpu")["model"])
     net = DistributedDataParallel(model, forward_sync_buffers=False) if world > 1 else model
     opt = torch.optim.AdamW(model.parameters(), lr=args.rl_lr, betas=(0.9, 0.95), weight_decay=0.0)
     d_opt = train.make_optimizer(drafter, args.drafter_online_lr)
@@ -305,7 +354,7 @@ def _rl_steps(world, tmp_path, warm, n_steps=3):
         port = s.getsockname()[1]
     out = str(tmp_path / f"w{world}.pt")
     mp.start_processes(_rl_steps_worker, args=(world, port, out, n_steps, warm), nprocs=world, start_method="spawn")
-    return torch.load(out)
+    return torch.load(out, map_location="cpu")
 
 
 def test_rl_steps_do_not_depend_on_the_number_of_ranks(tmp_path):
@@ -321,7 +370,7 @@ def test_rl_steps_do_not_depend_on_the_number_of_ranks(tmp_path):
     assert one["digests"] == two["digests"] and one["rewards"] == two["rewards"]
     assert 0 < sum(one["rewards"]) < len(one["rewards"])  # rewards vary, so the target is updated
     start, _ = _tiny_models(train.parse_args(SOMETIMES_RIGHT))
-    start.load_state_dict(torch.load(warm)["model"])
+    start.load_state_dict(torch.load(warm, map_location="cpu")["model"])
     w0 = torch.cat([p.detach().reshape(-1) for p in start.parameters()])
     update = (one["weights"] - w0).norm()
     assert update > 0
@@ -358,7 +407,7 @@ def test_a_cache_only_rank_0_sees_is_used_by_every_rank(tmp_path):
     warmup_dir = str(tmp_path / "warm")
     r = run_train(TINY + ["--out-dir", warmup_dir, "--rl-steps", "0", "--eval-per-bucket", "0"])
     assert r.returncode == 0, r.stderr[-2000:]
-    cached = torch.load(os.path.join(warmup_dir, "target_warmup.pt"))["model"]
+    cached = torch.load(os.path.join(warmup_dir, "target_warmup.pt"), map_location="cpu")["model"]
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -367,7 +416,7 @@ def test_a_cache_only_rank_0_sees_is_used_by_every_rank(tmp_path):
     deadline = time.time() + 120
     while not ctx.join(timeout=1):
         assert time.time() < deadline, "the ranks hung"
-    got = [torch.load(f"{out}.{r}") for r in range(2)]
+    got = [torch.load(f"{out}.{r}", map_location="cpu") for r in range(2)]
     for g in got:
         assert all(torch.equal(g["model"][k], cached[k]) for k in cached)
     assert got[0]["drafter"] == got[1]["drafter"]
