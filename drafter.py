@@ -43,7 +43,8 @@ from model import KVCache, RotaryStack
 
 HIDDEN_WEIGHT = 1.0
 CE_WEIGHT = 0.1
-DRAFTER_BATCH = 8  # sequences per training step: short steps, so an idle rank is preempted within one
+DRAFTER_BATCH = 8  # sequences per training step
+IDLE_STEP_TOKENS = 256  # padded positions per idle-time step at most: the last rank waits at most one such step
 
 
 class Drafter(nn.Module):
@@ -133,8 +134,10 @@ class DrafterBuffer:
         self._store_staged()
         return sum(t.shape[0] for _, t, _, _ in self.items)
 
-    def sample(self, batch_size, rng, device="cpu"):
-        """A padded batch of similar-length sequences: see `pairs` for what it holds.
+    def sample(self, batch_size, rng, device="cpu", max_tokens=None):
+        """A padded batch of similar-length sequences: see `pairs` for what it holds. max_tokens:
+        keep only as many of the window's longest sequences as fit in that many padded positions
+        (at least one), which bounds what a step costs.
 
         Similar lengths go together (a window of the length-sorted buffer), since on long-tailed
         lengths a uniform batch would be mostly padding. The window's start is uniform over
@@ -146,6 +149,8 @@ class DrafterBuffer:
         by_len = sorted(self.items, key=lambda it: it[1].shape[0])
         start = rng.randrange(-(batch_size - 1), len(by_len))
         chosen = by_len[max(start, 0):start + batch_size]
+        if max_tokens is not None:
+            chosen = chosen[-max(1, max_tokens // chosen[-1][1].shape[0]):]
         return pairs([(tokens, hidden, plen) for _, tokens, hidden, plen in chosen], device)
 
 
@@ -198,13 +203,15 @@ def drafter_loss(drafter, h_in, x_next, h_tgt, mask, n_positions=None, passes=2)
     return total / (passes * n.clamp(min=1.0))
 
 
-def train_step(drafter, optimizer, buffer, rng, batch_size=DRAFTER_BATCH, device="cpu", sync_grads=False, passes=2):
+def train_step(drafter, optimizer, buffer, rng, batch_size=DRAFTER_BATCH, device="cpu", sync_grads=False, passes=2,
+               max_tokens=None):
     """One optimizer step on a batch from the buffer; returns (loss, applied). Short on purpose:
-    the idle-rank loop checks for preemption between steps. sync_grads: all ranks train together
+    the idle-rank loop checks for preemption between steps, and bounds a step with max_tokens
+    (`DrafterBuffer.sample`) so that the last rank never waits long for one. sync_grads: all ranks train together
     (the warm-up) on the mean over every rank's positions, with gradients summed over ranks;
     idle-rank training is local, then synced. A step whose gradient is not finite is not applied
     (applied False); under sync_grads every rank sees the same summed gradient and skips with it."""
-    batch = buffer.sample(batch_size, rng, device)
+    batch = buffer.sample(batch_size, rng, device, max_tokens)
     n_local = batch[3].sum().double()  # the positions the loss counts here
     n_positions = n_local.clone()
     if sync_grads:

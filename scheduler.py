@@ -40,13 +40,13 @@ import torch.distributed as dist
 from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
 from common import Liveness, add_segment, multi_rank, until_all_arrive  # Liveness lives in common (every wait uses it)
-from drafter import DRAFTER_BATCH, train_step
+from drafter import DRAFTER_BATCH, IDLE_STEP_TOKENS, train_step
 
 TIMELINE_CHARS = {"plain": "#", "spec": "S", "train": "t", "wait": "."}
 
 
 def idle_train(drafter, optimizer, buffer, rng, *, chores=(), enabled=True, batch_size=DRAFTER_BATCH, passes=2,
-               device="cpu", liveness=None, timeout_s=300.0, grace_s=0.02):
+               step_tokens=IDLE_STEP_TOKENS, device="cpu", liveness=None, timeout_s=300.0, grace_s=0.02):
     """Train the drafter until every rank has reached this point: the technique's idle loop,
 
         work = dist.barrier(async_op=True)      # completes when the LAST rank arrives
@@ -60,8 +60,9 @@ def idle_train(drafter, optimizer, buffer, rng, *, chores=(), enabled=True, batc
     segments) with segments as [kind, start, end] relative to the call.
 
     Preemption bound: the loop looks at the barrier between turns, so a rank that is busy when the
-    last rank arrives stops within one chore or one drafter step (DRAFTER_BATCH sequences: a few
-    milliseconds here; `metrics.jsonl`'s `slowest_wait` shows what the slowest rank paid for it).
+    last rank arrives stops within one chore or one drafter step, and a step reads at most
+    `step_tokens` padded positions (up to batch_size sequences), a few milliseconds here;
+    `metrics.jsonl`'s `slowest_wait` shows what the slowest rank paid for it.
     The barrier's grace period, liveness and errors: common.until_all_arrive."""
     t0 = time.perf_counter()
     chores = deque(chores)
@@ -76,7 +77,8 @@ def idle_train(drafter, optimizer, buffer, rng, *, chores=(), enabled=True, batc
         if chores:
             chores.popleft()()
         elif can_train:
-            _, applied = train_step(drafter, optimizer, buffer, rng, batch_size=batch_size, device=device, passes=passes)
+            _, applied = train_step(drafter, optimizer, buffer, rng, batch_size=batch_size, device=device, passes=passes,
+                                    max_tokens=step_tokens)
             steps += applied
             skipped += not applied
         else:

@@ -30,7 +30,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 import rl
 import task
-from drafter import DRAFTER_BATCH, DrafterBuffer, NgramDrafter, agreement_chores, make_optimizer
+from drafter import DRAFTER_BATCH, IDLE_STEP_TOKENS, DrafterBuffer, NgramDrafter, agreement_chores, make_optimizer
 from model import GPTConfig
 from evaluate import evaluate_both, format_accuracy
 from common import (COLLECTIVE_TIMEOUT_S, OneLineParser, Seed, all_sum, check_out_dir, compute_init, derive_seed,
@@ -107,6 +107,8 @@ def parse_args(argv=None):
                    "it decays on a cosine from this to a twentieth of it over the RL steps")
     p.add_argument("--drafter-online-lr", type=float, default=5e-5, help="drafter learning rate on idle ranks during RL")
     p.add_argument("--drafter-batch", type=int, default=DRAFTER_BATCH, help="sequences per drafter training step")
+    p.add_argument("--drafter-idle-tokens", type=int, default=IDLE_STEP_TOKENS, help="padded positions per drafter step on "
+                   "idle ranks at most (fewer sequences when they are long): how long the last rank can wait for one")
     p.add_argument("--drafter-keep", type=int, default=32, help="RL steps of hidden states the drafter buffer keeps")
     p.add_argument("--drafter-keep-tokens", type=int, default=1_000_000, help="and at most this many tokens, the oldest "
                    "sequences dropped first (bounded memory; at least --block-size)")
@@ -137,7 +139,7 @@ def parse_args(argv=None):
     p.add_argument("--timeline-every", type=int, default=10, help="print the per-rank timeline every N steps (0: never)")
     p.add_argument("--ckpt-every", type=int, default=10, help="write the RL checkpoint every N steps")
     args = p.parse_args(argv)
-    positive = ("warmup_steps", "warmup_tokens", "warmup_lr", "drafter_warmup_seqs", "drafter_batch",
+    positive = ("warmup_steps", "warmup_tokens", "warmup_lr", "drafter_warmup_seqs", "drafter_batch", "drafter_idle_tokens",
                 "drafter_keep", "drafter_keep_tokens", "drafter_lr", "drafter_cold_lr", "drafter_online_lr", "prompts_per_step", "group_size", "rl_epochs", "rl_lr",
                 "clip_eps", "update_tokens", "ckpt_every", "eval_samples")
     non_negative = ("rl_steps", "drafter_warmup_steps", "careful_bonus", "kl_coef", "temperature", "sd_threshold", "timeline_every", "eval_per_bucket")
@@ -180,7 +182,7 @@ def parse_args(argv=None):
 def rl_meta(args, config, task_cfg):
     """What an RL checkpoint depends on: the warm-ups it started from and every RL setting."""
     keys = ("rl_seed", "careful_bonus", "drafter", "drafter_cold_lr", "drafter_online_lr", "prompts_per_step", "group_size", "rl_lr", "rl_epochs", "clip_eps", "kl_coef", "tlt", "drafter_updates",
-            "sd_threshold", "drafter_keep", "drafter_keep_tokens", "update_tokens", "sampler")
+            "sd_threshold", "drafter_keep", "drafter_keep_tokens", "drafter_idle_tokens", "update_tokens", "sampler")
     return {**drafter_meta(args, config, task_cfg, task_config(args, warmup=True)), **{k: getattr(args, k) for k in keys}, "draft_ks": list(args.draft_ks)}
 
 
@@ -345,7 +347,8 @@ def rl_step(step, args, task_cfg, model, net, drafter, opt, d_opt, bandit, buffe
     cold = args.drafter_warmup_steps == 0  # a cold start trains with the teacher-forced pass alone (drafter.py)
     d_steps, d_skipped, idle, idle_segs = idle_train(
         drafter, d_opt, buffer, drng, chores=agreement_chores(drafter, samples, top1, device=device) if learned else (),
-        enabled=train_drafter, batch_size=args.drafter_batch, passes=1 if cold else 2, device=device, liveness=liveness)
+        enabled=train_drafter, batch_size=args.drafter_batch, passes=1 if cold else 2, step_tokens=args.drafter_idle_tokens,
+        device=device, liveness=liveness)
     # 5. every rank ends with the same drafter: the weighted average overlaps the update
     finish_sync = start_drafter_sync(drafter, d_steps if train_drafter else 0)
     # 6. every rank's rewards and sequences (a group may span ranks), group-normalised advantages over
@@ -416,10 +419,11 @@ def step_record(step, local, total, all_rewards, responses, step_time, update_ti
 
 def log_step(rec, ranks, args):
     """Rank 0's line for the step, and every --timeline-every steps the ranks' timeline."""
+    top1 = "n/a" if rec["drafter_top1"] is None else f"{100 * rec['drafter_top1']:.1f}%"  # n/a: no rank had time to score
     print0(f"step {rec['step']:04d}/{args.rl_steps} | reward {rec['reward']:.3f} | step {rec['step_time']:.2f}s | "
            f"rollout {rec['rollout_time']:.2f}s ({100 * rec['rollout_share']:.0f}%, tail {100 * rec['tail_share']:.0f}%) | "
            f"tok/s {rec['tok_s']:,.0f} | accept {rec['accept_len'] or 0:.2f} ({100 * (rec['accept_rate'] or 0):.0f}% of "
-           f"drafts) | sd tok {100 * rec['sd_token_frac']:.0f}% | drafter top-1 {100 * (rec['drafter_top1'] or 0):.1f}% | "
+           f"drafts) | sd tok {100 * rec['sd_token_frac']:.0f}% | drafter top-1 {top1} | "
            f"idle {rec['idle_time']:.2f}s | drafter steps {rec['drafter_steps']}"
            + (f" ({rec['drafter_skipped']} non-finite, skipped)" if rec["drafter_skipped"] else "")
            + (" | SKIPPED non-finite update" if rec["skipped_update"] else ""))

@@ -186,6 +186,24 @@ def test_buffer_sample_draws_the_longest_sequences_as_often_as_the_rest():
     assert all(abs(c - expected) < 325 for c in counts), (expected, counts)
 
 
+def test_buffer_sample_with_a_token_budget_keeps_the_windows_longest_that_fit():
+    """max_tokens bounds a batch's padded positions (what an idle step costs): the window's longest
+    sequences that fit, at least one however long it is, and every sequence still comes up."""
+    buf = DrafterBuffer()
+    for n in range(20):  # sequence n holds n + 3 tokens, each of them n
+        buf.add(0, torch.full((n + 3,), n, dtype=torch.long), torch.zeros(n + 2, 4), prompt_len=1)
+    rng, seen = random.Random(0), set()
+    for _ in range(500):
+        ids = sorted(buf.sample(8, rng, max_tokens=40)[1][:, 0].tolist())
+        longest = ids[-1] + 3
+        assert ids == list(range(ids[0], ids[-1] + 1))  # a window of the length-sorted buffer, cut from below
+        assert len(ids) * longest <= 40 and len(ids) <= 8
+        assert ids[0] == 0 or len(ids) == min(8, 40 // longest)  # as many as fit, unless the window ran out
+        seen.update(ids)
+    assert seen == set(range(20))
+    assert buf.sample(8, random.Random(1), max_tokens=5)[1].shape[0] == 1  # longer than the budget: alone
+
+
 # ----------------------------------------------------------------------------- isolation of rows
 
 
