@@ -71,12 +71,11 @@ def idle_train(drafter, optimizer, buffer, rng, *, chores=(), enabled=True, batc
             chores.popleft()()
         return 0, 0, 0.0, []
     steps, skipped, segments = 0, 0, []
-    can_train = enabled and len(buffer) > 0
     for _ in until_all_arrive(liveness, grace_s=grace_s, timeout_s=timeout_s):  # the async barrier, turn by turn
         s = time.perf_counter() - t0
         if chores:
             chores.popleft()()
-        elif can_train:
+        elif enabled and len(buffer):  # len() stores the staged rows: on idle time, never on the last rank
             _, applied = train_step(drafter, optimizer, buffer, rng, batch_size=batch_size, device=device, passes=passes,
                                     max_tokens=step_tokens)
             steps += applied
