@@ -408,9 +408,10 @@ def e2e_runs(args, root):
 
 
 def amdahl_bound(mean, names):
-    """What the rollout speedup allows: with a share f of --tlt off's step in the rollout and TLT's
-    rollout s times faster, the step is at most 1 / ((1 - f) + f / s) faster; what TLT's step spends
-    outside its rollout, against --tlt off's, is what keeps the measurement from that bound.
+    """What the rollout speedup allows (Amdahl's law): with a share f of --tlt off's step in the
+    rollout and TLT's rollout s times faster, the step is 1 / ((1 - f) + f / s) faster if nothing
+    else changes; what TLT's step spends outside its rollout (update, the slowest rank's wait,
+    the rest), against --tlt off's, is what moves the measurement away from that figure.
     `mean(name, key)`: the mean of a run's records."""
     share = mean("off", "rollout_time") / mean("off", "step_time")
     s = mean("off", "rollout_time") / mean("on", "rollout_time")
@@ -453,8 +454,9 @@ def e2e_bench(args, task_cfg, model, drafter):
     print(f"--tlt off: rollout is {100 * median('off', 'rollout_time') / median('off', 'step_time'):.0f}% of the median step")
     amdahl = amdahl_bound(mean, timed)
     print(f"\nAmdahl: --tlt off spends {100 * amdahl['share']:.0f}% of a step in its rollout, and TLT's rollout is "
-          f"{amdahl['rollout_speedup']:.2f}x faster, so TLT's step can be at most {amdahl['bound']:.2f}x faster (measured "
-          f"{step['off'] / step['on']:.2f}x; {1 / (1 - amdahl['share']):.1f}x with an infinitely fast rollout). Outside the rollout, ms per step:")
+          f"{amdahl['rollout_speedup']:.2f}x faster: if the rest of TLT's step cost what --tlt off's does, TLT's step would be "
+          f"{amdahl['bound']:.2f}x faster (measured {step['off'] / step['on']:.2f}x; at most {1 / (1 - amdahl['share']):.1f}x with "
+          f"an infinitely fast rollout). What each run spends outside its rollout, ms per step:")
     print(f"{'':8} {'update':>7} {'wait':>7} {'other':>7}   (wait: the slowest rank, from its rollout's end to its update's start)")
     for n in timed:
         print(f"{n:8} " + " ".join(f"{1000 * amdahl['outside'][n][k]:7.1f}" for k in ("update", "wait", "other")))

@@ -136,19 +136,25 @@ def _failing_worker(rank, world, port, q):
         raise
 
 
+def _start_and_join(ctx, target, args_per_rank, hung_message, timeout=60):
+    """One process per args tuple; wait for them all, kill and fail on any still running."""
+    procs = [ctx.Process(target=target, args=args) for args in args_per_rank]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=timeout)
+    alive = [p for p in procs if p.is_alive()]
+    for p in alive:
+        p.kill()
+    assert not alive, hung_message
+    return procs
+
+
 def test_dead_peer_fails_the_idle_barrier_in_bounded_time():
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     port = _free_port()
-    procs = [ctx.Process(target=_failing_worker, args=(r, 2, port, q)) for r in range(2)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(timeout=60)
-    alive = [p for p in procs if p.is_alive()]
-    for p in alive:
-        p.kill()
-    assert not alive, "a rank hung on a dead peer"
+    procs = _start_and_join(ctx, _failing_worker, [(r, 2, port, q) for r in range(2)], "a rank hung on a dead peer")
     assert all(p.exitcode != 0 for p in procs)
     outcome, waited = q.get(timeout=5)
     assert outcome != "returned" and waited <= 30
@@ -359,15 +365,7 @@ def test_successive_groups_on_one_store_agree_on_fresh_prefixes():
     groups = []
     for delays in ((0.0, 0.0), (1.5, 0.0)):
         q = ctx.Queue()
-        procs = [ctx.Process(target=_group_worker, args=(r, store.port, delays[r], q)) for r in range(2)]
-        for p in procs:
-            p.start()
-        for p in procs:
-            p.join(timeout=60)
-        alive = [p for p in procs if p.is_alive()]
-        for p in alive:
-            p.kill()
-        assert not alive, "a group hung"
+        _start_and_join(ctx, _group_worker, [(r, store.port, delays[r], q) for r in range(2)], "a group hung")
         groups.append(dict((rank, (prefix, total)) for rank, prefix, total in (q.get(timeout=5) for _ in range(2))))
     for g in groups:
         assert g[0][0] == g[1][0]  # one prefix per group
