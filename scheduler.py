@@ -17,8 +17,8 @@ and its update there is only what the update needs.
 
 Then every rank must hold the same drafter again: parameters are averaged, weighted by each
 rank's number of local steps (a rank that trained 0 steps contributes nothing; if nobody trained,
-nothing changes), in one all-reduce that runs while the target updates. All-reduce gives every rank bit-identical sums, so the checksums match, and
-train.py warns if they ever do not. Only the weights are synced: each rank's AdamW moments stay
+nothing changes), in one all-reduce that runs while the target updates. All-reduce gives every
+rank bit-identical sums, so the checksums match, and train.py warns if they ever do not. Only the weights are synced: each rank's AdamW moments stay
 its own, built from its own steps, which is harmless (they only scale that rank's next updates,
 whose result is averaged again). A checkpoint holds rank 0's optimizer state, and after a resume
 every rank starts from it; the drafter buffer is not saved and refills from the next steps.
