@@ -24,7 +24,7 @@ whose result is averaged again). A checkpoint holds rank 0's optimizer state, an
 every rank starts from it; the drafter buffer is not saved and refills from the next steps.
 
 Slow is not dead: a rank's rollout may run for minutes on a real model, so the barrier does not
-time out; `Liveness` tells a slow rank (still beating) from a dead or hung one (silent), and the
+time out; `common.Liveness` tells a slow rank (still beating) from a dead or hung one (silent), and the
 waiting ranks fail, naming the rank, once a peer has been silent for TLT_COLLECTIVE_TIMEOUT seconds.
 
 A single process has no idle time and therefore never trains the drafter online; that is the
@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
-from common import Liveness, add_segment, multi_rank, until_all_arrive  # Liveness lives in common (every wait uses it)
+from common import add_segment, multi_rank, until_all_arrive
 from drafter import DRAFTER_BATCH, IDLE_STEP_TOKENS, train_step
 
 TIMELINE_CHARS = {"plain": "#", "spec": "S", "train": "t", "wait": "."}

@@ -33,10 +33,10 @@ import task
 from drafter import DRAFTER_BATCH, IDLE_STEP_TOKENS, DrafterBuffer, NgramDrafter, agreement_chores, make_optimizer
 from model import GPTConfig
 from evaluate import evaluate_both, format_accuracy
-from common import (COLLECTIVE_TIMEOUT_S, OneLineParser, Seed, all_sum, check_out_dir, compute_init, derive_seed,
+from common import (COLLECTIVE_TIMEOUT_S, Liveness, OneLineParser, Seed, all_sum, check_out_dir, compute_init, derive_seed,
                     load_on_rank0, machine, on_off, print0, save_on_rank0, sync)
 from rollout import ARMS, Bandit, rollout
-from scheduler import Liveness, gather_ranks, idle_train, render_timeline, start_drafter_sync
+from scheduler import gather_ranks, idle_train, render_timeline, start_drafter_sync
 from speculative import SAMPLERS
 from warmup import drafter_meta, prepare_models
 
@@ -301,7 +301,7 @@ def drafter_lr(args, step):
 
 def step_rows(args, task_cfg, step, rank, world_size):
     """This rank's rows of the step's global batch (prompts x G samples): their problems, their keys,
-    and the slice of the global batch they are. Rows, not prompts, are dealt, in contiguous slices
+    and the number of rows in the global batch. Rows, not prompts, are dealt, in contiguous slices
     whose sizes differ by at most one, so a GRPO group may span ranks (its advantages come from every
     rank's rewards) and 8 ranks share 4 prompts. A row's key depends on the seed, the step and its
     place in the global batch, never on this rank's layout: with --sampler gumbel the tokens are the
@@ -311,7 +311,7 @@ def step_rows(args, task_cfg, step, rank, world_size):
     mine = slice(rank * n_rows // world_size, (rank + 1) * n_rows // world_size)
     rows = [problems[i // args.group_size] for i in range(n_rows)][mine]
     keys = [derive_seed(args.rl_seed, step, i, Seed.ROLLOUT_KEYS) for i in range(n_rows)][mine]
-    return rows, keys, mine, n_rows
+    return rows, keys, n_rows
 
 
 def rl_step(step, args, task_cfg, model, net, drafter, opt, d_opt, bandit, buffer, rank, world_size, device,
@@ -320,7 +320,7 @@ def rl_step(step, args, task_cfg, model, net, drafter, opt, d_opt, bandit, buffe
     every rank's timeline segments."""
     t0 = time.perf_counter()
     # 1. this rank's rows of the step's global batch, each with its key
-    rows, keys, _, n_rows = step_rows(args, task_cfg, step, rank, world_size)
+    rows, keys, n_rows = step_rows(args, task_cfg, step, rank, world_size)
     # 2. roll out: plain steps while the running batch is large, speculative ones in the tail; score
     gen = torch.Generator(device=device).manual_seed(derive_seed(args.rl_seed, rank, step, Seed.ROLLOUT))
     samples, st = rollout(model, NgramDrafter() if args.drafter == "ngram" else drafter,
