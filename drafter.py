@@ -283,6 +283,72 @@ class NgramDrafter:
         return tokens.gather(1, torch.minimum(follow, n_tokens[:, None] - 1)), None
 
 
+class SiblingDrafter:
+    """Drafts from the row's GRPO group, a model-free drafter (`--drafter sibling`). GRPO samples G
+    responses per prompt, and in the tail the rows still running are the last of their groups: their
+    siblings have written the same problem out already. For each row, find in every sibling's text
+    (a finished one in full, a running one up to where it is) the place whose preceding tokens match
+    the row's own last tokens the longest, up to max_match, and propose the k tokens that follow
+    there; among equally long matches, the place closest to the row's own position (near-copies line
+    up). No match: the row's last token again, like NgramDrafter.
+
+    Brute force on the device: every window of every sibling against the row's last max_match
+    tokens, B S W max_match comparisons a step (B rows, S siblings, W positions), no index to keep
+    and no host read. A suffix automaton per group would cost O(k) a step, but on the host, which
+    would need every new token there each step. A group dealt over several ranks drafts from the
+    siblings on its own rank only: nothing crosses ranks in the tail (train.py's layout keeps
+    every group on one rank whenever the ranks divide the rows evenly into whole groups)."""
+
+    def __init__(self, max_match=16):
+        self.max_match = max_match
+
+    def propose(self, batch, k):
+        """A speculative.RunningBatch -> drafts (B, k), and q = None: deterministic proposals."""
+        return self.lookup(batch, k)[0], None
+
+    def lookup(self, batch, k):
+        """-> drafts (B, k) and each row's match length (B,), 0 where no sibling matched."""
+        M, dev = self.max_match, batch.tokens.device
+        texts, lens = batch.group_texts()  # (R, W), (R,)
+        sib = batch.siblings[batch.row_id]  # (B, S) the row's siblings' texts, -1 padding
+        cand = texts[sib.clamp(min=0)]  # (B, S, W)
+        cand_len = torch.where(sib >= 0, lens[sib.clamp(min=0)], 0)  # (B, S); padding matches nothing
+        B, S, W = cand.shape
+        n = batch.n_tokens  # (B,) the row's next position; its last token is the pending one
+        suffix = batch.tokens.gather(1, (n[:, None] - M + torch.arange(M, device=dev)).clamp(min=0))  # (B, M)
+        padded = F.pad(cand, (M - 1, 0), value=-1)  # (B, S, M - 1 + W): -1 matches no token
+        windows = padded.unfold(2, M, 1)[:, :, :W - 1]  # (B, S, W - 1, M): window j ends at j, is followed by j + 1
+        same = (windows == suffix[:, None, None]).flip(-1).to(torch.uint8)
+        run = same.cumprod(-1).sum(-1)  # (B, S, W - 1): how many of the row's last tokens end at position j
+        follow = torch.arange(1, W, device=dev)  # (W - 1,) the position after window j
+        run = torch.where(follow < cand_len[..., None], run, 0)  # a token must follow, within the sibling
+        run = torch.minimum(run, n[:, None, None])  # a row shorter than M matches with its own tokens only
+        score = run * 2 * W - (follow - n[:, None, None]).abs()  # (B, S, W - 1): longest first, then closest
+        best = score.flatten(1).argmax(1)  # (B,)
+        length = run.flatten(1).gather(1, best[:, None])[:, 0]  # (B,)
+        rows = torch.arange(B, device=dev)
+        s, start = best // (W - 1), best % (W - 1) + 1  # (B,) the sibling, its first follower
+        pos = torch.minimum(start[:, None] + torch.arange(k, device=dev), cand_len[rows, s][:, None] - 1).clamp_(min=0)  # (B, k)
+        drafts = cand[rows, s].gather(1, pos)  # past the sibling's end: its last token, most likely rejected
+        last = batch.tokens.gather(1, n[:, None] - 1).expand(B, k)
+        return torch.where(length[:, None] > 0, drafts, last), length
+
+
+class SiblingOrLearned:
+    """The combination (`--drafter sibling+learned`): the learned drafter while any running row has a
+    sibling still running, the sibling drafter once every running row is the last of its group.
+    Then every sibling is finished and sibling drafts cost no forward pass; before that a row's
+    siblings are no further than it is and the learned drafter drafts better. The host knows which
+    rows finished (`RunningBatch.compact`), so choosing reads nothing from the device, and the
+    choice depends on which rows are running, never on a draw: both verify rules stay exact."""
+
+    def __init__(self, learned, max_match=16):
+        self.learned, self.siblings = learned, SiblingDrafter(max_match)
+
+    def propose(self, batch, k):
+        return (self.siblings if batch.last_of_groups else self.learned).propose(batch, k)
+
+
 def make_optimizer(drafter, lr=3e-3):
     return torch.optim.AdamW(drafter.parameters(), lr=lr, weight_decay=0.0, betas=(0.9, 0.95))
 

@@ -55,6 +55,7 @@ prefill's distinct prompts (torch.unique) and, with "gumbel" and no keys, the ba
 
 Test: python -m pytest tests/test_speculative.py
 """
+import bisect
 import functools
 from dataclasses import asdict, dataclass, field
 from typing import NamedTuple
@@ -124,6 +125,7 @@ def gumbel_noise(seeds, vocab_size, lo=0, hi=None):
     return u.log_().neg_().log_().neg_()  # -log(-log(u))
 
 
+MAX_SIBLINGS = 15  # a row's siblings, at most: a GRPO group of 16 in full (bounds the lookup's work per row)
 NOISE_CHUNK = 8192  # token ids per chunk: at most B * T * 8192 noise values (int64 while hashed) at once
 
 
@@ -210,7 +212,7 @@ class RunningBatch:
     except, when keys is None, one base key for rows base, base + 1, ..."""
 
     def __init__(self, target, prompts, max_new_tokens, *, temperature=1.0, eos_id=None,
-                 generator=None, max_draft=0, sampler="rejection", keys=None):
+                 generator=None, max_draft=0, sampler="rejection", keys=None, siblings=None):
         if not prompts or any(len(p) == 0 for p in prompts):
             raise ValueError("prompts must be a non-empty list of non-empty token lists")
         if sampler not in SAMPLERS:
@@ -219,6 +221,8 @@ class RunningBatch:
             raise ValueError(f"{len(keys)} keys for {len(prompts)} prompts")
         if max_new_tokens <= 0:
             raise ValueError(f"max_new_tokens must be positive, got {max_new_tokens}")
+        if siblings is not None and len(siblings) != len(prompts):
+            raise ValueError(f"{len(siblings)} lists of finished siblings for {len(prompts)} prompts")
         longest = max(len(p) for p in prompts)
         need = longest + max_new_tokens + max_draft  # the verify pass writes k positions past the end
         if need > target.config.block_size:
@@ -265,6 +269,42 @@ class RunningBatch:
         first, _ = self._choose(logits[inverse, self.prompt_len - 1][:, None])  # (B, 1)
         self._append(first)
         self.longest = longest + 1
+        self._group(inverse.tolist(), siblings or [[] for _ in prompts], prompts)  # sync: once per batch
+
+    def _group(self, group, finished, prompts):
+        """What a model-free drafter may read besides a row's own tokens: its GRPO group, the rows
+        with the same prompt (`group`, the prefill's grouping), plus the responses of its group that
+        had finished before this batch began (`finished`, per row; a rollout has none, as it holds
+        the whole group; bench.py's decoding table starts in the tail). `texts` (R, width): every
+        row's tokens by original row, kept when it finishes, then those finished responses;
+        `text_len` (R,); `siblings` (B, S): for each row, the texts of its group but its own, -1
+        padding. A running row's entry in `texts` is refreshed by whoever reads it (`group_texts`)."""
+        B, width = self.tokens.shape
+        extra = [(b, (prompts[b] + list(r))[:width]) for b in range(B) for r in finished[b]]
+        self.texts = torch.zeros(B + len(extra), width, dtype=torch.long, device=self.tokens.device)
+        self.texts[:B] = self.tokens
+        self.text_len = torch.cat([self.n_tokens, torch.tensor([len(t) for _, t in extra], dtype=torch.long,
+                                                               device=self.tokens.device)])
+        members = {}  # group -> its texts
+        for i, g in enumerate(group + [group[b] for b, _ in extra]):
+            members.setdefault(g, []).append(i)
+        for i, (_, t) in enumerate(extra):
+            self.texts[B + i, :len(t)] = torch.tensor(t, device=self.tokens.device)
+        rows = []  # a row's siblings: the other members of its group, the MAX_SIBLINGS nearest in row order
+        for b in range(B):
+            m = members[group[b]]
+            at = bisect.bisect_left(m, b)  # members are in row order
+            lo = max(0, min(at - MAX_SIBLINGS // 2, len(m) - MAX_SIBLINGS - 1))
+            rows.append([i for i in m[lo:lo + MAX_SIBLINGS + 1] if i != b][:MAX_SIBLINGS])
+        self.group = group  # on the host, by original row
+        self.last_of_groups = len(set(group)) == B  # no two running rows share a group (compact keeps it)
+        S = max(1, max(map(len, rows)))
+        self.siblings = torch.tensor([r + [-1] * (S - len(r)) for r in rows], dtype=torch.long, device=self.tokens.device)
+
+    def group_texts(self):
+        """The texts of every row, running rows as they are now: (R, width) tokens, (R,) lengths."""
+        return (self.texts.index_copy(0, self.row_id, self.tokens),
+                self.text_len.index_copy(0, self.row_id, self.n_tokens))
 
     @property
     def batch_size(self):
@@ -355,7 +395,7 @@ class RunningBatch:
                 self.dcache.window = self.longest + i
                 logits, h = drafter(h, d, self.dcache)  # (B, 1, V), (B, 1, C)
         self.dcache.lengths = L  # entries built on guessed states are redone next step
-        self.unread = k + 1  # the most this step adds to a row
+        self.unread = 0  # the step that drafted adds the rest (speculative_step)
         return torch.cat(drafts, 1), None if qs[0] is None else torch.cat(qs, 1)
 
     @torch.no_grad()
@@ -387,6 +427,8 @@ class RunningBatch:
         n_emitted = self._append(emitted, n_acc + 1)
         self.cache.lengths = self.n_tokens - 1  # roll the rejected drafts back
         self.longest = min(self.longest + k + 1, self.cap)
+        if self.unread is not None:  # whichever drafter drafted: the learned one has not read these
+            self.unread += k + 1
         return n_emitted, n_acc
 
     def compact(self):
@@ -402,6 +444,8 @@ class RunningBatch:
         finished = [b for b in range(B) if done[b]]
         if not finished:
             return B
+        ids = self.row_id[finished]
+        self.texts[ids], self.text_len[ids] = self.tokens[finished], self.n_tokens[finished]  # a sibling's text stays
         responses = self.tokens[finished].tolist()  # sync: the finished rows' tokens
         for b, row in zip(finished, responses):
             n, plen = n_tokens[b], prompt_len[b]
@@ -417,6 +461,7 @@ class RunningBatch:
             if getattr(self, name) is not None:
                 setattr(self, name, getattr(self, name)[rows])
         self.cache.keep(keep)
+        self.last_of_groups = len({self.group[row_id[b]] for b in keep}) == len(keep)
         if self.dcache is not None:
             self.dcache.keep(keep)
         self.longest = max((n_tokens[b] for b in keep), default=0)
@@ -497,13 +542,14 @@ def autoregressive_generate(target, prompts, max_new_tokens, *, temperature=1.0,
 
 @torch.no_grad()
 def speculative_generate(target, drafter, prompts, max_new_tokens, *, k=4, temperature=1.0, eos_id=None,
-                         generator=None, sampler="rejection", keys=None):
+                         generator=None, sampler="rejection", keys=None, siblings=None):
     """Speculative decoding with a fixed k for every row and every step. With sampler "gumbel"
-    and the same keys (or the same generator seed) it emits exactly autoregressive_generate's tokens."""
+    and the same keys (or the same generator seed) it emits exactly autoregressive_generate's tokens.
+    siblings: per prompt, responses of its group that finished earlier (see RunningBatch._group)."""
     if k < 1:
         raise ValueError(f"k must be >= 1, got {k}")
     batch = RunningBatch(target, prompts, max_new_tokens, temperature=temperature, eos_id=eos_id,
-                     generator=generator, max_draft=k, sampler=sampler, keys=keys)
+                         generator=generator, max_draft=k, sampler=sampler, keys=keys, siblings=siblings)
     stats = DecodeStats()
     while batch.compact() > 0:
         n_emitted, n_acc = batch.speculative_step(drafter, k)

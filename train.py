@@ -30,7 +30,8 @@ from torch.nn.parallel import DistributedDataParallel
 
 import rl
 import task
-from drafter import DRAFTER_BATCH, IDLE_STEP_TOKENS, DrafterBuffer, NgramDrafter, agreement_chores, make_optimizer
+from drafter import (DRAFTER_BATCH, IDLE_STEP_TOKENS, DrafterBuffer, NgramDrafter, SiblingDrafter, SiblingOrLearned,
+                     agreement_chores, make_optimizer)
 from model import GPTConfig
 from evaluate import evaluate_both, format_accuracy
 from common import (COLLECTIVE_TIMEOUT_S, Liveness, OneLineParser, Seed, all_sum, check_out_dir, compute_init, derive_seed,
@@ -40,6 +41,8 @@ from scheduler import gather_ranks, idle_train, render_timeline, start_drafter_s
 from speculative import SAMPLERS
 from warmup import drafter_meta, prepare_models
 
+DRAFTERS = ("learned", "ngram", "sibling", "sibling+learned")  # --drafter: what drafts in the tail
+LEARNED = ("learned", "sibling+learned")  # the drafters whose learned part idle ranks train
 
 
 def task_config(args, warmup=False):
@@ -128,8 +131,10 @@ def parse_args(argv=None):
     # TLT
     p.add_argument("--tlt", type=on_off, default=True, metavar="on|off", help="speculative decoding in the tail (off: plain baseline)")
     p.add_argument("--drafter-updates", type=on_off, default=True, metavar="on|off", help="train the drafter on idle ranks (off: frozen)")
-    p.add_argument("--drafter", default="learned", choices=["learned", "ngram"], help="what drafts in the tail: the learned "
-                   "EAGLE-style drafter, or TLT-Base's model-free n-gram lookup in the row's own tokens (never trained)")
+    p.add_argument("--drafter", default="learned", choices=DRAFTERS, help="what drafts in the tail: the learned "
+                   "EAGLE-style drafter (TLT); TLT-Base's model-free n-gram lookup in the row's own tokens; the model-free "
+                   "lookup in the row's GRPO siblings; or the learned drafter until every running row is the last of its group, "
+                   "then the siblings")
     p.add_argument("--sd-threshold", type=int, default=64, help="speculative steps only when the running batch is at most this")
     p.add_argument("--draft-ks", default=",".join(map(str, ARMS)), help="draft lengths the bandit picks from (0: a plain "
                    "step); one value fixes k, e.g. to compare two drafters at the same k")
@@ -299,6 +304,12 @@ def drafter_lr(args, step):
     return peak / 20 + (peak - peak / 20) * 0.5 * (1 + math.cos(math.pi * frac))
 
 
+def proposer(name, drafter):
+    """What drafts for --drafter `name`; `drafter` is the learned one."""
+    return {"learned": lambda: drafter, "ngram": NgramDrafter, "sibling": SiblingDrafter,
+            "sibling+learned": lambda: SiblingOrLearned(drafter)}[name]()
+
+
 def step_rows(args, task_cfg, step, rank, world_size):
     """This rank's rows of the step's global batch (prompts x G samples): their problems, their keys,
     and the number of rows in the global batch. Rows, not prompts, are dealt, in contiguous slices
@@ -323,7 +334,7 @@ def rl_step(step, args, task_cfg, model, net, drafter, opt, d_opt, bandit, buffe
     rows, keys, n_rows = step_rows(args, task_cfg, step, rank, world_size)
     # 2. roll out: plain steps while the running batch is large, speculative ones in the tail; score
     gen = torch.Generator(device=device).manual_seed(derive_seed(args.rl_seed, rank, step, Seed.ROLLOUT))
-    samples, st = rollout(model, NgramDrafter() if args.drafter == "ngram" else drafter,
+    samples, st = rollout(model, proposer(args.drafter, drafter),
                           [task.encode(p.prompt()) for p in rows], task_cfg.max_response_len,
                           temperature=args.temperature, eos_id=task.EOS_ID, generator=gen, tlt=args.tlt,
                           sd_threshold=args.sd_threshold, bandit=bandit, sampler=args.sampler, keys=keys,
@@ -335,7 +346,7 @@ def rl_step(step, args, task_cfg, model, net, drafter, opt, d_opt, bandit, buffe
     # target, before it trains on them), the rows into its buffer, then drafter training, until the
     # last rank has finished its rollout. The last rank does none of it: nothing the drafter needs
     # stands between its rollout and its update (what it would have scored is left out of the figure)
-    learned = args.tlt and args.drafter == "learned"
+    learned = args.tlt and args.drafter in LEARNED
     train_drafter = learned and args.drafter_updates
     top1 = [0, 0]
     if train_drafter:

@@ -498,3 +498,33 @@ def test_one_pass_loss_is_the_teacher_forced_part(target, buffers):
     assert not torch.allclose(one, two)
     loss, applied = train_step(drafter, make_optimizer(drafter), train_buf, random.Random(1), batch_size=4, passes=1)
     assert applied and loss > 0
+
+
+def test_sibling_drafter_takes_the_longest_match_then_the_closest_from_siblings_only():
+    """SiblingDrafter.lookup on a hand-made batch (M = 3): a row drafts from its own group's texts
+    only, a running sibling up to where it is, the longest match first and among equal ones the
+    place closest to the row's own position; no match proposes the last token again."""
+    from types import SimpleNamespace
+    from drafter import SiblingDrafter
+    W = 13
+    texts = torch.zeros(5, W, dtype=torch.long)
+    rows = {0: [1, 2, 3, 4, 5], 1: [1, 2, 3, 4, 5, 6, 7], 2: [8, 3, 4, 5, 9, 9, 6, 7, 1, 5, 6, 7, 2],
+            3: [7, 7, 3, 1, 1], 4: [7, 7, 3]}  # 0, 1 running; 2 their finished sibling; 3 another group's; 4 alone
+    for i, t in rows.items():
+        texts[i, :len(t)] = torch.tensor(t)
+    lens = torch.tensor([len(rows[i]) for i in range(5)])
+    running = [0, 1, 4]
+    tokens = texts[running].clone()
+    tokens[1, 7:] = 99  # what a running sibling holds past its length is never read
+    texts[1, 7:] = 99
+    batch = SimpleNamespace(tokens=tokens, n_tokens=lens[running], row_id=torch.tensor(running),
+                            siblings=torch.tensor([[1, 2], [0, 2], [-1, -1], [-1, -1], [-1, -1]]),
+                            group_texts=lambda: (texts, lens))
+    drafts, length = SiblingDrafter(max_match=3).lookup(batch, 3)
+    # row 0 ends "3 4 5": in row 1 followed by 6 at its own position 5, in text 2 by 9 at 4: the closer
+    assert drafts[0].tolist() == [6, 7, 7] and length[0] == 3  # then row 1's last token, not what lies past it
+    # row 1 ends "5 6 7": "6 7" is followed at 8 (one from its position), "5 6 7" at 12: the longer
+    assert drafts[1].tolist() == [2, 2, 2] and length[1] == 3
+    # row 4 has no sibling: text 3 (another group's) would match "7 7 3", but is never read
+    assert drafts[2].tolist() == [3, 3, 3] and length[2] == 0
+    assert SiblingDrafter(max_match=3).propose(batch, 3)[1] is None  # deterministic proposals: a one-hot q

@@ -185,8 +185,10 @@ def test_drafts_come_from_the_drafter_on_the_recorded_history(greedy_setup, monk
     lowers acceptance. Check the drafter's proposals directly. At every speculative step, for every
     row with L states read, q_1 must be the drafter's distribution after a plain (cache-free)
     forward over the pairs (h_j, x_{j+1}), j < L, and q_i (i > 1) the one after appending
-    (h~, d_{i-1}) with h~ the drafter's own previous prediction."""
+    (h~, d_{i-1}) with h~ the drafter's own previous prediction; speculative steps of a model-free
+    drafter in between (rollout.py's combination) leave it states to catch up on like plain steps."""
     import speculative
+    from drafter import SiblingDrafter
 
     target, drafter, pool, free, eos = greedy_setup
     seen = []
@@ -199,13 +201,17 @@ def test_drafts_come_from_the_drafter_on_the_recorded_history(greedy_setup, monk
     monkeypatch.setattr(speculative, "verify", spy)
     g = torch.Generator().manual_seed(6)
     temperature = 0.7  # the drafter samples at the generation's temperature too
-    gen = RunningBatch(target, pool, N_NEW, temperature=temperature, eos_id=eos, generator=g, max_draft=3)
-    schedule = itertools.cycle([3, None, 1, 2, None, None, 3, 2])
+    gen = RunningBatch(target, pool * 2, N_NEW, temperature=temperature, eos_id=eos, generator=g, max_draft=3)
+    schedule = itertools.cycle([3, None, 1, 2, None, "sibling", None, 3, "sibling", "sibling", 2])
     checked = 0
     while gen.compact() > 0:
         k = next(schedule)
         if k is None:
             gen.plain_step()
+            continue
+        if k == "sibling":  # a model-free step: the learned drafter must catch up on its tokens later
+            gen.speculative_step(SiblingDrafter(), 3)
+            seen.pop()
             continue
         hidden, tokens, L = gen.hidden.clone(), gen.tokens.clone(), (gen.n_tokens - 1).tolist()
         gen.speculative_step(drafter, k)
@@ -256,6 +262,32 @@ def test_compact_drops_finished_rows_keeps_original_order(greedy_setup):
         for i, (ids, tokens, hidden, plen) in enumerate(gen.results):
             assert plen == len(pool[i])
             assert tokens.tolist() == pool[i] + ids
+
+
+def test_groups_are_the_rows_of_one_prompt_and_their_texts_outlive_them(greedy_setup):
+    """What a model-free drafter reads of a row's GRPO group: the rows with its prompt plus the
+    finished responses passed in, never the row itself; a finished row's text stays as it ended, a
+    running row's is read as it is now; last_of_groups is whether no two running rows share a prompt."""
+    target, _, pool, _, eos = greedy_setup
+    a, b = pool[0], pool[1]
+    prompts = [a, b, a, b, a]
+    gen = RunningBatch(target, prompts, N_NEW, temperature=1.0, eos_id=eos, sampler="gumbel", keys=[5, 6, 7, 8, 9],
+                       siblings=[[], [[3, 1]], [], [], []])
+    assert gen.siblings.tolist() == [[2, 4], [3, 5], [0, 4], [1, 5], [0, 2]]  # text 5: b + [3, 1], row 1's finished sibling
+    texts, lens = gen.group_texts()
+    assert texts[5, :lens[5]].tolist() == b + [3, 1]
+    assert not gen.last_of_groups
+    seen = set()
+    while gen.compact() > 0:
+        running = gen.row_id.tolist()
+        assert gen.last_of_groups == (len({tuple(prompts[i]) for i in running}) == len(running))
+        seen.add(gen.last_of_groups)
+        texts, lens = gen.group_texts()
+        for i in range(5):  # every text is the row's tokens: as they are now, or as the row ended
+            now = gen.tokens[running.index(i), :gen.n_tokens[running.index(i)]] if i in running else gen.results[i].tokens
+            assert texts[i, :lens[i]].tolist() == now.tolist()
+        gen.plain_step()
+    assert seen == {False, True}  # the rows finish at different times
 
 
 def test_compact_moves_marked_rows_to_results():
@@ -477,6 +509,7 @@ ROWS, CALLS = 8000, 4  # N = 32000 sequences per method
     ("speculative", 1, 1.0, "rejection"),
     ("speculative", 3, 0.7, "rejection"),
     ("autoregressive", 0, 1.0, "rejection"),
+    ("sibling", 2, 1.0, "rejection"),
     ("speculative", 2, 1.0, "gumbel"),
     ("speculative", 3, 0.7, "gumbel"),
     ("autoregressive", 0, 1.0, "gumbel"),
@@ -489,9 +522,9 @@ def test_sequence_distribution_is_the_targets(sampling_setup, method, k, tempera
     g = torch.Generator().manual_seed(1000 + k)
     outputs, hist = [], {}
     for _ in range(CALLS):
-        if method == "speculative":
-            out, stats = speculative_generate(target, drafter, [PROMPT_S] * ROWS, LEN_S, k=k,
-                                              temperature=temperature, generator=g, sampler=sampler)
+        if method != "autoregressive":  # one GRPO group of 8000 rows: each row drafts from its 15 nearest siblings
+            out, stats = speculative_generate(target, every_drafter(drafter).get(method, drafter), [PROMPT_S] * ROWS, LEN_S,
+                                              k=k, temperature=temperature, generator=g, sampler=sampler)
             for a, c in stats["accept_hist"].items():
                 hist[a] = hist.get(a, 0) + c
         else:
@@ -499,7 +532,7 @@ def test_sequence_distribution_is_the_targets(sampling_setup, method, k, tempera
                                              generator=g, sampler=sampler)
         outputs += out
     N = len(outputs)
-    if method == "speculative":
+    if method != "autoregressive":
         assert len(hist) > 1, hist  # drafts were both accepted and rejected
     emp = empirical(outputs)
     # K = 64, N = 32000: tolerance 0.0894; false failure <= exp(-288)
@@ -646,19 +679,33 @@ def test_ngram_drafter_proposes_what_followed_the_last_match():
     assert drafts[2].tolist() == [3, 3, 3]  # the latest earlier "3 3" (at 2) is followed by 3, 3 (clamped)
 
 
+def every_drafter(learned):
+    """Each kind of drafter the speculative step takes, by its --drafter name."""
+    from drafter import NgramDrafter, SiblingDrafter, SiblingOrLearned
+    return {"learned": learned, "ngram": NgramDrafter(n=1), "sibling": SiblingDrafter(max_match=4),
+            "sibling+learned": SiblingOrLearned(learned, max_match=4)}
+
+
+@pytest.mark.parametrize("name", ["learned", "ngram", "sibling", "sibling+learned"])
 @pytest.mark.parametrize("sampler,temperature", [("gumbel", 1.0), ("gumbel", 0.0), ("rejection", 0.0)])
-def test_ngram_speculation_is_lossless(greedy_setup, sampler, temperature):
-    """Prompt lookup drafts with one-hot proposals under the same verify rules: the tokens are plain
-    decoding's (exact-token sampling and greedy), and some drafts are accepted, some rejected."""
-    from drafter import NgramDrafter
-    target, _, pool, _, eos = greedy_setup
-    prompts = [p * 3 for p in pool]  # repeats give the lookup something to find
+def test_every_drafter_is_lossless(greedy_setup, name, sampler, temperature):
+    """Every drafter, learned or model-free, through the one propose(batch, k): the tokens are
+    plain decoding's (exact-token sampling and greedy), in groups of three rows with a prompt,
+    some of which also have finished siblings from before the batch, and some drafts are accepted,
+    some rejected. Rejection sampling at T > 0: test_sequence_distribution_is_the_targets."""
+    target, learned, pool, _, eos = greedy_setup
+    prompts = [p * 3 for p in pool for _ in range(3)]  # repeats give the n-gram lookup something to find
     keys = list(range(100, 100 + len(prompts)))
-    how = dict(temperature=temperature, eos_id=eos, sampler=sampler, keys=keys)
-    plain, _ = autoregressive_generate(target, prompts, N_NEW, **how)
-    out, st = speculative_generate(target, NgramDrafter(n=1), prompts, N_NEW, k=3, **how)
+    how = dict(temperature=temperature, eos_id=eos, sampler=sampler)
+    plain, _ = autoregressive_generate(target, prompts, N_NEW, keys=keys, **how)
+    earlier, _ = autoregressive_generate(target, prompts, N_NEW, keys=[k + 10 ** 6 for k in keys], **how)
+    siblings = [[earlier[i]] if i % 2 else [] for i in range(len(prompts))]
+    out, st = speculative_generate(target, every_drafter(learned)[name], prompts, N_NEW, k=3, keys=keys,
+                                   siblings=siblings, **how)
     assert out == plain
-    assert 0 < st["accepted"] < st["drafted"]
+    assert st["accepted"] > 0
+    if not (name == "sibling" and temperature == 0):  # greedy siblings are copies: every draft is right
+        assert st["accepted"] < st["drafted"]
 
 
 def test_rows_whose_old_32_bit_streams_were_a_shift_apart_get_unrelated_noise():
@@ -723,24 +770,25 @@ class NoDeviceReads(torch.utils._python_dispatch.TorchDispatchMode):
 
 @pytest.mark.parametrize("sampler,temperature", [("gumbel", 1.0), ("rejection", 0.7), ("gumbel", 0.0), ("rejection", 0.0)])
 def test_steps_read_nothing_from_the_device(greedy_setup, sampler, temperature):
-    """Plain and speculative steps (learned and n-gram drafter, the drafter's first catch-up
-    included) size everything from the host's bounds: no sync. compact() reads the device once
+    """Plain and speculative steps (every drafter, the learned drafter's first catch-up included)
+    size everything from the host's bounds: no sync. compact() reads the device once
     (which rows finished) when none finished; the generate stats read it once at the end."""
-    from drafter import NgramDrafter
     target, drafter, pool, _, eos = greedy_setup
-    gen = RunningBatch(target, pool, N_NEW, temperature=temperature, eos_id=eos, sampler=sampler, max_draft=4,
-                       generator=torch.Generator().manual_seed(3), keys=list(range(len(pool))))
-    schedule = itertools.cycle([None, 4, None, 2, "ngram", 3, 1])
+    gen = RunningBatch(target, pool * 2, N_NEW, temperature=temperature, eos_id=eos, sampler=sampler, max_draft=4,
+                       generator=torch.Generator().manual_seed(3), keys=list(range(2 * len(pool))))
+    drafters = every_drafter(drafter)
+    schedule = itertools.cycle([None, ("learned", 4), None, ("learned", 2), ("ngram", 3), ("learned", 3), ("sibling", 2),
+                                ("learned", 1), ("sibling+learned", 3)])
     steps = 0
     while gen.compact() > 0:
-        k = next(schedule)
+        step = next(schedule)
         with NoDeviceReads():
-            if k is None:
+            if step is None:
                 gen.plain_step()
             else:
-                gen.speculative_step(NgramDrafter(n=1) if k == "ngram" else drafter, 3 if k == "ngram" else k)
+                gen.speculative_step(drafters[step[0]], step[1])
         steps += 1
-    assert steps >= 8 and all(r is not None for r in gen.results)
+    assert steps >= 9 and all(r is not None for r in gen.results)
     cache = target.new_cache(2, 16)  # the detector works: a forward given no window reads the lengths
     with pytest.raises(AssertionError, match="sync"):
         with NoDeviceReads():

@@ -72,23 +72,26 @@ def test_single_process_run_then_resume(tmp_path):
 
 def test_exact_tokens_make_rewards_equal_across_resume_and_tlt(tmp_path):
     """With --sampler gumbel (the default) every token is fixed by (sequence key, position): a run
-    that was stopped and resumed, one that ran straight through, and one without speculation
-    sample the same responses and so get the same rewards and make the same updates. Problems of
+    that was stopped and resumed, one that ran straight through, one without speculation and ones
+    drafting from GRPO siblings, alone or after the learned drafter, sample the same responses and so get the same rewards and make the same updates. Problems of
     one or two digits and a longer warm-up give a target that is sometimes right, so the rewards
     vary and the target really moves."""
     base = TINY + ["--max-n", "2", "--n-embd", "32", "--warmup-steps", "150", "--warmup-tokens", "512",
                    "--warmup-lr", "1e-2", "--group-size", "4", "--eval-per-bucket", "0", "--rl-steps", "6",
                    "--rl-lr", "3e-3"]
-    straight, resumed, plain = (str(tmp_path / name) for name in ("straight", "resumed", "plain"))
+    straight, resumed, plain, sibling, both = (str(tmp_path / name) for name in ("straight", "resumed", "plain", "sib", "both"))
     assert run_train(base + ["--out-dir", straight]).returncode == 0
-    for out, extra in ((resumed, ["--rl-steps", "3"]), (resumed, []), (plain, ["--tlt", "off"])):
+    for out, extra in ((resumed, ["--rl-steps", "3"]), (resumed, []), (plain, ["--tlt", "off"]),
+                       (sibling, ["--drafter", "sibling"]), (both, ["--drafter", "sibling+learned"])):
         r = run_train(base + ["--out-dir", out, "--warmup-dir", straight] + extra)
         assert r.returncode == 0, r.stderr[-2000:]
-    runs = {out: metrics(out) for out in (straight, resumed, plain)}
+    runs = {out: metrics(out) for out in (straight, resumed, plain, sibling, both)}
     assert len({m["reward"] for m in runs[straight]}) > 1  # the rewards vary: updates are not all zero
     for key in ("reward", "responses_digest"):
-        assert [m[key] for m in runs[resumed]] == [m[key] for m in runs[straight]] == [m[key] for m in runs[plain]], key
-    assert any(m["accept_len"] for m in runs[straight]) and not any(m["accept_len"] for m in runs[plain])
+        assert len({tuple(m[key] for m in run) for run in runs.values()}) == 1, key
+    assert not any(m["accept_len"] for m in runs[plain])
+    assert all(any(m["accept_len"] for m in runs[out]) for out in (straight, sibling, both))
+    assert runs[sibling][0]["drafter_top1"] is None and runs[both][0]["drafter_top1"] is not None  # who trains a drafter
 
 
 def test_killed_rank_restarts_and_every_step_is_logged_once(tmp_path):
