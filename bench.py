@@ -1,7 +1,7 @@
 """Side-by-side measurements: what speculative decoding and TLT buy, in one run on one machine.
 
     python bench.py            # decoding: plain vs speculative for batch sizes 1..64 and k in 1..8
-    python bench.py --e2e      # RL steps: --tlt off, on, on with a frozen drafter, on with the n-gram drafter (TLT-Base)
+    python bench.py --e2e      # RL steps: --tlt off, on, on with a frozen drafter, on with each model-free drafter
     python bench.py --drift    # a target moved away from the drafter: frozen vs online-trained drafter
     python bench.py --drafters out   # after a train.py run: its online-trained drafter vs the warm-up one
 
@@ -22,7 +22,8 @@ tokens costs what a one-token pass costs; that holds on a GPU at small batch but
 so the bench also measures that cost and reports accept_len / (verify + k c).
 
 End-to-end bench. train.py runs from the same warm-ups and seed, each its own torchrun group
-(E2E_VARIANTS): --tlt off, on, on with a frozen drafter, on with the n-gram drafter (TLT-Base).
+(E2E_VARIANTS): --tlt off, on, on with a frozen drafter, on with the n-gram drafter (TLT-Base), with
+sibling drafts, and with the learned drafter until every running row is the last of its group.
 Means and medians skip step 0 (first allocations). With exact-token sampling the runs generate
 the same tokens at every step, so step i of two runs is a pair, and the median of the per-step
 ratios compares the modes on the same work. Two more runs fix k = 4 to compare the adaptive and
@@ -45,7 +46,7 @@ import torch
 import task
 import train
 import warmup
-from drafter import Drafter, DrafterBuffer, make_optimizer, train_step
+from drafter import Drafter, DrafterBuffer, SiblingDrafter, make_optimizer, train_step
 from common import OneLineParser, check_out_dir, machine, sync, wants_cuda
 from rollout import Bandit, rollout
 from speculative import SAMPLERS, autoregressive_generate, speculative_generate
@@ -185,14 +186,14 @@ def count_syncs(model, drafter, batch_size=1, k=4, steps=8, sampler="gumbel"):
     return out
 
 
-def decode_row(args, model, drafter, prompts, sampler):
-    """Plain decoding and speculative decoding at every k of args.ks on `prompts`, interleaved;
-    -> the table row for this batch size."""
+def decode_row(args, model, drafter, prompts, sampler, siblings=None):
+    """Plain decoding and speculative decoding at every k of args.ks on `prompts` (with their groups'
+    finished `siblings`, for a drafter that reads them), interleaved; -> the table row for this batch size."""
     gen = generator(model, 0)
     runs = {0: lambda: autoregressive_generate(model, prompts, args.max_new, generator=gen, sampler=sampler)}
     for k in args.ks:
         runs[k] = lambda k=k: speculative_generate(model, drafter, prompts, args.max_new, k=k, generator=gen,
-                                                   sampler=sampler)
+                                                   sampler=sampler, siblings=siblings)
     times, outs = interleaved(runs, args.repeats, model.wte.weight.device)
     ar = sum(len(o) for o in outs[0][0]) / times[0]
     per_k = {k: (sum(len(o) for o in outs[k][0]) / times[k], outs[k][1]["accept_len"]) for k in args.ks}
@@ -209,14 +210,8 @@ def decode_bench(args, task_cfg, model, drafter):
             for _ in range(max(max(args.batches), 64))]
     t1 = forward_time(model, 1)
     c = forward_time(model, 1, drafter) / t1
-    rows = []
     print(f"sampler {args.sampler}, temperature 1.0, {args.max_new} tokens per row")
-    print(f"{'batch':>5} {'plain tok/s':>11} " + " ".join(f"{'k=' + str(k):>13}" for k in args.ks) + f" {'best':>6} {'speedup':>7}")
-    for B in args.batches:
-        rows.append(decode_row(args, model, drafter, pool[:B], args.sampler))
-        r = rows[-1]
-        cells = " ".join(f"{v['tok_s']:7.0f} ({v['accept_len']:.2f})" for v in r["per_k"].values())
-        print(f"{B:5d} {r['ar_tok_s']:11.0f} {cells} {r['best_k']:6d} {r['speedup']:6.2f}x", flush=True)
+    rows = decode_table(args, model, drafter, pool)
     print("cells: speculative tok/s (accept length = tokens per verify step)")
     # the crossover: the first batch size at which speculation is no faster than plain decoding
     crossover = next((r["batch"] for r in rows if r["speedup"] <= 1), None)
@@ -236,9 +231,39 @@ def decode_bench(args, task_cfg, model, drafter):
           f"(the rest is sampling and bookkeeping per step): {100 * b1['speedup'] / predicted:.0f}% of the prediction")
     syncs = count_syncs(model, drafter, k=k1, sampler=args.sampler)
     tail = tail_workload(args, task_cfg, model, drafter)
-    return {"decode": rows, "cost_ratio": c, "verify_cost_ratio": verify, "formula_speedup_b1": ideal,
+    sibling_rows = sibling_table(args, task_cfg, model, pool, rows)
+    return {"decode": rows, "sibling_decode": sibling_rows, "cost_ratio": c, "verify_cost_ratio": verify, "formula_speedup_b1": ideal,
             "predicted_speedup_b1": predicted, "temperature": 1.0, "sampler": args.sampler, "crossover": crossover,
             "samplers": price, "max_new": args.max_new, "rollout": tail, "syncs_per_step": syncs}
+
+
+def decode_table(args, model, drafter, pool, siblings=None):
+    """decode_row for every batch size of args.batches, printed as it goes."""
+    rows = []
+    print(f"{'batch':>5} {'plain tok/s':>11} " + " ".join(f"{'k=' + str(k):>13}" for k in args.ks) + f" {'best':>6} {'speedup':>7}")
+    for B in args.batches:
+        rows.append(decode_row(args, model, drafter, pool[:B], args.sampler, siblings and siblings[:B]))
+        r = rows[-1]
+        cells = " ".join(f"{v['tok_s']:7.0f} ({v['accept_len']:.2f})" for v in r["per_k"].values())
+        print(f"{B:5d} {r['ar_tok_s']:11.0f} {cells} {r['best_k']:6d} {r['speedup']:6.2f}x", flush=True)
+    return rows
+
+
+def sibling_table(args, task_cfg, model, pool, learned_rows, group=8):
+    """The decoding table again with sibling drafts, as in the tail of a GRPO rollout: each row is the
+    last of its group, whose other group - 1 responses (sampled by the target, other keys) have
+    finished. Beside it, the learned drafter's best speedup per batch size from the first table."""
+    n = max(args.batches)
+    keys = [10 ** 9 + i for i in range((group - 1) * n)]
+    done, _ = autoregressive_generate(model, [p for p in pool[:n] for _ in range(group - 1)], task_cfg.max_response_len,
+                                      eos_id=task.EOS_ID, sampler=args.sampler, keys=keys)
+    siblings = [done[i * (group - 1):(i + 1) * (group - 1)] for i in range(n)]
+    print(f"\nsibling drafts (SiblingDrafter), each row the last of a group of {group} whose {group - 1} other responses "
+          f"have finished, {args.max_new} tokens per row:")
+    rows = decode_table(args, model, SiblingDrafter(), pool, siblings)
+    print("best speedup per batch size, learned drafter / sibling drafts: " + ", ".join(
+        f"{a['batch']}: {a['speedup']:.2f}x / {b['speedup']:.2f}x" for a, b in zip(learned_rows, rows)))
+    return rows
 
 
 @torch.no_grad()
@@ -380,9 +405,11 @@ def drift_bench(targs, task_cfg, model, drafter, sft_steps=300, sft_lr=2e-3, n_s
     return {"drift": out}
 
 
-E2E_VARIANTS = {  # the first four compare step times; the last two compare the drafters step by step at one k
+E2E_VARIANTS = {  # the first six compare step times; the last two compare the drafters step by step at one k
     "off": ["--tlt", "off"], "on": ["--tlt", "on"], "frozen": ["--tlt", "on", "--drafter-updates", "off"],
     "ngram": ["--tlt", "on", "--drafter", "ngram"],  # TLT-Base: the model-free drafter
+    "sibling": ["--tlt", "on", "--drafter", "sibling"],  # model-free: the GRPO group's other responses
+    "sib+lrn": ["--tlt", "on", "--drafter", "sibling+learned"],  # learned until each row is its group's last
     "on_k4": ["--tlt", "on", "--draft-ks", "4"], "frozen_k4": ["--tlt", "on", "--drafter-updates", "off", "--draft-ks", "4"]}
 
 
@@ -425,7 +452,7 @@ def amdahl_bound(mean, names):
 def e2e_bench(args, task_cfg, model, drafter):
     root = os.path.join(args.out_dir, "bench_e2e")
     records = e2e_runs(args, root)
-    timed = ("off", "on", "frozen", "ngram")
+    timed = ("off", "on", "frozen", "ngram", "sibling", "sib+lrn")
 
     def mean(name, key):  # step 0 is left out of means and medians: it pays for the first allocations
         vals = [r[key] for r in records[name][1:] if r[key] is not None]
@@ -434,20 +461,21 @@ def e2e_bench(args, task_cfg, model, drafter):
     def median(name, key):
         return statistics.median(r[key] for r in records[name][1:])
     step = {n: mean(n, "step_time") for n in timed}
-    print(f"\n{'':8} {'step s':>7} {'median':>7} {'rollout s':>9} {'update s':>8} {'rollout %':>9} {'tail %':>6} "
-          f"{'accept len':>10} {'accept rate':>11} {'reward':>7}")
+    print(f"\n{'':8} {'step s':>7} {'median':>7} {'rollout s':>9} {'draft s':>7} {'update s':>8} {'rollout %':>9} "
+          f"{'tail %':>6} {'accept len':>10} {'accept rate':>11} {'reward':>7}")
     for n in timed:
-        print(f"{n:8} {step[n]:7.3f} {median(n, 'step_time'):7.3f} {mean(n, 'rollout_time'):9.3f} "
+        print(f"{n:8} {step[n]:7.3f} {median(n, 'step_time'):7.3f} {mean(n, 'rollout_time'):9.3f} {mean(n, 'draft_time'):7.3f} "
               f"{mean(n, 'update_time'):8.3f} {100 * mean(n, 'rollout_share'):8.0f}% {100 * median(n, 'tail_share'):5.0f}% "
               f"{mean(n, 'accept_len') or 0:10.2f} {mean(n, 'accept_rate') or 0:11.3f} {mean(n, 'reward'):7.3f}")
-    print("(step s, rollout s, update s, rollout %, accept, reward: means over steps 1..; median: the median step; "
-          "tail %: median tail share)")
+    print("(step s, rollout s, draft s, update s, rollout %, accept, reward: means over steps 1..; draft s: the slowest "
+          "rank's drafting; median: the median step; tail %: median tail share)")
     # the runs generate the same tokens at every step, so step i of one run and step i of another are a pair
     paired = {n: sorted(a["step_time"] / b["step_time"] for a, b in zip(records["off"][1:], records[n][1:])) for n in timed[1:]}
     other = {n: sum(a["responses_digest"] != b["responses_digest"] for a, b in zip(records["off"], records[n])) for n in timed[1:]}
     print(f"\nstep-time speedup over --tlt off, mean step: TLT {step['off'] / step['on']:.2f}x, TLT with a frozen drafter "
-          f"{step['off'] / step['frozen']:.2f}x, TLT-Base (n-gram drafter) {step['off'] / step['ngram']:.2f}x; rollout alone "
-          f"{mean('off', 'rollout_time') / mean('on', 'rollout_time'):.2f}x")
+          f"{step['off'] / step['frozen']:.2f}x, TLT-Base (n-gram drafter) {step['off'] / step['ngram']:.2f}x, sibling drafts "
+          f"{step['off'] / step['sibling']:.2f}x, learned then sibling drafts {step['off'] / step['sib+lrn']:.2f}x; TLT's "
+          f"rollout alone {mean('off', 'rollout_time') / mean('on', 'rollout_time'):.2f}x")
     for n in timed[1:]:
         print(f"  step by step, off / {n}: median {statistics.median(paired[n]):.2f}x, from {paired[n][0]:.2f}x to "
               f"{paired[n][-1]:.2f}x; {other[n]} of {len(records[n])} steps generated other responses (sampler {args.sampler})")
@@ -475,12 +503,14 @@ def e2e_bench(args, task_cfg, model, drafter):
     return {"e2e": {"final_accept_len": final, "off_step_time": step["off"], "on_step_time": step["on"],
                     "frozen_step_time": step["frozen"], "ngram_step_time": step["ngram"], "speedup": step["off"] / step["on"],
                     "frozen_speedup": step["off"] / step["frozen"], "ngram_speedup": step["off"] / step["ngram"],
+                    "step_time": step, "rollout_time": {n: mean(n, "rollout_time") for n in timed},
+                    "draft_time": {n: mean(n, "draft_time") for n in timed},
                     "off_rollout_share": mean("off", "rollout_share"), "amdahl": amdahl,
                     "median_paired_speedup": {n: statistics.median(p) for n, p in paired.items()},
                     "tail_share": {n: median(n, "tail_share") for n in ("off", "on")}, "steps": args.e2e_steps,
-                    "nproc": args.nproc, "accept_len": series("accept_len", ("on", "frozen", "ngram", "on_k4", "frozen_k4")),
+                    "nproc": args.nproc, "accept_len": series("accept_len", timed[1:] + ("on_k4", "frozen_k4")),
                     "drafter_top1": series("drafter_top1", ("on_k4", "frozen_k4")),
-                    "accept_rate": series("accept_rate", ("on", "frozen", "ngram", "on_k4", "frozen_k4")),
+                    "accept_rate": series("accept_rate", timed[1:] + ("on_k4", "frozen_k4")),
                     "reward": series("reward", ("off", "on")), "steps_with_other_responses": other, "sampler": args.sampler}}
 
 

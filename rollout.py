@@ -105,6 +105,7 @@ class RolloutStats(DecodeStats):
     prefill_time: float = 0.0
     plain_time: float = 0.0
     spec_time: float = 0.0
+    draft_time: float = 0.0  # of spec_time, in the drafter
     tail_share: float = 0.0
     batch_sizes: list = field(default_factory=list)
     step_times: list = field(default_factory=list)
@@ -157,6 +158,7 @@ def rollout(target, drafter, prompts, max_new_tokens, *, temperature=1.0, eos_id
             stats.plain_time += t1 - t0
         add_segment(stats.segments, "spec" if k else "plain", t0 - t_start, t1 - t_start)
     stats.settle()  # sync: the counts the steps left on the device, read once
+    stats.draft_time = batch.drafting.seconds()
     stats.time = time.perf_counter() - t_start
     stats.tail_share = tail_share(stats.batch_sizes, stats.step_times, stats.time, len(prompts))
     return batch.results, stats

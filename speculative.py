@@ -63,6 +63,8 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from common import Stopwatch
+
 
 def probs(logits, temperature):
     """(..., V) logits -> (..., V) float32 probabilities; temperature 0 gives one-hot argmax."""
@@ -249,6 +251,7 @@ class RunningBatch:
                                                                    torch.arange(width, device=dev).expand(B, width))
         self.cache = target.new_cache(B, max_len=need)
         self.dcache = None  # the drafter's cache, made on the first speculative step
+        self.drafting = Stopwatch(dev)  # the time spent drafting
         self.results = [None] * B  # per original row, a Sample once it has finished
         self.cap = longest + max_new_tokens  # no row grows past it
         self.unread = None  # no drafter cache yet
@@ -409,7 +412,8 @@ class RunningBatch:
         positions = self.n_tokens[:, None] + self.cache.offsets[:k + 1]  # (B, k+1): the drafts', then the bonus token's
         self._at(positions)
         # 1. draft k tokens per row
-        draft, q = drafter.propose(self, k)  # (B, k), and q (B, k, V) or None
+        with self.drafting():
+            draft, q = drafter.propose(self, k)  # (B, k), and q (B, k, V) or None
         # 2. verify: the target reads the pending token and the k drafts in one pass
         self.cache.window = self.longest + k  # the longest row after the append: the forward reads nothing
         t_logits, t_hidden = self.target(torch.cat([self.tokens.gather(1, L[:, None]), draft], 1), self.cache)  # (B, k+1, .)

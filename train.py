@@ -382,7 +382,7 @@ def rl_step(step, args, task_cfg, model, net, drafter, opt, d_opt, bandit, buffe
     sync(device)  # the optimizer step may still be queued on a GPU
     t1 = time.perf_counter()
     # 7. the step's record (rank 0 logs it): this rank's part, then every rank's
-    local = {"rank": rank, "rollout_time": rollout_time, "idle_time": idle, "drafter_steps": d_steps,
+    local = {"rank": rank, "rollout_time": rollout_time, "draft_time": st.draft_time, "idle_time": idle, "drafter_steps": d_steps,
              "wait_to_update": t_update - t0 - rollout_time,
              "drafter_skipped": d_skipped, "tokens": st.tokens, "drafter_checksum": drafter.checksum(),
              "rows": len(rows), "tail_share": st.tail_share,
@@ -411,6 +411,7 @@ def step_record(step, local, total, all_rewards, responses, step_time, update_ti
     return {
         "step": step, "step_time": step_time, "rollout_time": rollout_max, "update_time": update_time,
         "tail_share": slowest["tail_share"], "rollout_share": rollout_max / step_time, "responses_digest": digest,
+        "draft_time": slowest["draft_time"],  # of the slowest rank's rollout, in the drafter
         # what stood between the slowest rank's rollout and its update: rewards, the barrier, a drafter
         # step still in flight on another rank (idle training is free only if this stays near 0)
         "slowest_wait": slowest["wait_to_update"],
