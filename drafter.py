@@ -30,6 +30,11 @@ The buffer keeps (tokens, hidden states, prompt length) per sequence, tagged wit
 came from, for the last `keep_steps` steps and at most `keep_tokens` tokens (the oldest go first),
 hidden states in the run's dtype. `train_step` serves the warm-up and online training.
 
+Three more drafters close the file, each with the one method the speculative step calls,
+`propose(batch, k)`: `NgramDrafter` (TLT-Base: the row's own text), `SiblingDrafter` (the texts of
+the row's GRPO group) and `SiblingOrLearned` (the learned drafter until every running row is the
+last of its group, then siblings).
+
 Test: python -m pytest tests/test_drafter.py
 """
 import hashlib

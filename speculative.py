@@ -6,7 +6,8 @@ The pieces, in the order one speculative step uses them:
 2. Drafting: the drafter proposes k tokens per row (`propose(batch, k)`, the one method every
    drafter offers). The learned drafter (`RunningBatch.draft`) first catches up on the target
    hidden states it has not read yet (a ragged number per row), then proposes k tokens, feeding
-   its own predicted hidden state back; the n-gram drafter looks them up in the row's own text.
+   its own predicted hidden state back; the model-free drafters look them up in the row's own text
+   (n-gram) or in its GRPO siblings' (`texts`, `siblings`: the rows with the same prompt).
 3. Verification: the target reads [pending token, d_1..d_k] in one forward pass (T = k + 1).
 4. The verify rule, one of two samplers (both lossless; greedy decoding is the same in both):
    - "rejection", `verify`: exact rejection sampling (Leviathan et al. 2023, Chen et al. 2023).
@@ -50,7 +51,8 @@ host must know, to shrink the batch and hand results back: the price of a truly 
 read together with every row's length, which makes the next step's windows exact. A step in which
 rows finish reads their tokens too. rollout.py adds the bandit's read of the step's tokens and the
 clock's torch.cuda.synchronize (it scores k by measured tokens per second). Once per batch: the
-prefill's distinct prompts (torch.unique) and, with "gumbel" and no keys, the base key.
+prefill's distinct prompts (torch.unique), which rows share one (the GRPO groups) and, with
+"gumbel" and no keys, the base key. The drafting clock (`drafting`) records CUDA events, read once.
 `bench.count_syncs` counts them on a GPU.
 
 Test: python -m pytest tests/test_speculative.py
