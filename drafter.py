@@ -302,7 +302,10 @@ class SiblingDrafter:
     and no host read. A suffix automaton per group would cost O(k) a step, but on the host, which
     would need every new token there each step. A group dealt over several ranks drafts from the
     siblings on its own rank only: nothing crosses ranks in the tail (train.py's layout keeps
-    every group on one rank whenever the ranks divide the rows evenly into whole groups)."""
+    every group on one rank whenever the ranks divide the rows evenly into whole groups).
+    Measured here (RESULTS.md): it beats the learned drafter at batch 1 with typical siblings, where
+    the drafter's passes are most of a step, and loses elsewhere; the tail's rows are the atypical
+    ones of their groups, which their siblings predict worst."""
 
     def __init__(self, max_match=16):
         self.max_match = max_match
@@ -345,7 +348,8 @@ class SiblingOrLearned:
     Then every sibling is finished and sibling drafts cost no forward pass; before that a row's
     siblings are no further than it is and the learned drafter drafts better. The host knows which
     rows finished (`RunningBatch.compact`), so choosing reads nothing from the device, and the
-    choice depends on which rows are running, never on a draw: both verify rules stay exact."""
+    choice depends on which rows are running, never on a draw: both verify rules stay exact.
+    Measured here: within the noise of the learned drafter alone, slower at the median (README)."""
 
     def __init__(self, learned, max_match=16):
         self.learned, self.siblings = learned, SiblingDrafter(max_match)
