@@ -344,8 +344,9 @@ class SiblingDrafter:
 
 class SiblingOrLearned:
     """The combination (`--drafter sibling+learned`): the learned drafter while any running row has a
-    sibling still running, the sibling drafter once every running row is the last of its group.
-    Then every sibling is finished and sibling drafts cost no forward pass; before that a row's
+    sibling still running (or none at all), the sibling drafter once every running row is the last
+    of its group (`RunningBatch.siblings_done`). Then every sibling is finished and sibling drafts
+    cost no forward pass; before that a row's
     siblings are no further than it is and the learned drafter drafts better. The host knows which
     rows finished (`RunningBatch.compact`), so choosing reads nothing from the device, and the
     choice depends on which rows are running, never on a draw: both verify rules stay exact.
@@ -355,7 +356,7 @@ class SiblingOrLearned:
         self.learned, self.siblings = learned, SiblingDrafter(max_match)
 
     def propose(self, batch, k):
-        return (self.siblings if batch.last_of_groups else self.learned).propose(batch, k)
+        return (self.siblings if batch.siblings_done else self.learned).propose(batch, k)
 
 
 def make_optimizer(drafter, lr=3e-3):

@@ -301,10 +301,16 @@ class RunningBatch:
             at = bisect.bisect_left(m, b)  # members are in row order
             lo = max(0, min(at - MAX_SIBLINGS // 2, len(m) - MAX_SIBLINGS - 1))
             rows.append([i for i in m[lo:lo + MAX_SIBLINGS + 1] if i != b][:MAX_SIBLINGS])
-        self.group = group  # on the host, by original row
-        self.last_of_groups = len(set(group)) == B  # no two running rows share a group (compact keeps it)
+        self.group, self.n_siblings = group, [len(r) for r in rows]  # on the host, by original row
+        self._siblings_done(range(B))
         S = max(1, max(map(len, rows)))
         self.siblings = torch.tensor([r + [-1] * (S - len(r)) for r in rows], dtype=torch.long, device=self.tokens.device)
+
+    def _siblings_done(self, running):
+        """siblings_done: every running row (original ids) has siblings and all of them have finished,
+        i.e. no two running rows share a group. The host knows it from compact's read."""
+        groups = [self.group[i] for i in running]
+        self.siblings_done = len(set(groups)) == len(groups) and all(self.n_siblings[i] for i in running)
 
     def group_texts(self):
         """The texts of every row, running rows as they are now: (R, width) tokens, (R,) lengths."""
@@ -467,7 +473,7 @@ class RunningBatch:
             if getattr(self, name) is not None:
                 setattr(self, name, getattr(self, name)[rows])
         self.cache.keep(keep)
-        self.last_of_groups = len({self.group[row_id[b]] for b in keep}) == len(keep)
+        self._siblings_done([row_id[b] for b in keep])
         if self.dcache is not None:
             self.dcache.keep(keep)
         self.longest = max((n_tokens[b] for b in keep), default=0)
