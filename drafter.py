@@ -346,8 +346,8 @@ class SiblingOrLearned:
     """The combination (`--drafter sibling+learned`): the learned drafter while any running row has a
     sibling still running (or none at all), the sibling drafter once every running row is the last
     of its group (`RunningBatch.siblings_done`). Then every sibling is finished and sibling drafts
-    cost no forward pass; before that a row's
-    siblings are no further than it is and the learned drafter drafts better. The host knows which
+    cost no forward pass; before that a row's siblings are no further than it is and the learned
+    drafter drafts better. The host knows which
     rows finished (`RunningBatch.compact`), so choosing reads nothing from the device, and the
     choice depends on which rows are running, never on a draw: both verify rules stay exact.
     Measured here: within the noise of the learned drafter alone, slower at the median (README)."""

@@ -286,10 +286,9 @@ class RunningBatch:
         padding. A running row's entry in `texts` is refreshed by whoever reads it (`group_texts`)."""
         B, width = self.tokens.shape
         extra = [(b, (prompts[b] + list(r))[:width]) for b in range(B) for r in finished[b]]
+        # a running row's entry is filled when it finishes (compact) and read through group_texts till then
         self.texts = torch.zeros(B + len(extra), width, dtype=torch.long, device=self.tokens.device)
-        self.texts[:B] = self.tokens
-        self.text_len = torch.cat([self.n_tokens, torch.tensor([len(t) for _, t in extra], dtype=torch.long,
-                                                               device=self.tokens.device)])
+        self.text_len = torch.tensor([0] * B + [len(t) for _, t in extra], dtype=torch.long, device=self.tokens.device)
         members = {}  # group -> its texts
         for i, g in enumerate(group + [group[b] for b, _ in extra]):
             members.setdefault(g, []).append(i)
