@@ -220,19 +220,22 @@ def decode_bench(args, task_cfg, model, drafter):
     else:
         print(f"crossover: speculation stops paying at batch {crossover}")
     price = sampler_price(args, model, drafter, pool, rows)
+    acceptance = acceptance_table(args, task_cfg, model, drafter)
     b1 = rows[0]
     k1 = b1["best_k"]
     verify = forward_time(model, k1 + 1) / t1  # a (k+1)-token pass is not free on a CPU
-    ideal = b1["accept_len"] / (1 + k1 * c)
-    predicted = b1["accept_len"] / (verify + k1 * c)
+    expected = acceptance[k1]["expected_accept_len"]  # from whole responses, position by position
+    ideal = expected / (1 + k1 * c)
+    predicted = expected / (verify + k1 * c)
     print(f"draft/target cost ratio c = {c:.3f}; a {k1 + 1}-token verify pass costs {verify:.2f} one-token passes")
-    print(f"batch {b1['batch']}, k = {k1}: standard formula accept_len / (1 + k c) = {ideal:.2f}x; with the measured "
-          f"verify cost accept_len / (verify + k c) = {predicted:.2f}x; measured {b1['speedup']:.2f}x "
-          f"(the rest is sampling and bookkeeping per step): {100 * b1['speedup'] / predicted:.0f}% of the prediction")
+    print(f"batch {b1['batch']}, k = {k1}: the acceptance by position above gives {expected:.2f} tokens per verify step; "
+          f"standard formula accept_len / (1 + k c) = {ideal:.2f}x; with the measured verify cost accept_len / (verify + k c) "
+          f"= {predicted:.2f}x; measured {b1['speedup']:.2f}x (the rest is sampling and bookkeeping per step): "
+          f"{100 * b1['speedup'] / predicted:.0f}% of the prediction")
     syncs = count_syncs(model, drafter, k=k1, sampler=args.sampler)
     tail = tail_workload(args, task_cfg, model, drafter)
     sibling_rows = sibling_table(args, task_cfg, model, pool, rows)
-    return {"decode": rows, "sibling_decode": sibling_rows, "cost_ratio": c, "verify_cost_ratio": verify, "formula_speedup_b1": ideal,
+    return {"decode": rows, "acceptance": {str(k): v for k, v in acceptance.items()}, "sibling_decode": sibling_rows, "cost_ratio": c, "verify_cost_ratio": verify, "formula_speedup_b1": ideal,
             "predicted_speedup_b1": predicted, "temperature": 1.0, "sampler": args.sampler, "crossover": crossover,
             "samplers": price, "max_new": args.max_new, "rollout": tail, "syncs_per_step": syncs}
 
@@ -282,6 +285,33 @@ def sampler_price(args, model, drafter, pool, rows, k=4, n_prompts=64):
     for name, v in out.items():
         print(f"  {name:9} accept length {v['accept_len_k4']:.3f} ({100 * v['accept_rate_k4']:.1f}% of drafts accepted), "
               f"batch 1: {v['speedup_b1']:.2f}x at k = {v['best_k_b1']}")
+    return out
+
+
+@torch.no_grad()
+def acceptance_table(args, task_cfg, model, drafter, n_prompts=256):
+    """The share of drafts accepted at each draft position 1..k (given that the earlier ones were),
+    for every k of args.ks, on whole responses: n_prompts fresh prompts of the RL mix, decoded at
+    temperature 1 until <|eos|>, all at once. Rows end where they end, so no k is favoured by
+    where a step of the trace falls (the speed table's rows, cut at --max-new tokens, are one
+    length). -> {k: {"by_position", "drafted_at", "accept_len", "expected_accept_len"}}, the last
+    1 + sum over d <= k of the product of the rates at positions 1..d."""
+    rng = random.Random(2468)
+    prompts = [task.encode(task.sample_problem(rng, task_cfg).prompt()) for _ in range(n_prompts)]
+    out = {}
+    print(f"\nacceptance by draft position, {n_prompts} prompts decoded to <|eos|> at temperature 1.0 ({args.sampler}): "
+          f"% of the drafts at each position accepted, given the earlier ones were; in brackets, the drafts decided there")
+    for k in args.ks:
+        _, st = speculative_generate(model, drafter, prompts, task_cfg.max_response_len, k=k, eos_id=task.EOS_ID,
+                                     sampler=args.sampler, keys=[777_000 + i for i in range(n_prompts)])
+        expected, run = 1.0, 1.0
+        for r in st["accept_by_position"]:
+            run *= r or 0.0
+            expected += run
+        out[k] = {"by_position": st["accept_by_position"], "drafted_at": st["drafted_at"], "accept_len": st["accept_len"],
+                  "expected_accept_len": expected}
+        cells = " ".join(f"{100 * (r or 0):5.1f} ({d})" for r, d in zip(st["accept_by_position"], st["drafted_at"]))
+        print(f"  k = {k}: {st['accept_len']:.2f} tokens per verify step | {cells}", flush=True)
     return out
 
 
@@ -469,6 +499,10 @@ def e2e_bench(args, task_cfg, model, drafter):
               f"{mean(n, 'accept_len') or 0:10.2f} {mean(n, 'accept_rate') or 0:11.3f} {mean(n, 'reward'):7.3f}")
     print("(step s, rollout s, draft s, update s, rollout %, accept, reward: means over steps 1..; draft s: the slowest "
           "rank's drafting; median: the median step; tail %: median tail share)")
+    by_pos = {n: train.by_position(records[n][1:]) for n in timed[1:] + ("on_k4", "frozen_k4")}
+    print("\ndrafts accepted by draft position, % (given the earlier ones were accepted), and the drafts decided in all:")
+    for n, (rates, drafted) in by_pos.items():
+        print(f"{n:9} {train.format_positions(rates)}   ({sum(drafted):,} drafts)")
     # the runs generate the same tokens at every step, so step i of one run and step i of another are a pair
     paired = {n: sorted(a["step_time"] / b["step_time"] for a, b in zip(records["off"][1:], records[n][1:])) for n in timed[1:]}
     other = {n: sum(a["responses_digest"] != b["responses_digest"] for a, b in zip(records["off"], records[n])) for n in timed[1:]}
@@ -511,6 +545,7 @@ def e2e_bench(args, task_cfg, model, drafter):
                     "nproc": args.nproc, "accept_len": series("accept_len", timed[1:] + ("on_k4", "frozen_k4")),
                     "drafter_top1": series("drafter_top1", ("on_k4", "frozen_k4")),
                     "accept_rate": series("accept_rate", timed[1:] + ("on_k4", "frozen_k4")),
+                    "accept_by_position": {n: {"rates": r, "drafted": d} for n, (r, d) in by_pos.items()},
                     "reward": series("reward", ("off", "on")), "steps_with_other_responses": other, "sampler": args.sampler}}
 
 

@@ -20,11 +20,16 @@ conditioning), and each padded row holds one sequence with padding at its end, s
 attends across sequences or into padding.
 
 Training-time test: drafting feeds h~ back in, but teacher forcing only ever shows the drafter
-the target's real h. So every training step runs a second pass whose inputs are the first pass's
-own predictions (h~_t in place of h_t) with the same targets, and adds its loss. That is the
-cheap part of EAGLE-3's idea, meant to keep the 2nd..k-th drafted tokens good. A cold start
-(train.py --drafter-warmup-steps 0) trains with the teacher-forced pass alone: idle time is all it
-has, and a step at half the cost gives it twice the steps, which it needs more.
+the target's real h, so a drafter trained that way alone is good for one token and guesses after
+it. So a training step runs the drafter as it drafts, DEPTH drafts deep from every position at
+once (`chained_states`, EAGLE-3's idea): pass d reads its own pass d - 1 predictions and attends,
+through a mask, to exactly what the drafter's cache holds when it drafts there (the real pairs up
+to the chain's start, then the chain's own entries); each pass adds its loss. Measured here
+(RESULTS.md): one self-fed pass with plain causal attention, the previous recipe, left a drafter
+whose fifth draft failed 40% of the time on one machine; the chained passes make the acceptance
+of every draft position about the same. A cold start (train.py --drafter-warmup-steps 0) trains
+teacher-forced alone (depth 1): idle time is all it has, and a step at a fraction of the cost
+gives it more steps, which it needs more.
 
 The buffer keeps (tokens, hidden states, prompt length) per sequence, tagged with the RL step it
 came from, for the last `keep_steps` steps and at most `keep_tokens` tokens (the oldest go first),
@@ -49,6 +54,7 @@ from model import KVCache, RotaryStack
 HIDDEN_WEIGHT = 1.0
 CE_WEIGHT = 0.1
 DRAFTER_BATCH = 8  # sequences per training step
+DEPTH = 3  # chained passes per training step (drafts of every depth then do about as well: RESULTS.md)
 IDLE_STEP_TOKENS = 256  # padded positions per idle-time step at most: the last rank waits at most one such step
 
 
@@ -188,27 +194,94 @@ def pairs(seqs, device="cpu"):
     return h_in.to(device), x_next.to(device), h_tgt.to(device), mask.to(device)
 
 
-def drafter_loss(drafter, h_in, x_next, h_tgt, mask, n_positions=None, passes=2):
-    """Loss of one teacher-forced pass plus (passes=2) one pass fed with its own predictions (see
-    docstring), summed over the masked positions and divided by n_positions (default: this batch's
-    count; when ranks train together, the count over all of them, so the mean is the global one)."""
+def chain_mask(T, d, device=None):
+    """The attention mask of chained pass d (0 = teacher-forced) over the keys of passes 0..d,
+    (T, (d + 1) T) bool, True where a query may look. Pass d's entry at position t is the d-th
+    draft after the real pair at s = t - d: when drafting, the drafter's cache then holds the real
+    pairs up to s and this chain's own entries at s + 1 .. t, one from each pass, and nothing else."""
+    t = torch.arange(T, device=device)[:, None]  # (T, 1) query positions
+    u = torch.arange(T, device=device)[None, :]  # (1, T) key positions
+    return torch.cat([u <= t - d] + [u == t - d + j for j in range(1, d + 1)], dim=1)
+
+
+def chained_states(drafter, h_in, x_next, depth):
+    """The drafter run as it drafts, `depth` tokens deep from every position at once (EAGLE-3's
+    training-time test): pass 0 reads the target's states (teacher forcing); pass d reads, at
+    position t, what pass d - 1 predicted at t - 1, and attends to the real pairs up to t - d plus
+    its own chain's entries (`chain_mask`), as the drafter's cache holds them while drafting.
+    Returns a list of `depth` predicted states h~ (B, T, C); pass d's at t predicts h_{t+1}, the
+    (d + 1)-th draft of a chain that started after the real pair at t - d."""
+    emb = F.embedding(x_next, drafter.target.wte.weight.detach())  # (B, T, C)
+    T = h_in.shape[1]
+    past = [[] for _ in drafter.stack.blocks]  # every pass's keys and values, per block
+    states, h_feed = [], h_in
+    for d in range(depth):
+        x = drafter.fuse(torch.cat([h_feed, emb], dim=-1))
+        states.append(drafter.norm(drafter.stack(x, chain=(past, chain_mask(T, d, h_in.device)))))
+        # the next pass sees, at position t, this pass's guess of h_t (made at t - 1)
+        h_feed = torch.cat([h_in[:, :1], states[-1][:, :-1].detach()], dim=1)
+    return states
+
+
+def chain_masks(mask, depth):
+    """The positions pass d counts: mask[t] and mask[t - d] (the chain's start is a pair the
+    drafter drafts from). -> list of `depth` (B, T) bool."""
+    masks = [mask]
+    for d in range(1, depth):
+        masks.append(torch.zeros_like(mask))
+        masks[d][:, d:] = mask[:, d:] & mask[:, :-d]  # nothing where the rows are d or fewer pairs long
+    return masks
+
+
+def drafter_loss(drafter, h_in, x_next, h_tgt, mask, n_positions=None, depth=DEPTH):
+    """Loss of `depth` chained passes (pass 0 teacher-forced, pass d fed with its own predictions:
+    see `chained_states`), summed over each pass's positions and divided by depth x n_positions
+    (default: this batch's count; when ranks train together, the count over all of them, so the
+    mean is the global one). depth 1 is teacher forcing alone."""
     with torch.no_grad():  # both softmaxes in float32: under bf16 autocast the logits are bf16
         p_target = F.softmax(F.linear(h_tgt, drafter.target.lm_head.weight).float(), dim=-1)  # (B, T, V)
-    m = mask.float()
-    n = m.sum() if n_positions is None else torch.as_tensor(float(n_positions))
+    n = mask.sum() if n_positions is None else torch.as_tensor(float(n_positions))
     total = 0.0
-    h_feed = h_in
-    for _ in range(passes):
-        logits, h_pred = drafter(h_feed, x_next)
+    for h_pred, m in zip(chained_states(drafter, h_in, x_next, depth), chain_masks(mask, depth)):
+        logits = F.linear(h_pred, drafter.target.lm_head.weight.detach())
         reg = F.smooth_l1_loss(h_pred, h_tgt, reduction="none").mean(-1)  # (B, T)
         ce = -(p_target * F.log_softmax(logits.float(), dim=-1)).sum(-1)  # (B, T)
         total = total + ((HIDDEN_WEIGHT * reg + CE_WEIGHT * ce) * m).sum()
-        # the next pass sees, at position t, the drafter's own guess of h_t (made at t-1)
-        h_feed = torch.cat([h_in[:, :1], h_pred[:, :-1].detach()], dim=1)
-    return total / (passes * n.clamp(min=1.0))
+    return total / (depth * n.clamp(min=1.0))
 
 
-def train_step(drafter, optimizer, buffer, rng, batch_size=DRAFTER_BATCH, device="cpu", sync_grads=False, passes=2,
+@torch.no_grad()
+def chain_figures(drafter, h_in, x_next, h_tgt, mask, depth=8):
+    """What the drafter's chains would get, per draft position d = 1..depth, on sequences the target
+    sampled: (top-1 agreements, summed acceptance, positions), each (depth,), to be summed over
+    ranks and batches. Top-1: the drafter's argmax equals the target's. Acceptance: sum_x min(p, q),
+    the chance that rejection sampling at temperature 1 accepts the draft; both given that the
+    earlier drafts were the sampled tokens, i.e. that they were accepted. Position 1 is the
+    teacher-forced figure (`top1_agreement`)."""
+    target = F.linear(h_tgt, drafter.target.lm_head.weight)  # (B, T, V)
+    p = F.softmax(target.float(), dim=-1)
+    agree, accept, n = [], [], []
+    for h_pred, m in zip(chained_states(drafter, h_in, x_next, depth), chain_masks(mask, depth)):
+        logits = F.linear(h_pred, drafter.target.lm_head.weight)
+        q = F.softmax(logits.float(), dim=-1)
+        agree.append(((logits.argmax(-1) == target.argmax(-1)) & m).sum())
+        accept.append((torch.minimum(p, q).sum(-1) * m).sum())
+        n.append(m.sum())
+    return torch.stack(agree).double(), torch.stack(accept).double(), torch.stack(n).double()
+
+
+def expected_accepted(accept, n):
+    """Drafts accepted per chain of len(accept) drafts, from per-position acceptance sums and counts:
+    sum over d of the product of the rates at positions 1..d."""
+    rates = (accept / n.clamp(min=1)).tolist()
+    total, run = 0.0, 1.0
+    for r in rates:
+        run *= r
+        total += run
+    return total
+
+
+def train_step(drafter, optimizer, buffer, rng, batch_size=DRAFTER_BATCH, device="cpu", sync_grads=False, depth=DEPTH,
                max_tokens=None):
     """One optimizer step on a batch from the buffer; returns (loss, applied). Short on purpose:
     the idle-rank loop checks for preemption between steps, and bounds a step with max_tokens
@@ -218,16 +291,21 @@ def train_step(drafter, optimizer, buffer, rng, batch_size=DRAFTER_BATCH, device
     (applied False); under sync_grads every rank sees the same summed gradient and skips with it."""
     batch = buffer.sample(batch_size, rng, device, max_tokens)
     n_local = batch[3].sum().double()  # the positions the loss counts here
-    n_positions = n_local.clone()
-    if sync_grads:
-        dist.all_reduce(n_positions)
-    loss = drafter_loss(drafter, *batch, n_positions=n_positions, passes=passes)
-    logged = loss.item() * float(n_positions) / max(float(n_local), 1.0)  # this rank's mean, for the log
+    # under sync_grads the loss is a sum, and its gradient is divided by every rank's positions after
+    # one all-reduce of [gradients, positions]: one collective a step, not one per weight plus a count
+    loss = drafter_loss(drafter, *batch, n_positions=1.0 if sync_grads else None, depth=depth)
+    logged = loss.item() / max(float(n_local), 1.0) if sync_grads else loss.item()  # this rank's mean, for the log
     optimizer.zero_grad(set_to_none=True)
     loss.backward()
     if sync_grads:
-        for p in drafter.parameters():  # a handful of small tensors: one all-reduce each
-            dist.all_reduce(p.grad)
+        params = list(drafter.parameters())
+        flat = torch.cat([p.grad.flatten().double() for p in params] + [n_local.view(1)])
+        dist.all_reduce(flat)
+        grads = flat[:-1] / flat[-1].clamp(min=1.0)
+        for p in params:
+            n = p.numel()
+            p.grad.copy_(grads[:n].view_as(p))
+            grads = grads[n:]
     grad_norm = torch.nn.utils.clip_grad_norm_(drafter.parameters(), 1.0)
     applied = bool(torch.isfinite(grad_norm))  # sync: one flag per step
     if applied:

@@ -150,7 +150,11 @@ class Attention(nn.Module):
         # come out side by side, as the cache holds them
         qkv = apply_rope(qkv, rot)  # (3, B, H, T, hd)
         q, k, v = qkv
-        if kv is None:  # plain causal pass, positions 0..T-1
+        if isinstance(kv, list):  # the drafter's chained passes: the keys and values of every pass so far
+            kv.append(qkv[1:])
+            past = torch.cat(kv, dim=3)  # (2, B, H, passes * T, hd); mask (T, passes * T) bool, True: attend
+            y = F.scaled_dot_product_attention(q, past[0], past[1], attn_mask=mask)
+        elif kv is None:  # plain causal pass, positions 0..T-1
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         else:  # kv: this layer's (2, B, H, max_len, hd) slice of the cache; where = (rows, positions)
             # row b's T entries at its positions (the cast is a no-op unless the cache was made outside autocast)
@@ -200,10 +204,12 @@ class RotaryStack(nn.Module):
             self.rope = self._rope_table(self.rope.device)
         return self
 
-    def forward(self, x, cache=None):
+    def forward(self, x, cache=None, chain=None):
         """x (B, T, C) -> (B, T, C). With a cache, the attention window is cache.window, an upper
         bound on max(cache.lengths) + T that the caller knows on the host (keys past a row's own
-        position are masked anyway), used once; without it the forward reads the lengths, a sync."""
+        position are masked anyway), used once; without it the forward reads the lengths, a sync.
+        chain: (a list per block of the earlier passes' keys and values, a bool mask over them),
+        positions 0..T-1, for the drafter's chained training passes (drafter.chained_states)."""
         B, T, _ = x.shape
         if cache is None:
             pos = torch.arange(T, device=x.device).expand(B, T)
@@ -224,8 +230,13 @@ class RotaryStack(nn.Module):
             dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
             unseen = cache.offsets[:window] > pos[:, None, :, None]  # (B, 1, T, window)
             mask = torch.zeros(unseen.shape, dtype=dtype, device=x.device).masked_fill_(unseen, float("-inf"))
+        if chain is not None:
+            chained, mask = chain
         for i, block in enumerate(self.blocks):
-            x = block(x, rot, None if cache is None else cache.kv[i], where, mask)
+            # block i's slice of the cache (taken here: a slice taken before the writes of block i - 1
+            # breaks autograd's view tracking), or its list of the chained passes' keys and values
+            kv = chained[i] if chain is not None else None if cache is None else cache.kv[i]
+            x = block(x, rot, kv, where, mask)
         if cache is not None:
             cache.lengths = cache.lengths + T
         return x

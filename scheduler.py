@@ -40,12 +40,12 @@ import torch.distributed as dist
 from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
 from common import add_segment, multi_rank, until_all_arrive
-from drafter import DRAFTER_BATCH, IDLE_STEP_TOKENS, train_step
+from drafter import DEPTH, DRAFTER_BATCH, IDLE_STEP_TOKENS, train_step
 
 TIMELINE_CHARS = {"plain": "#", "spec": "S", "train": "t", "wait": "."}
 
 
-def idle_train(drafter, optimizer, buffer, rng, *, chores=(), enabled=True, batch_size=DRAFTER_BATCH, passes=2,
+def idle_train(drafter, optimizer, buffer, rng, *, chores=(), enabled=True, batch_size=DRAFTER_BATCH, depth=DEPTH,
                step_tokens=IDLE_STEP_TOKENS, device="cpu", liveness=None, timeout_s=300.0, grace_s=0.02):
     """Train the drafter until every rank has reached this point: the technique's idle loop,
 
@@ -76,7 +76,7 @@ def idle_train(drafter, optimizer, buffer, rng, *, chores=(), enabled=True, batc
         if chores:
             chores.popleft()()
         elif enabled and len(buffer):  # len() stores the staged rows: on idle time, never on the last rank
-            _, applied = train_step(drafter, optimizer, buffer, rng, batch_size=batch_size, device=device, passes=passes,
+            _, applied = train_step(drafter, optimizer, buffer, rng, batch_size=batch_size, device=device, depth=depth,
                                     max_tokens=step_tokens)
             steps += applied
             skipped += not applied

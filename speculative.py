@@ -486,7 +486,13 @@ class RunningBatch:
 class DecodeStats:
     """What a generate call or a rollout measured, summed over its steps. The counts the device holds
     (tokens emitted, drafts accepted) stay there until `settle()` reads them all at once (as_dict,
-    accept_len and accept_rate call it), so counting costs no sync per step."""
+    accept_len and accept_rate call it), so counting costs no sync per step.
+
+    Acceptance by draft position, as EAGLE-style papers report it: drafted_at[i] counts the drafts
+    at position i + 1 that were decided (every earlier draft of the row's step accepted) and
+    accepted_at[i] those accepted, so accepted_at[i] / drafted_at[i] is the chance that draft i + 1
+    is accepted given that the ones before it were. A draft past a row's <|eos|> or its length limit
+    is not decided: the row ended before it."""
     steps: int = 0          # decoding steps (plain or speculative)
     tokens: int = 0         # tokens emitted, all rows
     sd_row_steps: int = 0   # (row, speculative step) pairs
@@ -494,32 +500,54 @@ class DecodeStats:
     drafted: int = 0        # draft tokens proposed
     accepted: int = 0       # draft tokens accepted
     accept_hist: dict = field(default_factory=dict)  # drafts accepted by one row in one step -> how often
+    drafted_at: list = field(default_factory=list)   # per draft position: drafts decided there
+    accepted_at: list = field(default_factory=list)  # per draft position: drafts accepted there
 
     def __post_init__(self):
-        self._pending = []  # (field name, (B,) device tensor) not yet read
+        self._pending = []  # (field name, (B,) device tensor, k) not yet read
 
     def add_step(self, n_emitted):
         self.steps += 1
-        self._pending.append(("tokens", n_emitted))
+        self._pending.append(("tokens", n_emitted, 0))
 
     def add_speculative(self, n_emitted, n_acc, k):
         self.sd_row_steps += n_emitted.numel()
         self.drafted += k * n_acc.numel()
-        self._pending += [("sd_tokens", n_emitted), ("accepted", n_acc)]
+        # the row keeps n_emitted tokens: its accepted drafts, then the target's token; where it ended
+        # (<|eos|> or its length limit) on an accepted draft, n_emitted <= n_acc and the rest were never decided
+        used, ended = torch.minimum(n_acc, n_emitted), n_emitted <= n_acc
+        self._pending += [("sd_tokens", n_emitted, k), ("accepted", n_acc, k), ("positions", 2 * used + ended, k)]
 
     def settle(self):
         """Read the pending device counts into the fields; returns self."""
         if self._pending:
-            values = torch.cat([t for _, t in self._pending]).tolist()  # sync: every step's counts in one read
+            values = torch.cat([t for _, t, _ in self._pending]).tolist()  # sync: every step's counts in one read
             i = 0
-            for name, t in self._pending:
+            for name, t, k in self._pending:
                 chunk, i = values[i:i + t.numel()], i + t.numel()
+                if name == "positions":
+                    self._count_positions(chunk, k)
+                    continue
                 setattr(self, name, getattr(self, name) + sum(chunk))
                 if name == "accepted":
                     for a in chunk:
                         self.accept_hist[a] = self.accept_hist.get(a, 0) + 1
             self._pending = []
         return self
+
+    def _count_positions(self, codes, k):
+        """codes: 2 x (accepted drafts kept) + (1 if the row ended inside the draft) per row of a step."""
+        grow = k - len(self.drafted_at)
+        if grow > 0:
+            self.drafted_at += [0] * grow
+            self.accepted_at += [0] * grow
+        for code in codes:
+            used, ended = divmod(code, 2)
+            for i in range(used):
+                self.drafted_at[i] += 1
+                self.accepted_at[i] += 1
+            if not ended and used < k:  # the first rejected draft was decided too
+                self.drafted_at[used] += 1
 
     @property
     def accept_len(self):  # tokens per row per verify step: accepted drafts plus the target's own
@@ -531,11 +559,16 @@ class DecodeStats:
         self.settle()
         return self.accepted / self.drafted if self.drafted else None
 
+    @property
+    def accept_by_position(self):  # per draft position: accepted given that the earlier ones were
+        self.settle()
+        return [a / d if d else None for a, d in zip(self.accepted_at, self.drafted_at)]
+
     def as_dict(self):
-        """The generate functions' `stats`: every field, accept_len and accept_rate."""
+        """The generate functions' `stats`: every field, accept_len, accept_rate, accept_by_position."""
         self.settle()
         return {**asdict(self), "accept_hist": dict(sorted(self.accept_hist.items())), "accept_len": self.accept_len,
-                "accept_rate": self.accept_rate}
+                "accept_rate": self.accept_rate, "accept_by_position": self.accept_by_position}
 
 
 @torch.no_grad()

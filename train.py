@@ -30,7 +30,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 import rl
 import task
-from drafter import (DRAFTER_BATCH, IDLE_STEP_TOKENS, DrafterBuffer, NgramDrafter, SiblingDrafter, SiblingOrLearned,
+from drafter import (DEPTH, DRAFTER_BATCH, IDLE_STEP_TOKENS, DrafterBuffer, NgramDrafter, SiblingDrafter, SiblingOrLearned,
                      agreement_chores, make_optimizer)
 from model import GPTConfig
 from evaluate import evaluate_both, format_accuracy
@@ -71,6 +71,8 @@ def parse_args(argv=None):
     p.add_argument("--warmup-dir", default=None, help="where the warm-up checkpoints are cached (default: --out-dir)")
     p.add_argument("--seed", type=int, default=1337, help="base seed; per-rank, per-step seeds derive from it")
     p.add_argument("--rl-seed", type=int, default=None, help="seed of the RL phase only (default: --seed), for noise estimates")
+    p.add_argument("--drafter-seed", type=int, default=None, help="seed of the drafter warm-up only (its initial weights, "
+                   "samples and batches; default: --seed), for its spread")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="where to run")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="bfloat16: every forward (warm-ups, "
                    "rollouts, GRPO update, evaluation) under bf16 autocast, weights and optimizer state kept in float32")
@@ -103,13 +105,16 @@ def parse_args(argv=None):
                    "token's embedding as (label + digit) / sqrt(2) (off: random, as every other token)")
     # drafter
     p.add_argument("--drafter-warmup-seqs", type=int, default=2048, help="target samples the drafter warms up on")
-    p.add_argument("--drafter-warmup-steps", type=int, default=2500, help="drafter optimizer steps in its warm-up (0: a cold "
+    p.add_argument("--drafter-warmup-steps", type=int, default=6000, help="at most this many drafter optimizer steps in its "
+                   "warm-up, which ends at its plateau on held-out samples (warmup.py), usually well before (0: a cold "
                    "start, no warm-up and no sampling for one: the idle ranks build the drafter during RL)")
     p.add_argument("--drafter-lr", type=float, default=2e-3, help="peak drafter learning rate of the warm-up")
     p.add_argument("--drafter-cold-lr", type=float, default=4e-3, help="a cold start's drafter learning rate on idle ranks: "
                    "it decays on a cosine from this to a twentieth of it over the RL steps")
     p.add_argument("--drafter-online-lr", type=float, default=5e-5, help="drafter learning rate on idle ranks during RL")
     p.add_argument("--drafter-batch", type=int, default=DRAFTER_BATCH, help="sequences per drafter training step")
+    p.add_argument("--drafter-depth", type=int, default=DEPTH, help="chained passes per drafter training step: the drafter "
+                   "trains on its own predictions this many drafts deep (1: teacher forcing alone)")
     p.add_argument("--drafter-idle-tokens", type=int, default=IDLE_STEP_TOKENS, help="padded positions per drafter step on "
                    "idle ranks at most (fewer sequences when they are long): how long the last rank can wait for one")
     p.add_argument("--drafter-keep", type=int, default=32, help="RL steps of hidden states the drafter buffer keeps")
@@ -144,7 +149,7 @@ def parse_args(argv=None):
     p.add_argument("--timeline-every", type=int, default=10, help="print the per-rank timeline every N steps (0: never)")
     p.add_argument("--ckpt-every", type=int, default=10, help="write the RL checkpoint every N steps")
     args = p.parse_args(argv)
-    positive = ("warmup_steps", "warmup_tokens", "warmup_lr", "drafter_warmup_seqs", "drafter_batch", "drafter_idle_tokens",
+    positive = ("warmup_steps", "warmup_tokens", "warmup_lr", "drafter_warmup_seqs", "drafter_batch", "drafter_depth", "drafter_idle_tokens",
                 "drafter_keep", "drafter_keep_tokens", "drafter_lr", "drafter_cold_lr", "drafter_online_lr", "prompts_per_step", "group_size", "rl_epochs", "rl_lr",
                 "clip_eps", "update_tokens", "ckpt_every", "eval_samples")
     non_negative = ("rl_steps", "drafter_warmup_steps", "careful_bonus", "kl_coef", "temperature", "sd_threshold", "timeline_every", "eval_per_bucket")
@@ -178,6 +183,7 @@ def parse_args(argv=None):
                 f"work; raise --prompts-per-step")
     args.warmup_dir = args.warmup_dir or args.out_dir
     args.rl_seed = args.seed if args.rl_seed is None else args.rl_seed
+    args.drafter_seed = args.seed if args.drafter_seed is None else args.drafter_seed
     return args
 
 
@@ -232,7 +238,7 @@ def run(args, task_cfg, ddp, rank, world_size, device, liveness=None):
     ckpt_path = os.path.join(args.out_dir, "ckpt.pt")
     metrics_path = os.path.join(args.out_dir, "metrics.jsonl")
     meta = rl_meta(args, config, task_cfg)
-    start = resume(ckpt_path, meta, model, drafter, opt, d_opt, bandit, rank)
+    start, recent = resume(ckpt_path, meta, model, drafter, opt, d_opt, bandit, rank)
     if rank == 0:  # every step appears once: drop records past the checkpoint (a crash after logging)
         lines = []
         if os.path.exists(metrics_path):
@@ -249,7 +255,10 @@ def run(args, task_cfg, ddp, rank, world_size, device, liveness=None):
     for step in range(start, args.rl_steps):
         with autocast(args, device):  # rollout, drafter training, GRPO update
             rec, ranks = rl_step(step, args, task_cfg, model, net, drafter, opt, d_opt, bandit, buffer, rank, world_size,
-                                 device, ref_model, liveness)
+                                 device, ref_model, liveness, drafter_health(recent))
+        if rec["drafter_top1_positions"]:  # the drafter's health: the last steps' figures, one step's rows being few
+            n = rec["drafter_top1_positions"]
+            recent = (recent + [[rec["drafter_top1"] * n, n]])[-HEALTH_STEPS:]
         history.append(rec)
         if rank == 0:
             with open(metrics_path, "a") as f:
@@ -258,7 +267,7 @@ def run(args, task_cfg, ddp, rank, world_size, device, liveness=None):
         if (step + 1) % args.ckpt_every == 0 or step == args.rl_steps - 1:
             bandits = gather_ranks(bandit.state_dict())
             save_on_rank0({"meta": meta, "step": step, "model": model.state_dict(), "drafter": drafter.state_dict(),
-                           "opt": opt.state_dict(), "d_opt": d_opt.state_dict(), "bandits": bandits}, ckpt_path)
+                           "opt": opt.state_dict(), "d_opt": d_opt.state_dict(), "bandits": bandits, "drafter_health": recent}, ckpt_path)
 
     with autocast(args, device):
         acc1 = evaluate_both(model, drafter, problems, args, task_cfg, rank, world_size, "after RL", check=True)
@@ -268,11 +277,11 @@ def run(args, task_cfg, ddp, rank, world_size, device, liveness=None):
 
 def resume(ckpt_path, meta, model, drafter, opt, d_opt, bandit, rank):
     """Load the RL checkpoint if rank 0 finds one (every rank follows its decision); -> the first step
-    to run. A checkpoint from another number of ranks resumes too: ranks it did not have start their
-    bandits fresh."""
+    to run and the drafter's recent health figures (`drafter_health`). A checkpoint from another
+    number of ranks resumes too: ranks it did not have start their bandits fresh."""
     ck = load_on_rank0(ckpt_path, meta)
     if not ck:
-        return 0
+        return 0, []
     try:
         model.load_state_dict(ck["model"])
         drafter.load_state_dict(ck["drafter"])
@@ -280,11 +289,12 @@ def resume(ckpt_path, meta, model, drafter, opt, d_opt, bandit, rank):
         d_opt.load_state_dict(ck["d_opt"])
         if rank < len(ck["bandits"]):
             bandit.load_state_dict(ck["bandits"][rank])
+        recent = ck["drafter_health"]
     except (KeyError, TypeError, ValueError, RuntimeError) as e:  # same config, older layout of the state
         raise SystemExit(f"error: checkpoint {ckpt_path} does not fit this version of the code "
                          f"({type(e).__name__}: {e}); delete it or use another --out-dir")
     print0(f"resuming from {ckpt_path} at RL step {ck['step'] + 1}")
-    return ck["step"] + 1
+    return ck["step"] + 1, recent
 
 
 def rl_prompts(args, task_cfg, step):
@@ -293,15 +303,36 @@ def rl_prompts(args, task_cfg, step):
     return [task.sample_problem(prng, task_cfg) for _ in range(args.prompts_per_step)]
 
 
-def drafter_lr(args, step):
-    """The idle ranks' drafter learning rate at RL step `step`. A warmed-up drafter only follows the
-    target: a small constant rate. A cold start builds the drafter from nothing, as a warm-up would,
-    with a cosine from --drafter-cold-lr down to a twentieth of it over the RL steps (a higher peak
-    than the warm-up's, because idle time gives it fewer steps; RESULTS.md has the rates tried)."""
-    if args.drafter_warmup_steps > 0:
-        return args.drafter_online_lr
-    frac, peak = step / max(1, args.rl_steps - 1), args.drafter_cold_lr
-    return peak / 20 + (peak - peak / 20) * 0.5 * (1 + math.cos(math.pi * frac))
+HEALTHY, SICK = 0.98, 0.85  # the drafter's health (teacher-forced top-1) where online training is gentlest and hardest
+HEALTH_STEPS = 5  # RL steps whose figures make the health
+
+
+def drafter_health(recent):
+    """The drafter's health: its teacher-forced top-1 agreement on the fresh rows of the last
+    HEALTH_STEPS RL steps (`recent`: [agreeing positions, positions] per step; None before any).
+    The same on every rank: each step's figure is summed over ranks."""
+    n = sum(p for _, p in recent)
+    return sum(a for a, _ in recent) / n if n else None
+
+
+def drafter_schedule(args, step, health):
+    """The idle ranks' drafter learning rate and training depth (chained passes) at RL step `step`,
+    given the drafter's `health`. A cold start builds the drafter from nothing, as a warm-up would,
+    teacher-forced, with a cosine from --drafter-cold-lr down to a twentieth of it over the RL steps.
+    A warmed-up drafter follows its health: --drafter-online-lr while it is at least HEALTHY (a
+    drafter at its plateau only follows the target, and a large rate would only shake it), rising
+    geometrically to --drafter-cold-lr at SICK and below, where a weak drafter (stopped early, or
+    left behind by the target) is trained as hard as a cold start is; always on --drafter-depth
+    chained passes, which cost more per step than teacher forcing alone but keep every draft
+    position good (trained teacher-forced it gained more top-1 and fewer accepted tokens).
+    RESULTS.md has the schedules tried, with their figures."""
+    if args.drafter_warmup_steps == 0:
+        frac, peak = step / max(1, args.rl_steps - 1), args.drafter_cold_lr
+        return peak / 20 + (peak - peak / 20) * 0.5 * (1 + math.cos(math.pi * frac)), 1
+    if health is None:
+        return args.drafter_online_lr, args.drafter_depth
+    sick = min(1.0, max(0.0, (HEALTHY - health) / (HEALTHY - SICK)))
+    return args.drafter_online_lr * (args.drafter_cold_lr / args.drafter_online_lr) ** sick, args.drafter_depth
 
 
 def proposer(name, drafter):
@@ -326,7 +357,7 @@ def step_rows(args, task_cfg, step, rank, world_size):
 
 
 def rl_step(step, args, task_cfg, model, net, drafter, opt, d_opt, bandit, buffer, rank, world_size, device,
-            ref_model=None, liveness=None):
+            ref_model=None, liveness=None, health=None):
     """One RL step on this rank, in the seven steps of the README. Returns the step's record and
     every rank's timeline segments."""
     t0 = time.perf_counter()
@@ -351,14 +382,14 @@ def rl_step(step, args, task_cfg, model, net, drafter, opt, d_opt, bandit, buffe
     top1 = [0, 0]
     if train_drafter:
         buffer.add_rows(step, samples)  # no copy here: the buffer stores them on its next use, idle time
+    d_lr, d_depth = drafter_schedule(args, step, health)
     for g in d_opt.param_groups:
-        g["lr"] = drafter_lr(args, step)
+        g["lr"] = d_lr
     drng = random.Random(derive_seed(args.rl_seed, rank, step, Seed.DRAFTER_TRAINING))
     t_idle = time.perf_counter() - t0
-    cold = args.drafter_warmup_steps == 0  # a cold start trains with the teacher-forced pass alone (drafter.py)
     d_steps, d_skipped, idle, idle_segs = idle_train(
         drafter, d_opt, buffer, drng, chores=agreement_chores(drafter, samples, top1, device=device) if learned else (),
-        enabled=train_drafter, batch_size=args.drafter_batch, passes=1 if cold else 2, step_tokens=args.drafter_idle_tokens,
+        enabled=train_drafter, batch_size=args.drafter_batch, depth=d_depth, step_tokens=args.drafter_idle_tokens,
         device=device, liveness=liveness)
     # 5. every rank ends with the same drafter: the weighted average overlaps the update
     finish_sync = start_drafter_sync(drafter, d_steps if train_drafter else 0)
@@ -389,12 +420,32 @@ def rl_step(step, args, task_cfg, model, net, drafter, opt, d_opt, bandit, buffe
              "segments": st.segments + [[k, a + t_idle, b + t_idle] for k, a, b in idle_segs]}
     counts = {"tokens": st.tokens, "sd_tokens": st.sd_tokens, "sd_row_steps": st.sd_row_steps,
               "accepted": st.accepted, "drafted": st.drafted, "top1_agree": top1[0], "top1_positions": top1[1],
-              "careful": sum(map(task.careful_share, texts)), "response_tokens": sum(len(s.response) for s in samples)}
+              "careful": sum(map(task.careful_share, texts)), "response_tokens": sum(len(s.response) for s in samples),
+              **position_counts(st, max(args.draft_ks))}
     responses = [s[p:] for s, p in zip(seqs, plens)]  # every rank's, in global row order
     rec, ranks = step_record(step, local, all_sum(counts, device), all_rewards, responses, t1 - t0, t1 - t_update)
-    rec.update(loss=loss, clip_frac=clip, skipped_update=skipped, drafter_lr=drafter_lr(args, step),
+    rec.update(loss=loss, clip_frac=clip, skipped_update=skipped, drafter_lr=d_lr, drafter_depth=d_depth, drafter_health=health,
                bandit_best=bandit.best())
     return rec, ranks
+
+
+def position_counts(stats, k_max):
+    """A rollout's drafts decided and accepted at each draft position 1..k_max, as {name: count}
+    (all_sum's form; DecodeStats has the meaning)."""
+    pad = lambda v: v + [0] * (k_max - len(v))  # noqa: E731
+    return {**{f"drafted_at{i}": v for i, v in enumerate(pad(stats.drafted_at))},
+            **{f"accepted_at{i}": v for i, v in enumerate(pad(stats.accepted_at))}}
+
+
+def by_position(records):
+    """Acceptance at each draft position summed over records -> ([rates or None], [drafts decided])."""
+    drafted = [sum(c) for c in zip(*(r["drafted_at"] for r in records))]
+    accepted = [sum(c) for c in zip(*(r["accepted_at"] for r in records))]
+    return [a / d if d else None for a, d in zip(accepted, drafted)], drafted
+
+
+def format_positions(rates):
+    return " ".join("  -  " if r is None else f"{100 * r:4.1f}" for r in rates)
 
 
 def step_record(step, local, total, all_rewards, responses, step_time, update_time):
@@ -419,6 +470,9 @@ def step_record(step, local, total, all_rewards, responses, step_time, update_ti
         "accept_len": total["sd_tokens"] / total["sd_row_steps"] if total["sd_row_steps"] else None,
         "accept_rate": total["accepted"] / total["drafted"] if total["drafted"] else None,
         "drafter_top1": total["top1_agree"] / total["top1_positions"] if total["top1_positions"] else None,
+        # per draft position: drafts decided there (the earlier ones accepted) and accepted
+        "drafted_at": [int(v) for k, v in total.items() if k.startswith("drafted_at")],
+        "accepted_at": [int(v) for k, v in total.items() if k.startswith("accepted_at")],
         "drafter_top1_positions": int(total["top1_positions"]),  # scored on idle time: the last rank's rows are left out
         # what the target writes: mean response length and share of careful steps
         "response_len": total["response_tokens"] / n_rows, "careful_share": total["careful"] / n_rows,
@@ -462,6 +516,10 @@ def summary(history, acc0, acc1, total_time):
                f"agreement with the target on each step's fresh rows, before training on them; first and last {n} steps)")
     print0(f"  mean accept length    {mean('accept_len'):.2f} tokens per verify step, {100 * mean('accept_rate'):.0f}% of "
            f"drafted tokens accepted, SD token share {100 * mean('sd_token_frac'):.0f}%")
+    rates, drafted = by_position(history)
+    if any(drafted):
+        print0(f"  accepted by position  {format_positions(rates)} % (draft 1..{len(rates)}, given the earlier ones were; "
+               f"{sum(drafted):,} drafts decided)")
     best = history[-1]["bandit_best"]
     if best:
         print0("  bandit's k per batch  " + ", ".join(f"{Bandit.bucket_sizes(b)}: {k}" for b, k in best.items())

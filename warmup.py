@@ -19,6 +19,7 @@ shows up often, lets every seed tried learn all of them (RESULTS.md has the runs
 
 Test: python -m pytest tests/test_train.py   (the warm-ups run there on tiny configs)
 """
+import copy
 import dataclasses
 import math
 import os
@@ -27,15 +28,16 @@ import time
 from dataclasses import asdict
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import rl
 import task
-from drafter import Drafter, DrafterBuffer, make_optimizer, top1_agreement, train_step
+from drafter import Drafter, DrafterBuffer, chain_figures, expected_accepted, make_optimizer, pairs, train_step
 from model import GPT, GPTConfig
-from rollout import rollout
-from common import Seed, beat, beating, derive_seed, group_by_length, load_on_rank0, print0, save_on_rank0, wait_for_all
+from rollout import ARMS, rollout
+from common import Seed, beat, multi_rank, beating, derive_seed, group_by_length, load_on_rank0, print0, save_on_rank0, wait_for_all
 
 
 # -----------------------------------------------------------------------------
@@ -122,35 +124,111 @@ def warmup_target(model, args, warmup_cfg, ddp, rank, world_size, device):
 # -----------------------------------------------------------------------------
 # drafter warm-up: the target's own samples, hidden states kept
 
-def warmup_drafter(drafter, model, args, task_cfg, ddp, rank, world_size, device):
-    """The target samples RL prompts (--drafter-warmup-seqs, split over ranks); the drafter trains on
-    them with gradients averaged over ranks. The ranks' samples differ in length, so they finish
-    sampling far apart: each beats while it samples, and the first all-reduce waits by liveness."""
-    rng = random.Random(derive_seed(args.seed, rank, 0, Seed.DRAFTER_DATA))
-    gen = torch.Generator(device=device).manual_seed(derive_seed(args.seed, rank, 0, Seed.DRAFTER_SAMPLES))
-    buffer = DrafterBuffer(keep_steps=1, dtype=getattr(torch, args.dtype))  # every warm-up sample: no token bound
-    n_local = len(range(rank, args.drafter_warmup_seqs, world_size))
-    t0 = time.time()
+HELD_OUT_SEQS = 256  # target samples the drafter warm-up scores itself on, never trains on (all ranks together)
+EVAL_EVERY = 100  # drafter steps between two scorings on them
+MIN_GAIN = 0.02  # drafts accepted per chain of SCORE_DEPTH: a smaller gain is no progress
+PATIENCE = 2  # scorings without progress before the learning rate drops, and then again before the end
+LR_DROP = 0.3  # the factor it drops by; after DROPS drops the warm-up ends: the plateau
+DROPS = 2
+SCORE_DEPTH = max(ARMS)  # the figures score chains as deep as the longest draft
+
+
+def sample_drafter_data(model, args, task_cfg, rank, world_size, device):
+    """The target's samples of RL prompts with their hidden states: this rank's share of
+    --drafter-warmup-seqs to train on and of HELD_OUT_SEQS to score on. Each rank beats while it
+    samples (the ranks' lengths differ), and the first collective after waits by liveness."""
+    rng = random.Random(derive_seed(args.drafter_seed, rank, 0, Seed.DRAFTER_DATA))
+    gen = torch.Generator(device=device).manual_seed(derive_seed(args.drafter_seed, rank, 0, Seed.DRAFTER_SAMPLES))
+    dtype = getattr(torch, args.dtype)
+    train, held = DrafterBuffer(keep_steps=1, dtype=dtype), DrafterBuffer(keep_steps=1, dtype=dtype)  # no token bound
+    n_held = len(range(rank, HELD_OUT_SEQS, world_size))
+    n_local = n_held + len(range(rank, args.drafter_warmup_seqs, world_size))
     for i in range(0, n_local, 64):
         problems = [task.sample_problem(rng, task_cfg) for _ in range(min(64, n_local - i))]
         results, _ = rollout(model, None, [task.encode(p.prompt()) for p in problems], task_cfg.max_response_len,
                              temperature=args.temperature, eos_id=task.EOS_ID, generator=gen, tlt=False, progress=beat)
-        for s in results:
-            buffer.add(0, s.tokens, s.hidden, s.prompt_len)
-    wait_for_all()
-    print0(f"drafter warmup: {buffer.num_tokens():,} tokens of target samples per rank in {time.time() - t0:.1f}s")
-    opt = make_optimizer(drafter, args.drafter_lr)
+        for j, s in enumerate(results):
+            (held if i + j < n_held else train).add(0, s.tokens, s.hidden, s.prompt_len)
+    return train, held, rng
+
+
+def held_out_figures(drafter, held, device, chunk=32):
+    """The drafter's chain figures (`chain_figures`) on every rank's held-out sequences, summed:
+    (top-1 agreements, summed acceptance, positions), each (SCORE_DEPTH,) float64, the same on every rank."""
+    items = sorted(held.items, key=lambda it: it[1].shape[0])  # similar lengths together: little padding
+    total = torch.zeros(3, SCORE_DEPTH, dtype=torch.float64, device=device)
+    for i in range(0, len(items), chunk):
+        total += torch.stack(chain_figures(drafter, *pairs([it[1:] for it in items[i:i + chunk]], device), SCORE_DEPTH))
+    if multi_rank():
+        dist.all_reduce(total)
+    return total
+
+
+def describe(figures):
+    """One line of the held-out figures: teacher-forced top-1, acceptance by draft position, and the
+    drafts accepted per chain of SCORE_DEPTH, the figure the warm-up's end is decided by."""
+    agree, accept, n = figures
+    rates = accept / n.clamp(min=1)
+    return (f"top-1 {agree[0] / n[0].clamp(min=1):.3f} | acceptance by draft position "
+            + " ".join(f"{r:.3f}" for r in rates.tolist()) + f" | {expected_accepted(accept, n):.2f} of {SCORE_DEPTH} accepted")
+
+
+def warmup_drafter(drafter, model, args, task_cfg, ddp, rank, world_size, device):
+    """The target samples RL prompts; the drafter trains on them (`drafter.train_step`, gradients
+    averaged over ranks) until it reaches its plateau on held-out samples.
+
+    The end is decided by a figure, not by where a schedule stops: every EVAL_EVERY steps the
+    drafter is scored on the held-out samples (`held_out_figures`: drafts accepted per chain of
+    SCORE_DEPTH at temperature 1, from the acceptance at each draft position). The learning rate warms up
+    to --drafter-lr and stays there while the figure improves; after PATIENCE scorings without
+    progress (MIN_GAIN) it drops by LR_DROP, and after DROPS drops the warm-up ends at the next such
+    stall. The best-scoring
+    weights are kept. So the learning rate is small when the warm-up ends and the drafter it keeps
+    is the best one seen, whatever the float rounding of the machine did to the path there (a
+    schedule that ends at a fixed step keeps wherever its last noisy steps left it: 83% to 100%
+    top-1 between runs of one code). --drafter-warmup-steps caps it; a drafter stopped by the cap
+    is reported as short of its plateau."""
     t0 = time.time()
+    buffer, held, rng = sample_drafter_data(model, args, task_cfg, rank, world_size, device)
+    wait_for_all()
+    print0(f"drafter warmup: {buffer.num_tokens():,} tokens of target samples per rank to train on, "
+           f"{HELD_OUT_SEQS} held-out samples to score on, in {time.time() - t0:.1f}s")
+    return train_to_plateau(drafter, buffer, held, rng, args, ddp, device)
+
+
+def train_to_plateau(drafter, buffer, held, rng, args, ddp, device):
+    """warmup_drafter's training, on a buffer to train on and one to score on."""
+    opt = make_optimizer(drafter, args.drafter_lr)
+    t0, warm = time.time(), min(100, max(1, args.drafter_warmup_steps // 20))
+    best, anchor, best_state, since, drops, step = -1.0, -1.0, None, 0, 0, 0
     for step in range(args.drafter_warmup_steps):
         for g in opt.param_groups:
-            g["lr"] = lr_at(step, args.drafter_warmup_steps, args.drafter_lr)
-        loss, _ = train_step(drafter, opt, buffer, rng, batch_size=args.drafter_batch, device=device, sync_grads=ddp)
-        if step % 100 == 0 or step == args.drafter_warmup_steps - 1:
-            el = time.time() - t0
-            agree, n = top1_agreement(drafter, *buffer.sample(32, rng, device))
-            print0(f"drafter warmup {step:05d}/{args.drafter_warmup_steps} | loss {loss:.4f} | "
-                   f"top-1 agreement {agree / max(n, 1):.3f} | elapsed {el:.0f}s | "
-                   f"eta {el / (step + 1) * (args.drafter_warmup_steps - step - 1):.0f}s")
+            g["lr"] = args.drafter_lr * min(1.0, (step + 1) / warm) * LR_DROP ** drops
+        loss, _ = train_step(drafter, opt, buffer, rng, batch_size=args.drafter_batch, device=device, sync_grads=ddp,
+                             depth=args.drafter_depth)
+        if (step + 1) % EVAL_EVERY and step + 1 < args.drafter_warmup_steps:
+            continue
+        figures = held_out_figures(drafter, held, device)
+        score = expected_accepted(figures[1], figures[2])
+        if score > best:  # the best weights are kept, however small the gain
+            best, best_state, best_figures = score, copy.deepcopy(drafter.state_dict()), figures
+        if score > anchor + MIN_GAIN:  # progress
+            anchor, since = score, 0
+        else:
+            since += 1
+        el = time.time() - t0
+        print0(f"drafter warmup {step + 1:05d} | loss {loss:.4f} | lr {opt.param_groups[0]['lr']:.1e} | {describe(figures)} "
+               f"| best {best:.2f} | elapsed {el:.0f}s")
+        if since >= PATIENCE:
+            since, drops = 0, drops + 1
+            if drops > DROPS:
+                break
+    drafter.load_state_dict(best_state)
+    plateau = drops > DROPS
+    print0(f"drafter warmup {'reached its plateau' if plateau else 'stopped by --drafter-warmup-steps, SHORT of its plateau'} "
+           f"after {step + 1} steps ({time.time() - t0:.0f}s); kept the best, on {HELD_OUT_SEQS} held-out samples: "
+           f"{describe(best_figures)}")
+    return {"steps": step + 1, "plateau": plateau, "figures": best_figures.tolist()}
 
 
 # -----------------------------------------------------------------------------
@@ -169,9 +247,10 @@ def model_meta(args, config, warmup_cfg):
 
 def drafter_meta(args, config, task_cfg, warmup_cfg):
     """The drafter warm-up also depends on the RL task config: it learns from the target's samples of RL prompts."""
-    return {**model_meta(args, config, warmup_cfg), "rl_task": asdict(task_cfg), "drafter_warmup_seqs": args.drafter_warmup_seqs,
+    return {**model_meta(args, config, warmup_cfg), "rl_task": asdict(task_cfg), "drafter_seed": args.drafter_seed,
+            "drafter_warmup_seqs": args.drafter_warmup_seqs,
             "drafter_warmup_steps": args.drafter_warmup_steps, "drafter_lr": args.drafter_lr,
-            "drafter_batch": args.drafter_batch, "temperature": args.temperature}
+            "drafter_batch": args.drafter_batch, "drafter_depth": args.drafter_depth, "temperature": args.temperature}
 
 
 def prepare_models(args, task_cfg, warmup_cfg, ddp, rank, world_size, device):
@@ -181,6 +260,7 @@ def prepare_models(args, task_cfg, warmup_cfg, ddp, rank, world_size, device):
                        n_head=args.n_head, n_embd=args.n_embd)
     torch.manual_seed(derive_seed(args.seed, 0, 0, Seed.INIT))  # same initial weights on every rank
     model = GPT(config).to(device)
+    torch.manual_seed(derive_seed(args.drafter_seed, 0, 0, Seed.INIT))  # the drafter's own seed
     drafter = Drafter(model).to(device)
     print0(f"target: {model.num_params():,} parameters; drafter: {sum(p.numel() for p in drafter.parameters()):,} "
            f"(+ the target's embedding and head, shared); {config}")

@@ -12,8 +12,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from drafter import (Drafter, DrafterBuffer, agreement_chores, drafter_loss, make_optimizer, pairs, top1_agreement,
-                     train_step)
+from drafter import (Drafter, DrafterBuffer, agreement_chores, chain_masks, chained_states, drafter_loss, make_optimizer, pairs,
+                     top1_agreement, train_step)
 from conftest import randomize
 from model import GPT, GPTConfig
 from speculative import RunningBatch, speculative_generate
@@ -482,21 +482,47 @@ def test_checksum_works_in_any_dtype(target, dtype):
     assert b.checksum() != a.checksum()
 
 
-def test_one_pass_loss_is_the_teacher_forced_part(target, buffers):
-    """passes=1 (a cold start's training) is the first, teacher-forced pass of the two-pass loss:
-    the two-pass loss is the mean of it and the pass fed with the drafter's own predictions."""
+def test_chained_passes_are_the_drafter_drafting():
+    """chained_states is the drafter drafting, from every position at once: pass d at position t is
+    what the drafter computes for its (d + 1)-th draft after catching up on the real pairs up to
+    t - d through its cache and feeding its own states back (the drafts being the teacher's tokens).
+    A mask that let a pass see other chains' entries, or the same chain one position off, fails."""
+    tgt = make_target(seed=21).double()
+    drafter = randomize(make_drafter(tgt, seed=22), seed=23, std=0.5).double()
+    g = torch.Generator().manual_seed(24)
+    T, depth = 14, 5
+    h = torch.randn(1, T, C, generator=g, dtype=torch.float64)
+    x = torch.randint(0, V, (1, T), generator=g)
+    with torch.no_grad():
+        states = chained_states(drafter, h, x, depth)
+        for s in (0, 3, T - depth):
+            cache = drafter.new_cache(1, dtype=torch.float64)
+            _, h_pred = drafter(h[:, :s + 1], x[:, :s + 1], cache)  # the real pairs 0..s
+            h_pred = h_pred[:, -1:]
+            for d in range(depth):
+                assert (h_pred[0, 0] - states[d][0, s + d]).abs().max().item() < TOL
+                if d + 1 < depth:
+                    _, h_pred = drafter(h_pred, x[:, s + d + 1:s + d + 2], cache)
+
+
+def test_depth_one_loss_is_teacher_forcing_and_deeper_passes_count_their_chains(target, buffers):
+    """depth=1 (a cold start's training) is the teacher-forced loss alone; a deeper loss adds one
+    pass per depth, and pass d counts the positions whose chain starts inside the mask."""
     train_buf, _, _ = buffers
     drafter = make_drafter(target, seed=0)
-    batch = train_buf.sample(8, random.Random(0))
+    h_in, x_next, h_tgt, mask = train_buf.sample(8, random.Random(0))
+    masks = chain_masks(mask, 3)
+    assert torch.equal(masks[0], mask)
+    for d in (1, 2):
+        assert masks[d].sum() == (mask[:, d:] & mask[:, :-d]).sum() and not masks[d][:, :d].any()
     with torch.no_grad():
-        one, two = drafter_loss(drafter, *batch, passes=1), drafter_loss(drafter, *batch)
-        h_in, x_next, h_tgt, mask = batch
-        _, h_pred = drafter(h_in, x_next)
-        fed = torch.cat([h_in[:, :1], h_pred[:, :-1]], dim=1)
-        second = drafter_loss(drafter, fed, x_next, h_tgt, mask, passes=1)
-    assert torch.allclose(two, (one + second) / 2, atol=1e-6)
-    assert not torch.allclose(one, two)
-    loss, applied = train_step(drafter, make_optimizer(drafter), train_buf, random.Random(1), batch_size=4, passes=1)
+        one = drafter_loss(drafter, h_in, x_next, h_tgt, mask, depth=1)
+        logits, h_pred = drafter(h_in, x_next)
+        p = F.softmax(F.linear(h_tgt, target.lm_head.weight), -1)
+        per = F.smooth_l1_loss(h_pred, h_tgt, reduction="none").mean(-1) - 0.1 * (p * F.log_softmax(logits, -1)).sum(-1)
+        assert torch.allclose(one, (per * mask).sum() / mask.sum(), atol=1e-6)
+        assert not torch.allclose(one, drafter_loss(drafter, h_in, x_next, h_tgt, mask, depth=3))
+    loss, applied = train_step(drafter, make_optimizer(drafter), train_buf, random.Random(1), batch_size=4, depth=1)
     assert applied and loss > 0
 
 

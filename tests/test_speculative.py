@@ -28,7 +28,7 @@ import torch
 from drafter import Drafter, DrafterBuffer, make_optimizer, train_step
 from conftest import randomize
 from model import GPT, GPTConfig
-from speculative import (RunningBatch, _mix32_, autoregressive_generate, gumbel_choose, gumbel_noise, gumbel_seeds,
+from speculative import (DecodeStats, RunningBatch, _mix32_, autoregressive_generate, gumbel_choose, gumbel_noise, gumbel_seeds,
                          probs, draw, speculative_generate, verify, verify_gumbel)
 
 
@@ -155,9 +155,30 @@ def test_greedy_speculative_equals_autoregressive(greedy_setup, B, k):
     assert stats["sd_tokens"] <= sum((a + 1) * c for a, c in hist.items())  # truncation only removes
     if B > 1:
         assert len(hist) > 1, f"drafts were all accepted or all rejected: {hist}"
+    # by position: every row-step decides its first draft; each kept token past it is an accepted draft
+    # or the one target token of a step whose drafts were all decided
+    drafted, accepted = stats["drafted_at"], stats["accepted_at"]
+    assert len(drafted) == k and drafted[0] == stats["sd_row_steps"]
+    assert all(a <= d for a, d in zip(accepted, drafted)) and all(b <= a for a, b in zip(accepted, drafted[1:]))
+    assert stats["sd_tokens"] - stats["sd_row_steps"] <= sum(accepted) <= stats["sd_tokens"]
     # plain decoding: one token per row per step, no SD stats
     assert ar_stats["tokens"] == sum(len(o) for o in ar) - B
     assert ar_stats["accept_len"] is None
+
+
+def test_acceptance_by_position_counts_decided_drafts_only():
+    """DecodeStats by draft position on a hand-made step (k = 4): a draft is decided when every earlier
+    one of its row's step was accepted and the row had not ended (<|eos|> or its limit) on one."""
+    st = DecodeStats()
+    n_acc = torch.tensor([3, 0, 2, 4, 3])
+    n_emitted = torch.tensor([4, 1, 2, 5, 1])  # rows 2 and 4 end on their 2nd and 1st accepted draft
+    st.add_step(n_emitted)
+    st.add_speculative(n_emitted, n_acc, 4)
+    st.settle()  # the counts are read from the device at once
+    assert st.drafted_at == [5, 3, 2, 2] and st.accepted_at == [4, 3, 2, 1]
+    assert st.accept_by_position == [0.8, 1.0, 1.0, 0.5]
+    st.add_speculative(torch.tensor([1]), torch.tensor([0]), 6)  # a longer k grows the lists
+    assert st.as_dict()["drafted_at"] == [6, 3, 2, 2, 0, 0] and st.accept_by_position[4] is None
 
 
 def test_mixed_plain_and_speculative_steps_are_lossless(greedy_setup):

@@ -1,0 +1,125 @@
+"""Serve a finished run: its target answers prompts, drafted by the drafter the run trained on
+idle ranks. The drafter is a by-product of RL that costs nothing extra to keep, and here it is
+used as it would be for serving: speculative decoding of the final model.
+
+    python sample.py --out-dir out "a3 b7 c1:" "a9 b2:"     # answer these prompts
+    python sample.py --out-dir out                          # 16 prompts of the held-out set
+
+It loads <out-dir>/ckpt.pt (the run's last target and drafter) and the warm-up drafter from
+--warmup-dir (default --out-dir), prints each prompt's response and whether its answer is right,
+then decodes the same prompts three ways, taking turns --repeats times: plain decoding, speculative
+decoding with the run's drafter, and with the warm-up drafter. With exact-token sampling (the
+default) all three write the same tokens, which it checks, so tokens per second compare like
+with like. Bad input (a prompt that is not a problem of the task, one too long for the model, a
+missing checkpoint) gets one line starting with "error:" and exit code 2.
+
+Test: python -m pytest tests/test_sample.py
+"""
+import argparse
+import os
+import statistics
+import time
+
+import torch
+
+import task
+from common import OneLineParser, machine
+from drafter import Drafter
+from model import GPT, GPTConfig
+from speculative import SAMPLERS, autoregressive_generate, speculative_generate
+
+
+def parse_args(argv=None):
+    p = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("prompts", nargs="*", help='problems such as "a3 b7 c1:" (default: --n held-out ones)')
+    p.add_argument("--out-dir", default="out", help="the train.py run to serve (its ckpt.pt)")
+    p.add_argument("--warmup-dir", default=None, help="where its warm-up drafter is (default: --out-dir)")
+    p.add_argument("--n", type=int, default=16, help="held-out prompts to answer when none are given")
+    p.add_argument("--k", type=int, default=6, help="draft length")
+    p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (0: greedy)")
+    p.add_argument("--sampler", default="gumbel", choices=SAMPLERS, help="gumbel: the same tokens with and without "
+                   "speculation; rejection: the same distribution")
+    p.add_argument("--seed", type=int, default=0, help="the responses' keys (gumbel) or random stream (rejection)")
+    p.add_argument("--repeats", type=int, default=3, help="timed rounds; the median is reported")
+    args = p.parse_args(argv)
+    if args.n <= 0 or args.k <= 0 or args.repeats <= 0 or not args.temperature >= 0:
+        p.error("--n, --k and --repeats must be positive, --temperature non-negative")
+    args.warmup_dir = args.warmup_dir or args.out_dir
+    ckpt = os.path.join(args.out_dir, "ckpt.pt")
+    if not os.path.exists(ckpt):
+        p.error(f"no checkpoint at {ckpt}: run train.py --out-dir {args.out_dir} first")
+    args.ckpt = torch.load(ckpt, map_location="cpu", weights_only=True)
+    config = GPTConfig(**args.ckpt["meta"]["model"])
+    task_cfg = task.TaskConfig(**args.ckpt["meta"]["rl_task"])
+    args.problems = []
+    for text in args.prompts:
+        problem = task.parse_prompt(text)
+        if problem is None:
+            p.error(f"{text!r} is not a problem of this task: labelled digits then a colon, like \"a3 b7 c1:\"")
+        need = len(task.encode(text)) + task_cfg.response_len(problem.size, task_cfg.max_passes) + args.k
+        if need > config.block_size:
+            p.error(f"{text!r} is too long for the model: {problem.size} digits need {need} positions with k = {args.k}, "
+                    f"it holds {config.block_size}")
+        args.problems.append(problem)
+    if not args.problems:  # the held-out set's problems that fit
+        fits = [q for q in task.eval_set(task_cfg) if len(task.encode(q.prompt())) + task_cfg.max_response_len + args.k
+                <= config.block_size]
+        args.problems = fits[::max(1, len(fits) // args.n)][:args.n]
+    return args, config, task_cfg
+
+
+def load_drafters(args, target):
+    """The run's drafter and, when its warm-up checkpoint is there, the warm-up drafter."""
+    drafters = {"the run's drafter": args.ckpt["drafter"]}
+    path = os.path.join(args.warmup_dir, "drafter_warmup.pt")
+    if os.path.exists(path):
+        drafters["the warm-up drafter"] = torch.load(path, map_location="cpu", weights_only=True)["drafter"]
+    else:
+        print(f"(no warm-up drafter at {path}: only the run's drafter is timed)")
+    out = {}
+    for name, state in drafters.items():
+        out[name] = Drafter(target).eval()
+        out[name].load_state_dict(state)
+    return out
+
+
+def main(argv=None):
+    args, config, task_cfg = parse_args(argv)
+    torch.manual_seed(args.seed)
+    target = GPT(config).eval()
+    target.load_state_dict(args.ckpt["model"])
+    drafters = load_drafters(args, target)
+    prompts = [task.encode(q.prompt()) for q in args.problems]
+    max_new = task_cfg.response_len(max(q.size for q in args.problems), task_cfg.max_passes)
+    common = dict(temperature=args.temperature, eos_id=task.EOS_ID, sampler=args.sampler,
+                  keys=[args.seed * 100_000 + i for i in range(len(prompts))])
+    gen = lambda: torch.Generator().manual_seed(args.seed)  # noqa: E731  (rejection sampling's stream)
+    runs = {"plain decoding": lambda: autoregressive_generate(target, prompts, max_new, generator=gen(), **common)}
+    for name, d in drafters.items():
+        runs[name] = lambda d=d: speculative_generate(target, d, prompts, max_new, k=args.k, generator=gen(), **common)
+    print(f"serving {args.out_dir}/ckpt.pt (RL step {args.ckpt['step'] + 1}) on {machine(torch.device('cpu'))}")
+    times, outs = {name: [] for name in runs}, {}
+    with torch.no_grad():
+        for _ in range(args.repeats):  # the modes take turns, so a slow spell hits them alike
+            for name, fn in runs.items():
+                t0 = time.perf_counter()
+                outs[name] = fn()
+                times[name].append(time.perf_counter() - t0)
+    responses = outs["plain decoding"][0]
+    for q, r in zip(args.problems, responses):
+        text = task.decode(r)
+        print(f"{q.prompt()} {text}   [{'right' if task.reward(q.prompt(), text) else 'WRONG'}]")
+    n_tokens = sum(len(r) for r in responses)
+    base = n_tokens / statistics.median(times["plain decoding"])
+    print(f"\n{len(prompts)} prompts, {n_tokens} tokens, all at once, temperature {args.temperature}, {args.sampler}, "
+          f"median of {args.repeats}:")
+    for name, (out, st) in outs.items():
+        tok_s = sum(len(r) for r in out) / statistics.median(times[name])
+        same = sum(a == b for a, b in zip(out, responses))
+        accept = f", {st['accept_len']:.2f} tokens per verify step (k = {args.k})" if st.get("accept_len") else ""
+        print(f"  {name:20s} {tok_s:8,.0f} tokens/s  {tok_s / base:.2f}x{accept}; {same} of {len(out)} responses the same "
+              f"as plain decoding's")
+
+
+if __name__ == "__main__":
+    main()
