@@ -130,6 +130,7 @@ MIN_GAIN = 0.02  # drafts accepted per chain of SCORE_DEPTH: a smaller gain is n
 PATIENCE = 2  # scorings without progress before the learning rate drops, and then again before the end
 LR_DROP = 0.3  # the factor it drops by; after DROPS drops the warm-up ends: the plateau
 DROPS = 2
+DEEP_FROM = 0.9  # held-out top-1 from which it trains on chained passes; teacher forcing alone before, at a third of the cost
 SCORE_DEPTH = max(ARMS)  # the figures score chains as deep as the longest draft
 
 
@@ -182,7 +183,8 @@ def warmup_drafter(drafter, model, args, task_cfg, ddp, rank, world_size, device
     SCORE_DEPTH at temperature 1, from the acceptance at each draft position). The learning rate warms up
     to --drafter-lr and stays there while the figure improves; after PATIENCE scorings without
     progress (MIN_GAIN) it drops by LR_DROP, and after DROPS drops the warm-up ends at the next such
-    stall. The best-scoring
+    stall. Until its top-1 reaches DEEP_FROM it trains teacher-forced (depth 1), which is all that a
+    drafter still learning the look-up can use, then on --drafter-depth chained passes. The best-scoring
     weights are kept. So the learning rate is small when the warm-up ends and the drafter it keeps
     is the best one seen, whatever the float rounding of the machine did to the path there (a
     schedule that ends at a fixed step keeps wherever its last noisy steps left it: 83% to 100%
@@ -201,11 +203,12 @@ def train_to_plateau(drafter, buffer, held, rng, args, ddp, device):
     opt = make_optimizer(drafter, args.drafter_lr)
     t0, warm = time.time(), min(100, max(1, args.drafter_warmup_steps // 20))
     best, anchor, best_state, since, drops, step = -1.0, -1.0, None, 0, 0, 0
+    deep = args.drafter_depth == 1  # chained passes yet?
     for step in range(args.drafter_warmup_steps):
         for g in opt.param_groups:
             g["lr"] = args.drafter_lr * min(1.0, (step + 1) / warm) * LR_DROP ** drops
         loss, _ = train_step(drafter, opt, buffer, rng, batch_size=args.drafter_batch, device=device, sync_grads=ddp,
-                             depth=args.drafter_depth)
+                             depth=args.drafter_depth if deep else 1)
         if (step + 1) % EVAL_EVERY and step + 1 < args.drafter_warmup_steps:
             continue
         figures = held_out_figures(drafter, held, device)
@@ -219,7 +222,9 @@ def train_to_plateau(drafter, buffer, held, rng, args, ddp, device):
         el = time.time() - t0
         print0(f"drafter warmup {step + 1:05d} | loss {loss:.4f} | lr {opt.param_groups[0]['lr']:.1e} | {describe(figures)} "
                f"| best {best:.2f} | elapsed {el:.0f}s")
-        if since >= PATIENCE:
+        if not deep and figures[0][0] >= DEEP_FROM * figures[2][0]:  # top-1 there: now train the chains
+            deep, since = True, 0
+        if since >= PATIENCE and deep:
             since, drops = 0, drops + 1
             if drops > DROPS:
                 break
