@@ -127,7 +127,7 @@ def warmup_target(model, args, warmup_cfg, ddp, rank, world_size, device):
 HELD_OUT_SEQS = 256  # target samples the drafter warm-up scores itself on, never trains on (all ranks together)
 EVAL_EVERY = 100  # drafter steps between two scorings on them
 MIN_GAIN = 0.02  # drafts accepted per chain of SCORE_DEPTH: a smaller gain is no progress
-PATIENCE = 2  # scorings without progress before the learning rate drops, and then again before the end
+PATIENCE = 3  # scorings whose best gains less than MIN_GAIN over the best before them: a stall
 LR_DROP = 0.3  # the factor it drops by; after DROPS drops the warm-up ends: the plateau
 DROPS = 2
 DEEP_FROM = 0.9  # held-out top-1 from which it trains on chained passes; teacher forcing alone before, at a third of the cost
@@ -181,9 +181,9 @@ def warmup_drafter(drafter, model, args, task_cfg, ddp, rank, world_size, device
     The end is decided by a figure, not by where a schedule stops: every EVAL_EVERY steps the
     drafter is scored on the held-out samples (`held_out_figures`: drafts accepted per chain of
     SCORE_DEPTH at temperature 1, from the acceptance at each draft position). The learning rate warms up
-    to --drafter-lr and stays there while the figure improves; after PATIENCE scorings without
-    progress (MIN_GAIN) it drops by LR_DROP, and after DROPS drops the warm-up ends at the next such
-    stall. Until its top-1 reaches DEEP_FROM it trains teacher-forced (depth 1), which is all that a
+    to --drafter-lr and stays there while the figure improves; when the best of the last PATIENCE
+    scorings is not MIN_GAIN above the best before them it drops by LR_DROP, and after DROPS drops
+    the warm-up ends at the next such stall. Until its top-1 reaches DEEP_FROM it trains teacher-forced (depth 1), which is all that a
     drafter still learning the look-up can use, then on --drafter-depth chained passes. The best-scoring
     weights are kept. So the learning rate is small when the warm-up ends and the drafter it keeps
     is the best one seen, whatever the float rounding of the machine did to the path there (a
@@ -202,7 +202,7 @@ def train_to_plateau(drafter, buffer, held, rng, args, ddp, device):
     """warmup_drafter's training, on a buffer to train on and one to score on."""
     opt = make_optimizer(drafter, args.drafter_lr)
     t0, warm = time.time(), min(100, max(1, args.drafter_warmup_steps // 20))
-    best, anchor, best_state, since, drops, step = -1.0, -1.0, None, 0, 0, 0
+    best, best_state, scores, drops, step = -1.0, None, [], 0, 0
     deep = args.drafter_depth == 1  # chained passes yet?
     for step in range(args.drafter_warmup_steps):
         for g in opt.param_groups:
@@ -215,17 +215,16 @@ def train_to_plateau(drafter, buffer, held, rng, args, ddp, device):
         score = expected_accepted(figures[1], figures[2])
         if score > best:  # the best weights are kept, however small the gain
             best, best_state, best_figures = score, copy.deepcopy(drafter.state_dict()), figures
-        if score > anchor + MIN_GAIN:  # progress
-            anchor, since = score, 0
-        else:
-            since += 1
+        scores.append(score)
         el = time.time() - t0
         print0(f"drafter warmup {step + 1:05d} | loss {loss:.4f} | lr {opt.param_groups[0]['lr']:.1e} | {describe(figures)} "
                f"| best {best:.2f} | elapsed {el:.0f}s")
         if not deep and figures[0][0] >= DEEP_FROM * figures[2][0]:  # top-1 there: now train the chains
-            deep, since = True, 0
-        if since >= PATIENCE and deep:
-            since, drops = 0, drops + 1
+            deep, scores = True, []
+        # a stall: the last PATIENCE scorings' best is not MIN_GAIN above every one before them (a window,
+        # so that one lucky or unlucky scoring neither starts nor ends a stall)
+        if deep and len(scores) > PATIENCE and max(scores[-PATIENCE:]) < max(scores[:-PATIENCE]) + MIN_GAIN:
+            drops, scores = drops + 1, scores[-1:]
             if drops > DROPS:
                 break
     drafter.load_state_dict(best_state)
