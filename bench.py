@@ -224,11 +224,14 @@ def decode_bench(args, task_cfg, model, drafter):
     b1 = rows[0]
     k1 = b1["best_k"]
     verify = forward_time(model, k1 + 1) / t1  # a (k+1)-token pass is not free on a CPU
-    expected = acceptance[k1]["expected_accept_len"]  # from whole responses, position by position
+    # tokens per verify step that the acceptance by position predicts for these rows (args.max_new - 1
+    # tokens after the prefill's, the last step cut at the row's end)
+    expected = (args.max_new - 1) / expected_steps(acceptance[k1]["by_position"], args.max_new - 1)
     ideal = expected / (1 + k1 * c)
     predicted = expected / (verify + k1 * c)
     print(f"draft/target cost ratio c = {c:.3f}; a {k1 + 1}-token verify pass costs {verify:.2f} one-token passes")
-    print(f"batch {b1['batch']}, k = {k1}: the acceptance by position above gives {expected:.2f} tokens per verify step; "
+    print(f"batch {b1['batch']}, k = {k1}: the acceptance by position above predicts {expected:.2f} tokens per verify step "
+          f"on these {args.max_new}-token rows (measured {b1['accept_len']:.2f}); "
           f"standard formula accept_len / (1 + k c) = {ideal:.2f}x; with the measured verify cost accept_len / (verify + k c) "
           f"= {predicted:.2f}x; measured {b1['speedup']:.2f}x (the rest is sampling and bookkeeping per step): "
           f"{100 * b1['speedup'] / predicted:.0f}% of the prediction")
@@ -286,6 +289,23 @@ def sampler_price(args, model, drafter, pool, rows, k=4, n_prompts=64):
         print(f"  {name:9} accept length {v['accept_len_k4']:.3f} ({100 * v['accept_rate_k4']:.1f}% of drafts accepted), "
               f"batch 1: {v['speedup_b1']:.2f}x at k = {v['best_k_b1']}")
     return out
+
+
+def expected_steps(rates, n):
+    """Expected verify steps to emit n tokens when the draft at position i + 1 is accepted with
+    probability rates[i] given the earlier ones were (k = len(rates)): a step emits j tokens, its
+    j - 1 accepted drafts and the target's one, or fewer where the row ends."""
+    k = len(rates)
+    emit = []  # P(a step emits j tokens), j = 1 .. k + 1
+    reach = 1.0
+    for r in rates:
+        emit.append(reach * (1 - (r or 0.0)))
+        reach *= r or 0.0
+    emit.append(reach)
+    steps = [0.0] * (n + 1)
+    for m in range(1, n + 1):
+        steps[m] = 1 + sum(p * steps[max(m - j, 0)] for j, p in enumerate(emit, start=1))
+    return steps[n]
 
 
 @torch.no_grad()

@@ -26,8 +26,8 @@ once (`chained_states`, EAGLE-3's idea): pass d reads its own pass d - 1 predict
 through a mask, to exactly what the drafter's cache holds when it drafts there (the real pairs up
 to the chain's start, then the chain's own entries); each pass adds its loss. Measured here
 (RESULTS.md): one self-fed pass with plain causal attention, the previous recipe, left a drafter
-whose fifth draft failed 40% of the time on one machine; the chained passes make the acceptance
-of every draft position about the same. A cold start (train.py --drafter-warmup-steps 0) trains
+whose fifth draft failed 40% of the time on one machine; three chained passes make the acceptance
+of all eight draft positions about the same, and deeper ones cost more without doing better. A cold start (train.py --drafter-warmup-steps 0) trains
 teacher-forced alone (depth 1): idle time is all it has, and a step at a fraction of the cost
 gives it more steps, which it needs more.
 

@@ -4,6 +4,10 @@ the drafter on the target's own samples. RL starts from both.
     target:  reference traces (task.reference_response: re-check passes, noisy steps) -> next-token loss
     drafter: the warmed-up target's samples of RL prompts, hidden states kept -> drafter.train_step
 
+The drafter's warm-up ends at its plateau on held-out samples, not at a step count (see
+`warmup_drafter`): a newcomer's drafter, and so the speedup, must not depend on where a noisy
+schedule happened to stop on their machine.
+
 Each is saved in --warmup-dir (target_warmup.pt, drafter_warmup.pt) with the settings it depends on
 (its "meta") and reused by any later run whose settings match, so that runs which differ only in
 their RL settings (the --tlt off / on comparison, other RL seeds) start from the same models.
@@ -180,16 +184,17 @@ def warmup_drafter(drafter, model, args, task_cfg, ddp, rank, world_size, device
 
     The end is decided by a figure, not by where a schedule stops: every EVAL_EVERY steps the
     drafter is scored on the held-out samples (`held_out_figures`: drafts accepted per chain of
-    SCORE_DEPTH at temperature 1, from the acceptance at each draft position). The learning rate warms up
-    to --drafter-lr and stays there while the figure improves; when the best of the last PATIENCE
-    scorings is not MIN_GAIN above the best before them it drops by LR_DROP, and after DROPS drops
-    the warm-up ends at the next such stall. Until its top-1 reaches DEEP_FROM it trains teacher-forced (depth 1), which is all that a
-    drafter still learning the look-up can use, then on --drafter-depth chained passes. The best-scoring
-    weights are kept. So the learning rate is small when the warm-up ends and the drafter it keeps
-    is the best one seen, whatever the float rounding of the machine did to the path there (a
-    schedule that ends at a fixed step keeps wherever its last noisy steps left it: 83% to 100%
-    top-1 between runs of one code). --drafter-warmup-steps caps it; a drafter stopped by the cap
-    is reported as short of its plateau."""
+    SCORE_DEPTH at temperature 1, from the acceptance at each draft position). The learning rate
+    warms up to --drafter-lr and stays there while the figure improves; when the best of the last
+    PATIENCE scorings is not MIN_GAIN above the best before them it drops by LR_DROP, and after
+    DROPS drops the warm-up ends at the next such stall. Until its top-1 reaches DEEP_FROM it trains
+    teacher-forced (depth 1), which is all a drafter still learning the look-up can use, then on
+    --drafter-depth chained passes. The best-scoring weights are kept. So the learning rate is small
+    when the warm-up ends and the drafter it keeps is the best one seen, whatever the float rounding
+    of the machine did to the path there (a schedule that ends at a fixed step keeps wherever its
+    last noisy steps left it: 83% to 100% top-1 between runs of one code, RESULTS.md has the
+    spread of this one). --drafter-warmup-steps caps it; a drafter stopped by the cap is reported
+    as short of its plateau."""
     t0 = time.time()
     buffer, held, rng = sample_drafter_data(model, args, task_cfg, rank, world_size, device)
     wait_for_all()
@@ -199,7 +204,8 @@ def warmup_drafter(drafter, model, args, task_cfg, ddp, rank, world_size, device
 
 
 def train_to_plateau(drafter, buffer, held, rng, args, ddp, device):
-    """warmup_drafter's training, on a buffer to train on and one to score on."""
+    """warmup_drafter's training, on a buffer to train on and one to score on. Returns how it ended:
+    {"steps", "plateau" (False: stopped by the cap), "figures" (the kept drafter's, as a list)}."""
     opt = make_optimizer(drafter, args.drafter_lr)
     t0, warm = time.time(), min(100, max(1, args.drafter_warmup_steps // 20))
     best, best_state, scores, drops, step = -1.0, None, [], 0, 0

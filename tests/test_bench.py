@@ -73,3 +73,12 @@ def test_bad_flags_exit_with_usage_error(bad, capsys):
         bench.parse_args(bad)
     assert e.value.code == 2
     assert "error:" in capsys.readouterr().err
+
+
+def test_expected_steps_counts_verify_steps_to_emit_a_row():
+    """The prediction's step count: drafts always accepted emit k + 1 tokens a step (the last step cut
+    at the row's end), never accepted one; in between, the expectation over the emitted counts."""
+    assert bench.expected_steps([1.0] * 8, 43) == 5.0  # 9 + 9 + 9 + 9 + 7
+    assert bench.expected_steps([0.0] * 4, 10) == 10.0
+    # k = 1 at acceptance 1/2: a step emits 1 or 2 tokens alike; 2 tokens take 1 + 1/2 steps
+    assert bench.expected_steps([0.5], 2) == pytest.approx(1.5)

@@ -554,3 +554,29 @@ def test_sibling_drafter_takes_the_longest_match_then_the_closest_from_siblings_
     # row 4 has no sibling: text 3 (another group's) would match "7 7 3", but is never read
     assert drafts[2].tolist() == [3, 3, 3] and length[2] == 0
     assert SiblingDrafter(max_match=3).propose(batch, 3)[1] is None  # deterministic proposals: a one-hot q
+
+
+def test_warmup_ends_at_its_third_stall_and_keeps_its_best(target, buffers, monkeypatch, capsys):
+    """warmup.train_to_plateau: with a gain no scoring can make (MIN_GAIN huge) and chained passes
+    from the first scoring on, every 3 scorings are a stall: the rate drops at scorings 5 and 8 and
+    the warm-up ends at 11, reached its plateau; the drafter it leaves is its best-scoring one, not
+    its last; a cap before that ends it short, and says so."""
+    import train
+    import warmup
+    train_buf, held_out, _ = buffers
+    monkeypatch.setattr(warmup, "EVAL_EVERY", 10)
+    monkeypatch.setattr(warmup, "MIN_GAIN", 100.0)
+    monkeypatch.setattr(warmup, "DEEP_FROM", 0.0)
+    args = train.parse_args(["--drafter-warmup-steps", "1000", "--drafter-batch", "4", "--drafter-lr", "0.3"])
+    drafter = make_drafter(target, seed=3)
+    info = warmup.train_to_plateau(drafter, train_buf, held_out, random.Random(0), args, False, "cpu")
+    assert info["steps"] == 110 and info["plateau"]
+    lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("drafter warmup 0")]
+    scores = [float(ln.split(" of 8 accepted")[0].split()[-1]) for ln in lines]
+    assert len(scores) == 11 and [ln.split("| lr ")[1][:7] for ln in lines][-1] == f"{0.3 * 0.09:.1e}"
+    kept = warmup.held_out_figures(drafter, held_out, "cpu")
+    assert torch.allclose(kept, torch.tensor(info["figures"], dtype=torch.float64))
+    assert warmup.expected_accepted(kept[1], kept[2]) == pytest.approx(max(scores), abs=0.006)  # printed to 2 places
+    args = train.parse_args(["--drafter-warmup-steps", "30", "--drafter-batch", "4"])
+    info = warmup.train_to_plateau(make_drafter(target, seed=3), train_buf, held_out, random.Random(0), args, False, "cpu")
+    assert info["steps"] == 30 and not info["plateau"] and "SHORT of its plateau" in capsys.readouterr().out
