@@ -128,8 +128,18 @@ class DrafterBuffer:
     def add_rows(self, step, samples):
         """A rollout's samples (speculative.Sample), staged without a copy: they are stored (`add`:
         to the host, in the buffer's dtype) on the buffer's next use, which is on idle time, so the
-        rank that finishes its rollout last never pays for it before its update."""
+        rank that finishes its rollout last never pays for it before its update. The bounds hold
+        here already: a process that never has idle time (one process, a rank always last) would
+        otherwise stage every step of the run. Steps past the window go, and the oldest staged steps
+        while what is staged exceeds keep_tokens (the newest step always stays)."""
         self.staged.append((step, samples))
+        self.staged = [st for st in self.staged if st[0] > step - self.keep_steps]
+        self.items = [it for it in self.items if it[0] > step - self.keep_steps]
+        if self.keep_tokens is not None:
+            sizes = [sum(s.tokens.shape[0] for s in rows) for _, rows in self.staged]
+            while len(self.staged) > 1 and sum(sizes) > self.keep_tokens:
+                self.staged.pop(0)
+                sizes.pop(0)
 
     def _store_staged(self):
         staged, self.staged = self.staged, []

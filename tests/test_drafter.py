@@ -332,6 +332,23 @@ def test_buffer_keeps_only_the_last_steps():
         assert {s for s, *_ in one.items} == {step}
 
 
+def test_staged_rows_are_bounded_without_idle_time():
+    """A process that never has idle time (one process, the rank always last) stages a step's rows
+    and never stores them: over 50 steps what it holds, staged and stored, stays within
+    keep_tokens plus one step's rows and within the last keep_steps steps."""
+    from speculative import Sample
+    buf = DrafterBuffer(keep_steps=3, keep_tokens=300)
+    buf.add(0, *_item(40, 0), prompt_len=2)  # something stored before the rank lost its idle time
+    for step in range(1, 51):
+        rows = [Sample([], *_item(30 + 5 * (i + step % 3), step), 2) for i in range(4)]  # 130 to 180 tokens a step
+        buf.add_rows(step, rows)
+        staged = sum(s.tokens.shape[0] for _, rows in buf.staged for s in rows)
+        stored = sum(t.shape[0] for _, t, _, _ in buf.items)
+        assert staged + stored <= 300 + sum(s.tokens.shape[0] for s in rows), step
+        assert all(st > step - 3 for st, _ in buf.staged) and all(it[0] > step - 3 for it in buf.items)
+    assert buf.staged[-1][0] == 50 and len(buf) > 0  # the newest step stays, and is stored on first use
+
+
 def test_buffer_add_rejects_mismatched_lengths():
     buf = DrafterBuffer()
     buf.add(0, *_item(6, 0), prompt_len=2)
