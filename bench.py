@@ -224,8 +224,7 @@ def decode_bench(args, task_cfg, model, drafter):
     b1 = rows[0]
     k1 = b1["best_k"]
     verify = forward_time(model, k1 + 1) / t1  # a (k+1)-token pass is not free on a CPU
-    # tokens per verify step that the acceptance by position predicts for these rows (args.max_new - 1
-    # tokens after the prefill's, the last step cut at the row's end)
+    # tokens per verify step the acceptance by position predicts for rows of max_new - 1 tokens after the prefill's
     expected = (args.max_new - 1) / expected_steps(acceptance[k1]["by_position"], args.max_new - 1)
     ideal = expected / (1 + k1 * c)
     predicted = expected / (verify + k1 * c)
@@ -238,8 +237,8 @@ def decode_bench(args, task_cfg, model, drafter):
     syncs = count_syncs(model, drafter, k=k1, sampler=args.sampler)
     tail = tail_workload(args, task_cfg, model, drafter)
     sibling_rows = sibling_table(args, task_cfg, model, pool, rows)
-    return {"decode": rows, "acceptance": {str(k): v for k, v in acceptance.items()}, "sibling_decode": sibling_rows, "cost_ratio": c, "verify_cost_ratio": verify, "formula_speedup_b1": ideal,
-            "predicted_speedup_b1": predicted, "temperature": 1.0, "sampler": args.sampler, "crossover": crossover,
+    return {"decode": rows, "acceptance": {str(k): v for k, v in acceptance.items()}, "sibling_decode": sibling_rows,
+            "cost_ratio": c, "verify_cost_ratio": verify, "formula_speedup_b1": ideal, "predicted_speedup_b1": predicted, "temperature": 1.0, "sampler": args.sampler, "crossover": crossover,
             "samplers": price, "max_new": args.max_new, "rollout": tail, "syncs_per_step": syncs}
 
 
@@ -295,9 +294,7 @@ def expected_steps(rates, n):
     """Expected verify steps to emit n tokens when the draft at position i + 1 is accepted with
     probability rates[i] given the earlier ones were (k = len(rates)): a step emits j tokens, its
     j - 1 accepted drafts and the target's one, or fewer where the row ends."""
-    k = len(rates)
-    emit = []  # P(a step emits j tokens), j = 1 .. k + 1
-    reach = 1.0
+    emit, reach = [], 1.0  # P(a step emits j tokens), j = 1 .. k + 1
     for r in rates:
         emit.append(reach * (1 - (r or 0.0)))
         reach *= r or 0.0
@@ -311,11 +308,9 @@ def expected_steps(rates, n):
 @torch.no_grad()
 def acceptance_table(args, task_cfg, model, drafter, n_prompts=256):
     """The share of drafts accepted at each draft position 1..k (given that the earlier ones were),
-    for every k of args.ks, on whole responses: n_prompts fresh prompts of the RL mix, decoded at
-    temperature 1 until <|eos|>, all at once. Rows end where they end, so no k is favoured by
-    where a step of the trace falls (the speed table's rows, cut at --max-new tokens, are one
-    length). -> {k: {"by_position", "drafted_at", "accept_len", "expected_accept_len"}}, the last
-    1 + sum over d <= k of the product of the rates at positions 1..d."""
+    for every k of args.ks, on n_prompts fresh prompts of the RL mix decoded at temperature 1 to
+    <|eos|>: rows end where they end, so no k is favoured by where a step of the trace falls (the
+    speed table's rows are all --max-new tokens long). -> {k: {"by_position", "drafted_at", "accept_len"}}."""
     rng = random.Random(2468)
     prompts = [task.encode(task.sample_problem(rng, task_cfg).prompt()) for _ in range(n_prompts)]
     out = {}
@@ -324,12 +319,7 @@ def acceptance_table(args, task_cfg, model, drafter, n_prompts=256):
     for k in args.ks:
         _, st = speculative_generate(model, drafter, prompts, task_cfg.max_response_len, k=k, eos_id=task.EOS_ID,
                                      sampler=args.sampler, keys=[777_000 + i for i in range(n_prompts)])
-        expected, run = 1.0, 1.0
-        for r in st["accept_by_position"]:
-            run *= r or 0.0
-            expected += run
-        out[k] = {"by_position": st["accept_by_position"], "drafted_at": st["drafted_at"], "accept_len": st["accept_len"],
-                  "expected_accept_len": expected}
+        out[k] = {"by_position": st["accept_by_position"], "drafted_at": st["drafted_at"], "accept_len": st["accept_len"]}
         cells = " ".join(f"{100 * (r or 0):5.1f} ({d})" for r, d in zip(st["accept_by_position"], st["drafted_at"]))
         print(f"  k = {k}: {st['accept_len']:.2f} tokens per verify step | {cells}", flush=True)
     return out

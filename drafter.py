@@ -27,9 +27,9 @@ through a mask, to exactly what the drafter's cache holds when it drafts there (
 to the chain's start, then the chain's own entries); each pass adds its loss. Measured here
 (RESULTS.md): one self-fed pass with plain causal attention, the previous recipe, left a drafter
 whose fifth draft failed 40% of the time on one machine; three chained passes make the acceptance
-of all eight draft positions about the same, and deeper ones cost more without doing better. A cold start (train.py --drafter-warmup-steps 0) trains
-teacher-forced alone (depth 1): idle time is all it has, and a step at a fraction of the cost
-gives it more steps, which it needs more.
+of all eight draft positions about the same, and deeper ones cost more without doing better. A
+cold start (train.py --drafter-warmup-steps 0) trains teacher-forced alone (depth 1): idle time is
+all it has, and a step at a fraction of the cost gives it more steps, which it needs more.
 
 The buffer keeps (tokens, hidden states, prompt length) per sequence, tagged with the RL step it
 came from, for the last `keep_steps` steps and at most `keep_tokens` tokens (the oldest go first),
@@ -261,7 +261,7 @@ def drafter_loss(drafter, h_in, x_next, h_tgt, mask, n_positions=None, depth=DEP
 
 
 @torch.no_grad()
-def chain_figures(drafter, h_in, x_next, h_tgt, mask, depth=8):
+def chain_figures(drafter, h_in, x_next, h_tgt, mask, depth):
     """What the drafter's chains would get, per draft position d = 1..depth, on sequences the target
     sampled: (top-1 agreements, summed acceptance, positions), each (depth,), to be summed over
     ranks and batches. Top-1: the drafter's argmax equals the target's. Acceptance: sum_x min(p, q),
@@ -280,13 +280,13 @@ def chain_figures(drafter, h_in, x_next, h_tgt, mask, depth=8):
     return torch.stack(agree).double(), torch.stack(accept).double(), torch.stack(n).double()
 
 
-def expected_accepted(accept, n):
-    """Drafts accepted per chain of len(accept) drafts, from per-position acceptance sums and counts:
-    sum over d of the product of the rates at positions 1..d."""
-    rates = (accept / n.clamp(min=1)).tolist()
+def expected_accepted(rates):
+    """Drafts accepted per chain of len(rates) drafts, from the acceptance at each draft position
+    given the earlier ones (None: never decided, counted as 0): sum over d of the product of the
+    rates at positions 1..d."""
     total, run = 0.0, 1.0
     for r in rates:
-        run *= r
+        run *= r or 0.0
         total += run
     return total
 
@@ -312,10 +312,8 @@ def train_step(drafter, optimizer, buffer, rng, batch_size=DRAFTER_BATCH, device
         flat = torch.cat([p.grad.flatten().double() for p in params] + [n_local.view(1)])
         dist.all_reduce(flat)
         grads = flat[:-1] / flat[-1].clamp(min=1.0)
-        for p in params:
-            n = p.numel()
-            p.grad.copy_(grads[:n].view_as(p))
-            grads = grads[n:]
+        for p, g in zip(params, grads.split([p.numel() for p in params])):
+            p.grad.copy_(g.view_as(p))
     grad_norm = torch.nn.utils.clip_grad_norm_(drafter.parameters(), 1.0)
     applied = bool(torch.isfinite(grad_norm))  # sync: one flag per step
     if applied:

@@ -143,17 +143,17 @@ class Attention(nn.Module):
         self.qkv = nn.Linear(config.n_embd, 3 * config.n_embd, bias=False)
         self.proj = nn.Linear(config.n_embd, config.n_embd, bias=False)
 
-    def forward(self, x, rot, kv=None, where=None, mask=None):
+    def forward(self, x, rot, kv=None, where=None, mask=None, past=None):
         B, T, C = x.shape
         qkv = self.qkv(x).view(B, T, 3, self.n_head, C // self.n_head).permute(2, 0, 3, 1, 4)  # (3, B, H, T, hd)
         # rot turns queries and keys and multiplies values by 1: one multiply, and keys and values
         # come out side by side, as the cache holds them
         qkv = apply_rope(qkv, rot)  # (3, B, H, T, hd)
         q, k, v = qkv
-        if isinstance(kv, list):  # the drafter's chained passes: the keys and values of every pass so far
-            kv.append(qkv[1:])
-            past = torch.cat(kv, dim=3)  # (2, B, H, passes * T, hd); mask (T, passes * T) bool, True: attend
-            y = F.scaled_dot_product_attention(q, past[0], past[1], attn_mask=mask)
+        if past is not None:  # the drafter's chained passes: the keys and values of every pass so far
+            past.append(qkv[1:])
+            keys = torch.cat(past, dim=3)  # (2, B, H, passes * T, hd); mask (T, passes * T) bool, True: attend
+            y = F.scaled_dot_product_attention(q, keys[0], keys[1], attn_mask=mask)
         elif kv is None:  # plain causal pass, positions 0..T-1
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         else:  # kv: this layer's (2, B, H, max_len, hd) slice of the cache; where = (rows, positions)
@@ -173,8 +173,8 @@ class Block(nn.Module):
         self.fc = nn.Linear(config.n_embd, 4 * config.n_embd, bias=False)
         self.out = nn.Linear(4 * config.n_embd, config.n_embd, bias=False)
 
-    def forward(self, x, rot, kv=None, where=None, mask=None):
-        x = x + self.attn(self.norm1(x), rot, kv, where, mask)
+    def forward(self, x, rot, kv=None, where=None, mask=None, past=None):
+        x = x + self.attn(self.norm1(x), rot, kv, where, mask, past)
         return x + self.out(F.gelu(self.fc(self.norm2(x)), approximate="tanh"))
 
 
@@ -233,10 +233,9 @@ class RotaryStack(nn.Module):
         if chain is not None:
             chained, mask = chain
         for i, block in enumerate(self.blocks):
-            # block i's slice of the cache (taken here: a slice taken before the writes of block i - 1
-            # breaks autograd's view tracking), or its list of the chained passes' keys and values
-            kv = chained[i] if chain is not None else None if cache is None else cache.kv[i]
-            x = block(x, rot, kv, where, mask)
+            # block i's slice of the cache, taken here (one taken before block i - 1 writes breaks
+            # autograd's view tracking); with a chain, block i's list of the passes' keys and values
+            x = block(x, rot, None if cache is None else cache.kv[i], where, mask, None if chain is None else chained[i])
         if cache is not None:
             cache.lengths = cache.lengths + T
         return x

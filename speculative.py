@@ -486,13 +486,9 @@ class RunningBatch:
 class DecodeStats:
     """What a generate call or a rollout measured, summed over its steps. The counts the device holds
     (tokens emitted, drafts accepted) stay there until `settle()` reads them all at once (as_dict,
-    accept_len and accept_rate call it), so counting costs no sync per step.
-
-    Acceptance by draft position, as EAGLE-style papers report it: drafted_at[i] counts the drafts
-    at position i + 1 that were decided (every earlier draft of the row's step accepted) and
-    accepted_at[i] those accepted, so accepted_at[i] / drafted_at[i] is the chance that draft i + 1
-    is accepted given that the ones before it were. A draft past a row's <|eos|> or its length limit
-    is not decided: the row ended before it."""
+    accept_len and accept_rate call it), so counting costs no sync per step. By draft position, as
+    EAGLE-style papers report it: accepted_at[i] / drafted_at[i] is the chance that draft i + 1 is
+    accepted given that the ones before it were (`_count_positions` says which drafts count)."""
     steps: int = 0          # decoding steps (plain or speculative)
     tokens: int = 0         # tokens emitted, all rows
     sd_row_steps: int = 0   # (row, speculative step) pairs
@@ -504,49 +500,51 @@ class DecodeStats:
     accepted_at: list = field(default_factory=list)  # per draft position: drafts accepted there
 
     def __post_init__(self):
-        self._pending = []  # (field name, (B,) device tensor, k) not yet read
+        self._pending = []  # (n_emitted (B,), n_acc (B,) or None for a step's token count alone, k) not yet read
 
     def add_step(self, n_emitted):
         self.steps += 1
-        self._pending.append(("tokens", n_emitted, 0))
+        self._pending.append((n_emitted, None, 0))
 
     def add_speculative(self, n_emitted, n_acc, k):
         self.sd_row_steps += n_emitted.numel()
         self.drafted += k * n_acc.numel()
-        # the row keeps n_emitted tokens: its accepted drafts, then the target's token; where it ended
-        # (<|eos|> or its length limit) on an accepted draft, n_emitted <= n_acc and the rest were never decided
-        used, ended = torch.minimum(n_acc, n_emitted), n_emitted <= n_acc
-        self._pending += [("sd_tokens", n_emitted, k), ("accepted", n_acc, k), ("positions", 2 * used + ended, k)]
+        self._pending.append((n_emitted, n_acc, k))
 
     def settle(self):
         """Read the pending device counts into the fields; returns self."""
-        if self._pending:
-            values = torch.cat([t for _, t, _ in self._pending]).tolist()  # sync: every step's counts in one read
-            i = 0
-            for name, t, k in self._pending:
-                chunk, i = values[i:i + t.numel()], i + t.numel()
-                if name == "positions":
-                    self._count_positions(chunk, k)
-                    continue
-                setattr(self, name, getattr(self, name) + sum(chunk))
-                if name == "accepted":
-                    for a in chunk:
-                        self.accept_hist[a] = self.accept_hist.get(a, 0) + 1
-            self._pending = []
+        if not self._pending:
+            return self
+        values = torch.cat([t for e, a, _ in self._pending for t in (e, a) if t is not None]).tolist()  # sync: one read
+        i = 0
+        for emitted, acc, k in self._pending:
+            n_emitted, i = values[i:i + emitted.numel()], i + emitted.numel()
+            if acc is None:
+                self.tokens += sum(n_emitted)
+                continue
+            n_acc, i = values[i:i + acc.numel()], i + acc.numel()
+            self.sd_tokens += sum(n_emitted)
+            self.accepted += sum(n_acc)
+            for a in n_acc:
+                self.accept_hist[a] = self.accept_hist.get(a, 0) + 1
+            self._count_positions(n_emitted, n_acc, k)
+        self._pending = []
         return self
 
-    def _count_positions(self, codes, k):
-        """codes: 2 x (accepted drafts kept) + (1 if the row ended inside the draft) per row of a step."""
+    def _count_positions(self, n_emitted, n_acc, k):
+        """A speculative step's drafts by position. A row keeps n_emitted tokens, its accepted drafts
+        then the target's token; where it ended (<|eos|> or its length limit) on an accepted draft,
+        n_emitted <= n_acc and the drafts after it were never decided."""
         grow = k - len(self.drafted_at)
         if grow > 0:
             self.drafted_at += [0] * grow
             self.accepted_at += [0] * grow
-        for code in codes:
-            used, ended = divmod(code, 2)
+        for emitted, acc in zip(n_emitted, n_acc):
+            used = min(acc, emitted)
             for i in range(used):
                 self.drafted_at[i] += 1
                 self.accepted_at[i] += 1
-            if not ended and used < k:  # the first rejected draft was decided too
+            if emitted > acc and used < k:  # the row went on: the first rejected draft was decided too
                 self.drafted_at[used] += 1
 
     @property

@@ -41,7 +41,8 @@ import task
 from drafter import Drafter, DrafterBuffer, chain_figures, expected_accepted, make_optimizer, pairs, train_step
 from model import GPT, GPTConfig
 from rollout import ARMS, rollout
-from common import Seed, beat, multi_rank, beating, derive_seed, group_by_length, load_on_rank0, print0, save_on_rank0, wait_for_all
+from common import (Seed, beat, beating, derive_seed, group_by_length, load_on_rank0, multi_rank, print0, save_on_rank0,
+                    wait_for_all)
 
 
 # -----------------------------------------------------------------------------
@@ -175,7 +176,8 @@ def describe(figures):
     agree, accept, n = figures
     rates = accept / n.clamp(min=1)
     return (f"top-1 {agree[0] / n[0].clamp(min=1):.3f} | acceptance by draft position "
-            + " ".join(f"{r:.3f}" for r in rates.tolist()) + f" | {expected_accepted(accept, n):.2f} of {SCORE_DEPTH} accepted")
+            + " ".join(f"{r:.3f}" for r in rates.tolist())
+            + f" | {expected_accepted(rates.tolist()):.2f} of {SCORE_DEPTH} accepted")
 
 
 def warmup_drafter(drafter, model, args, task_cfg, ddp, rank, world_size, device):
@@ -218,7 +220,7 @@ def train_to_plateau(drafter, buffer, held, rng, args, ddp, device):
         if (step + 1) % EVAL_EVERY and step + 1 < args.drafter_warmup_steps:
             continue
         figures = held_out_figures(drafter, held, device)
-        score = expected_accepted(figures[1], figures[2])
+        score = expected_accepted((figures[1] / figures[2].clamp(min=1)).tolist())
         if score > best:  # the best weights are kept, however small the gain
             best, best_state, best_figures = score, copy.deepcopy(drafter.state_dict()), figures
         scores.append(score)

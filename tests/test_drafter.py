@@ -593,7 +593,7 @@ def test_warmup_ends_at_its_third_stall_and_keeps_its_best(target, buffers, monk
     assert len(scores) == 11 and [ln.split("| lr ")[1][:7] for ln in lines][-1] == f"{0.3 * 0.09:.1e}"
     kept = warmup.held_out_figures(drafter, held_out, "cpu")
     assert torch.allclose(kept, torch.tensor(info["figures"], dtype=torch.float64))
-    assert warmup.expected_accepted(kept[1], kept[2]) == pytest.approx(max(scores), abs=0.006)  # printed to 2 places
+    assert warmup.expected_accepted((kept[1] / kept[2]).tolist()) == pytest.approx(max(scores), abs=0.006)  # printed to 2 places
     args = train.parse_args(["--drafter-warmup-steps", "30", "--drafter-batch", "4"])
     info = warmup.train_to_plateau(make_drafter(target, seed=3), train_buf, held_out, random.Random(0), args, False, "cpu")
     assert info["steps"] == 30 and not info["plateau"] and "SHORT of its plateau" in capsys.readouterr().out
