@@ -42,13 +42,17 @@ last of its group, then siblings).
 
 Test: python -m pytest tests/test_drafter.py
 """
+import bisect
 import hashlib
+import math
+from collections import OrderedDict, deque
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+from common import group_by_length
 from model import KVCache, RotaryStack
 
 HIDDEN_WEIGHT = 1.0
@@ -104,72 +108,103 @@ class DrafterBuffer:
     """Sequences (token ids, target hidden states) from the last `keep_steps` RL steps, and at most
     `keep_tokens` tokens in all (None: no bound): past it the oldest sequences go first, so memory
     stays bounded however long the responses get (a whole RL step of long ones may not fit).
-    Hidden states are kept in `dtype` (bfloat16 in a bf16 run: half the memory) and batches are
-    made in float32 (`pairs`)."""
+
+    A rollout's rows arrive on the critical path and are only staged there (`add_rows`: a reference
+    to the Sample, its hidden states still on the device, no copy); idle turns store them in pieces
+    (`store_staged`: to the host, in the buffer's `dtype`, bfloat16 in a bf16 run) and train on the
+    stored ones. Both bounds hold over staged and stored rows together, applied the moment rows are
+    given: a process that never has idle time (one process, a rank always last) holds at most
+    keep_tokens tokens all the same. Every operation costs what it touches, never the whole buffer:
+    token counts are running sums, and the stored sequences are kept in length order as they arrive
+    (`sample` draws similar lengths without sorting). Batches are made in float32 (`pairs`)."""
 
     def __init__(self, keep_steps=32, keep_tokens=None, dtype=torch.float32):
         self.keep_steps, self.keep_tokens, self.dtype = keep_steps, keep_tokens, dtype
-        self.items = []  # (step, tokens (N,) long, hidden (N-1, C) in self.dtype, prompt_len), oldest first
-        self.staged = []  # (step, samples) given to add_rows, stored on the buffer's next use
+        self.stored = OrderedDict()  # serial -> (step, tokens (N,) long, hidden (N-1, C) in dtype, prompt_len), oldest first
+        self.by_len = []  # sorted (N, serial) of the stored sequences
+        self.staged = deque()  # (step, Sample) given by add_rows and not yet stored, oldest first
+        self.stored_tokens = self.staged_tokens = 0
+        self.newest, self.serial = -math.inf, 0
+
+    @property
+    def items(self):
+        """The stored sequences, oldest first (for inspection: a copy of the list)."""
+        return list(self.stored.values())
+
+    def held_tokens(self):
+        return self.stored_tokens + self.staged_tokens
 
     def add(self, step, tokens, hidden, prompt_len):
-        # hidden[j] is the target's state after reading tokens[j]; the last token is never read
+        """Store one sequence now. hidden[j] is the target's state after reading tokens[j]; the
+        last token is never read."""
         if hidden.shape[0] != tokens.shape[0] - 1:
             raise ValueError(f"need one hidden state per token but the last: {tokens.shape[0]} tokens, {hidden.shape[0]} states")
-        self.items.append((step, tokens.cpu(), hidden.detach().to(self.dtype).cpu(), int(prompt_len)))
-        newest = max(s for s, *_ in self.items)
-        self.items = [it for it in self.items if it[0] > newest - self.keep_steps]
-        if self.keep_tokens is not None:
-            n, first = self.num_tokens(), 0
-            while n > self.keep_tokens:  # drop the oldest sequences until the rest fit
-                n, first = n - self.items[first][1].shape[0], first + 1
-            del self.items[:first]
+        n = tokens.shape[0]
+        self.stored[self.serial] = (step, tokens.cpu(), hidden.detach().to(self.dtype).cpu(), int(prompt_len))
+        bisect.insort(self.by_len, (n, self.serial))
+        self.serial += 1
+        self.stored_tokens += n
+        self._bound(step)
 
     def add_rows(self, step, samples):
-        """A rollout's samples (speculative.Sample), staged without a copy: they are stored (`add`:
-        to the host, in the buffer's dtype) on the buffer's next use, which is on idle time, so the
-        rank that finishes its rollout last never pays for it before its update. The bounds hold
-        here already: a process that never has idle time (one process, a rank always last) would
-        otherwise stage every step of the run. Steps past the window go, and the oldest staged steps
-        while what is staged exceeds keep_tokens (the newest step always stays)."""
-        self.staged.append((step, samples))
-        self.staged = [st for st in self.staged if st[0] > step - self.keep_steps]
-        self.items = [it for it in self.items if it[0] > step - self.keep_steps]
-        if self.keep_tokens is not None:
-            sizes = [sum(s.tokens.shape[0] for s in rows) for _, rows in self.staged]
-            while len(self.staged) > 1 and sum(sizes) > self.keep_tokens:
-                self.staged.pop(0)
-                sizes.pop(0)
+        """A rollout's samples (speculative.Sample), staged without a copy, the bounds applied at once."""
+        for s in samples:
+            self.staged.append((step, s))
+            self.staged_tokens += s.tokens.shape[0]
+        self._bound(step)
 
-    def _store_staged(self):
-        staged, self.staged = self.staged, []
-        for step, samples in staged:
-            for s in samples:
-                self.add(step, s.tokens, s.hidden, s.prompt_len)
+    def store_staged(self, max_tokens=None):
+        """Store staged rows, oldest first, about max_tokens tokens of them (at least one row):
+        one idle turn's piece. Returns the tokens stored."""
+        done = 0
+        while self.staged and (done == 0 or max_tokens is None or done + self.staged[0][1].tokens.shape[0] <= max_tokens):
+            step, s = self.staged.popleft()
+            self.staged_tokens -= s.tokens.shape[0]
+            done += s.tokens.shape[0]
+            self.add(step, s.tokens, s.hidden, s.prompt_len)
+        return done
+
+    def _bound(self, step):
+        """Drop the oldest sequences, stored before staged, while one is older than the last
+        keep_steps steps or the held tokens exceed keep_tokens (always keeping the newest)."""
+        self.newest = max(self.newest, step)
+        while self.stored or self.staged:
+            if self.stored:  # the oldest sequence: stored ones are older than staged ones
+                serial = next(iter(self.stored))
+                old_step, n = self.stored[serial][0], self.stored[serial][1].shape[0]
+            else:
+                old_step, n = self.staged[0][0], self.staged[0][1].tokens.shape[0]
+            too_old = old_step <= self.newest - self.keep_steps
+            too_many = self.keep_tokens is not None and self.held_tokens() > self.keep_tokens and len(self.stored) + len(self.staged) > 1
+            if not (too_old or too_many):
+                return
+            if self.stored:
+                del self.stored[serial]
+                del self.by_len[bisect.bisect_left(self.by_len, (n, serial))]
+                self.stored_tokens -= n
+            else:
+                self.staged.popleft()
+                self.staged_tokens -= n
 
     def __len__(self):
-        self._store_staged()
-        return len(self.items)
+        return len(self.stored)
 
     def num_tokens(self):
-        self._store_staged()
-        return sum(t.shape[0] for _, t, _, _ in self.items)
+        return self.stored_tokens
 
     def sample(self, batch_size, rng, device="cpu", max_tokens=None):
-        """A padded batch of similar-length sequences: see `pairs` for what it holds. max_tokens:
-        keep only as many of the window's longest sequences as fit in that many padded positions
-        (at least one), which bounds what a step costs.
+        """A padded batch of similar-length stored sequences: see `pairs` for what it holds.
+        max_tokens: keep only as many of the window's longest sequences as fit in that many padded
+        positions (at least one), which bounds what a step costs.
 
-        Similar lengths go together (a window of the length-sorted buffer), since on long-tailed
+        Similar lengths go together (a window of the length-ordered buffer), since on long-tailed
         lengths a uniform batch would be mostly padding. The window's start is uniform over
         -(batch_size - 1) .. len - 1 and the window is cut to the buffer, so every sequence lies in
         exactly batch_size of the possible windows: the longest sequences, the tail that
         speculation serves, are drawn as often as the median ones (a window kept whole would draw
         the two ends batch_size times less often)."""
-        self._store_staged()
-        by_len = sorted(self.items, key=lambda it: it[1].shape[0])
-        start = rng.randrange(-(batch_size - 1), len(by_len))
-        chosen = by_len[max(start, 0):start + batch_size]
+        start = rng.randrange(-(batch_size - 1), len(self.by_len))
+        chosen = [self.stored[serial] for _, serial in self.by_len[max(start, 0):start + batch_size]]
         if max_tokens is not None:
             chosen = chosen[-max(1, max_tokens // chosen[-1][1].shape[0]):]
         return pairs([(tokens, hidden, plen) for _, tokens, hidden, plen in chosen], device)
@@ -325,24 +360,25 @@ def train_step(drafter, optimizer, buffer, rng, batch_size=DRAFTER_BATCH, device
 def top1_agreement(drafter, h_in, x_next, h_tgt, mask):
     """Teacher-forced top-1 agreement: over the masked positions, how often the drafter's argmax
     for x_{t+2} is the target's. Returns (agreeing positions, positions), to be summed over
-    ranks. Independent of k and of sampling: the drafter's health, not an accept length."""
+    ranks. Independent of k and of sampling: the drafter's health, not an accept length.
+    The target's logits are made at the masked positions only."""
     logits, _ = drafter(h_in, x_next)
-    agree = logits.argmax(-1) == F.linear(h_tgt, drafter.target.lm_head.weight).argmax(-1)
-    return int((agree & mask).sum()), int(mask.sum())
+    target = F.linear(h_tgt[mask], drafter.target.lm_head.weight)  # (positions, V)
+    return int((logits[mask].argmax(-1) == target.argmax(-1)).sum()), int(mask.sum())  # sync: two counts
 
 
-def agreement_chores(drafter, samples, into, chunk=4, device="cpu"):
+def agreement_chores(drafter, samples, into, max_tokens=IDLE_STEP_TOKENS, device="cpu"):
     """`top1_agreement` over a rollout's samples (speculative.Sample), as chores for the idle loop
-    (scheduler.idle_train): each scores one chunk of similar-length sequences (little padding) and
-    adds (agreeing positions, positions) to the list `into`. They run on idle time, before the
-    drafter trains on these rows; the last rank to arrive runs none, so the figure leaves its rows out."""
-    samples = sorted(samples, key=lambda s: s.tokens.shape[0])
-
+    (scheduler.idle_train): each scores one piece of similar-length sequences of at most max_tokens
+    padded positions (a longer sequence alone) and adds (agreeing positions, positions) to the list
+    `into`. They run on idle time, before the drafter trains on these rows; the last rank to arrive
+    runs none, so the figure leaves its rows out."""
     def score(part):
         a, n = top1_agreement(drafter, *pairs([(s.tokens, s.hidden, s.prompt_len) for s in part], device))
         into[0] += a
         into[1] += n
-    return [lambda part=samples[i:i + chunk]: score(part) for i in range(0, len(samples), chunk)]
+    pieces = group_by_length(samples, lambda s: s.tokens.shape[0], max_tokens)
+    return [lambda part=part: score(part) for part in pieces if part]
 
 
 class NgramDrafter:

@@ -75,7 +75,9 @@ def idle_train(drafter, optimizer, buffer, rng, *, chores=(), enabled=True, batc
         s = time.perf_counter() - t0
         if chores:
             chores.popleft()()
-        elif enabled and len(buffer):  # len() stores the staged rows: on idle time, never on the last rank
+        elif enabled and buffer.staged:  # the step's rows to the host, a piece a turn: never on the last rank
+            buffer.store_staged(step_tokens)
+        elif enabled and len(buffer):
             _, applied = train_step(drafter, optimizer, buffer, rng, batch_size=batch_size, device=device, depth=depth,
                                     max_tokens=step_tokens)
             steps += applied

@@ -388,7 +388,7 @@ def rl_step(step, args, task_cfg, model, net, drafter, opt, d_opt, bandit, buffe
     drng = random.Random(derive_seed(args.rl_seed, rank, step, Seed.DRAFTER_TRAINING))
     t_idle = time.perf_counter() - t0
     d_steps, d_skipped, idle, idle_segs = idle_train(
-        drafter, d_opt, buffer, drng, chores=agreement_chores(drafter, samples, top1, device=device) if learned else (),
+        drafter, d_opt, buffer, drng, chores=agreement_chores(drafter, samples, top1, args.drafter_idle_tokens, device) if learned else (),
         enabled=train_drafter, batch_size=args.drafter_batch, depth=d_depth, step_tokens=args.drafter_idle_tokens,
         device=device, liveness=liveness)
     # 5. every rank ends with the same drafter: the weighted average overlaps the update
@@ -416,7 +416,7 @@ def rl_step(step, args, task_cfg, model, net, drafter, opt, d_opt, bandit, buffe
     local = {"rank": rank, "rollout_time": rollout_time, "draft_time": st.draft_time, "idle_time": idle, "drafter_steps": d_steps,
              "wait_to_update": t_update - t0 - rollout_time,
              "drafter_skipped": d_skipped, "tokens": st.tokens, "drafter_checksum": drafter.checksum(),
-             "rows": len(rows), "tail_share": st.tail_share,
+             "rows": len(rows), "tail_share": st.tail_share, "buffer_tokens": buffer.held_tokens(),
              "segments": st.segments + [[k, a + t_idle, b + t_idle] for k, a, b in idle_segs]}
     counts = {"tokens": st.tokens, "sd_tokens": st.sd_tokens, "sd_row_steps": st.sd_row_steps,
               "accepted": st.accepted, "drafted": st.drafted, "top1_agree": top1[0], "top1_positions": top1[1],

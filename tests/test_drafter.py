@@ -335,18 +335,48 @@ def test_buffer_keeps_only_the_last_steps():
 def test_staged_rows_are_bounded_without_idle_time():
     """A process that never has idle time (one process, the rank always last) stages a step's rows
     and never stores them: over 50 steps what it holds, staged and stored, stays within
-    keep_tokens plus one step's rows and within the last keep_steps steps."""
+    keep_tokens and within the last keep_steps steps, the oldest rows dropped first."""
     from speculative import Sample
     buf = DrafterBuffer(keep_steps=3, keep_tokens=300)
     buf.add(0, *_item(40, 0), prompt_len=2)  # something stored before the rank lost its idle time
     for step in range(1, 51):
         rows = [Sample([], *_item(30 + 5 * (i + step % 3), step), 2) for i in range(4)]  # 130 to 180 tokens a step
         buf.add_rows(step, rows)
-        staged = sum(s.tokens.shape[0] for _, rows in buf.staged for s in rows)
+        staged = sum(s.tokens.shape[0] for _, s in buf.staged)
         stored = sum(t.shape[0] for _, t, _, _ in buf.items)
-        assert staged + stored <= 300 + sum(s.tokens.shape[0] for s in rows), step
+        assert staged + stored == buf.held_tokens() <= 300, step
+        assert buf.staged[-1][1] is rows[-1]  # the newest row always stays
         assert all(st > step - 3 for st, _ in buf.staged) and all(it[0] > step - 3 for it in buf.items)
-    assert buf.staged[-1][0] == 50 and len(buf) > 0  # the newest step stays, and is stored on first use
+    assert len(buf) == 0 and buf.store_staged() > 0 and len(buf) > 0  # stored on the first idle turn
+
+
+def test_one_idle_turn_handles_at_most_idle_tokens_positions(target, monkeypatch):
+    """The idle loop's turns each touch at most max_tokens positions, however much is staged:
+    storing staged rows goes a piece a turn, the health figure scores a piece a chore, a training
+    batch is cut to max_tokens padded positions; and drawing a batch sorts nothing."""
+    import drafter as drafter_module
+    from speculative import Sample
+    g = torch.Generator().manual_seed(0)
+    C, max_tokens = target.config.n_embd, 64
+    lengths = torch.randint(4, 40, (200,), generator=g).tolist()
+    rows = [Sample([], torch.randint(0, 10, (n,), generator=g), torch.randn(n - 1, C, generator=g), 2) for n in lengths]
+    buf = DrafterBuffer(keep_steps=4, keep_tokens=100_000)
+    buf.add_rows(0, rows)
+    pieces = []
+    while buf.staged:
+        pieces.append(buf.store_staged(max_tokens))
+    assert sum(pieces) == sum(lengths) == buf.num_tokens() and max(pieces) <= max_tokens < sum(lengths)
+    scored = []
+    real = drafter_module.top1_agreement
+    monkeypatch.setattr(drafter_module, "top1_agreement", lambda d, h_in, *rest: scored.append(h_in.shape[0] * (h_in.shape[1] + 2)) or real(d, h_in, *rest))
+    into = [0, 0]
+    for chore in agreement_chores(make_drafter(target, seed=0), rows, into, max_tokens):
+        chore()
+    assert max(scored) <= max_tokens and into[1] == sum(n - 1 - 2 for n in lengths)
+    monkeypatch.setattr(drafter_module, "sorted", lambda *a, **k: pytest.fail("sample() sorted the buffer"), raising=False)
+    for seed in range(20):
+        h_in, *_ = buf.sample(8, random.Random(seed), max_tokens=max_tokens)
+        assert h_in.shape[0] * (h_in.shape[1] + 2) <= max_tokens
 
 
 def test_buffer_add_rejects_mismatched_lengths():
@@ -454,8 +484,8 @@ def test_agreement_chores_count_the_drafted_positions(target, buffers):
         batch.plain_step()
     samples = batch.results
     into = [0, 0]
-    chores = agreement_chores(drafter, samples, into, chunk=3)
-    assert len(chores) == 4  # 10 samples in chunks of 3
+    chores = agreement_chores(drafter, samples, into, max_tokens=40)
+    assert len(chores) > 2  # 10 samples of up to 14 tokens, in pieces of at most 40 padded positions
     chores[0]()
     assert 0 < into[1] < sum(s.tokens.shape[0] - 1 - s.prompt_len for s in samples)
     for chore in chores[1:]:

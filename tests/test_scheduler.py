@@ -13,6 +13,8 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch.nn.parallel import DistributedDataParallel
+from torch.nn.utils import parameters_to_vector
 
 from drafter import Drafter, DrafterBuffer, make_optimizer
 from model import GPT, GPTConfig
@@ -38,6 +40,8 @@ def _worker(rank, world, port, loads, out_path):
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     target, drafter = _models()
+    net = DistributedDataParallel(target)
+    target_opt = torch.optim.SGD(target.parameters(), lr=0.1)
     before = drafter.checksum()
     opt = make_optimizer(drafter)
     buffer = DrafterBuffer()
@@ -52,9 +56,24 @@ def _worker(rank, world, port, loads, out_path):
     time.sleep(load or 0.0)  # the rollout of a skewed load
     rollout_time = time.perf_counter() - t0
     steps, _, idle, segments = idle_train(drafter, opt, buffer, random.Random(rank), batch_size=4)
-    start_drafter_sync(drafter, steps)()
+    trained = parameters_to_vector(drafter.parameters()).double()
+    finish = start_drafter_sync(drafter, steps)
+    # the target's update runs between the sync's start and its finish, its all-reduces beside the sync's
+    loss = net(torch.tensor([[1, 2, 3]]))[0].float().pow(2).mean()
+    loss.backward()
+    target_opt.step()
+    finish()
+    # the weighted mean by hand, from every rank's trained weights and steps
+    everyone = gather_ranks((trained.tolist(), steps))
+    total = sum(n for _, n in everyone)
+    weighted = (sum(torch.tensor(w, dtype=torch.float64) * n for w, n in everyone) / total if total else trained)
+    unweighted = sum(torch.tensor(w, dtype=torch.float64) for w, _ in everyone) / len(everyone)
+    synced = parameters_to_vector(drafter.parameters()).double()
     recs = gather_ranks({"rank": rank, "rollout_time": rollout_time, "idle_time": idle, "drafter_steps": steps,
                          "checksum": drafter.checksum(), "before": before,
+                         "off_weighted": float((synced - weighted).abs().max()),
+                         "unweighted_gap": float((unweighted - weighted).abs().max()),
+                         "rank0_gap": float((torch.tensor(everyone[0][0], dtype=torch.float64) - weighted).abs().max()),
                          "segments": [["plain", 0.0, rollout_time]] + [[k, a + rollout_time, b + rollout_time]
                                                                          for k, a, b in segments]})
     if rank == 0:
@@ -93,6 +112,10 @@ def test_skewed_loads_four_ranks(tmp_path):
             assert r["drafter_steps"] > 0
     assert len({r["checksum"] for r in recs}) == 1  # identical drafters after the sync
     assert recs[0]["checksum"] != recs[0]["before"]  # and the training reached them
+    # the weighted mean, to float rounding; it is far from an unweighted mean and from rank 0's
+    # weights, so a sync that computed either would fail here
+    for r in recs:
+        assert r["off_weighted"] < 1e-6 < 1e-4 < min(r["unweighted_gap"], r["rank0_gap"]), r
     assert "t" in data["timeline"] and "." in data["timeline"]
 
 
@@ -101,6 +124,8 @@ def test_no_hang_and_empty_ranks(world, loads, tmp_path):
     recs = _run(world, loads, tmp_path)["records"]
     assert [r["rank"] for r in recs] == list(range(world))
     assert len({r["checksum"] for r in recs}) == 1
+    for r in recs:  # the weighted mean: the ranks with nothing to train on (0 steps) add nothing
+        assert r["off_weighted"] < 1e-6 and (world < 4 or r["unweighted_gap"] > 1e-4), r
     for r, load in zip(recs, loads):
         if load is None:
             assert r["drafter_steps"] == 0  # nothing to train on, so it only waits
@@ -118,6 +143,49 @@ def test_render_timeline_draws_each_phase():
     bar0 = row0.split("|")[1]
     assert bar0.startswith("#####") and "SSSSS" in bar0 and "tttt" in bar0 and bar0.rstrip().endswith(".")
     assert row1.split("|")[1] == "#" * 20
+
+
+def _always_last_worker(rank, world, port, out_path):
+    """Rank 1 finishes every step's rollout last, so it never has idle time: it stages each step's
+    rows and never stores them. Both ranks record what their buffers hold after each step."""
+    from speculative import Sample
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    target, drafter = _models()
+    opt, buffer = make_optimizer(drafter), DrafterBuffer(keep_steps=3, keep_tokens=100)
+    gen = torch.Generator().manual_seed(rank)
+    held, steps = [], 0
+    for step in range(10):
+        rows, _ = rollout(target, None, [[1 + (i + step) % 9] for i in range(4)], 20, generator=gen, tlt=False)
+        time.sleep(0.05 + 0.15 * rank)  # rank 1's rollout is always the long one
+        buffer.add_rows(step, [Sample([], tokens, hidden, plen) for _, tokens, hidden, plen in rows])
+        steps += idle_train(drafter, opt, buffer, random.Random(step), batch_size=4, step_tokens=40)[0]
+        held.append([buffer.held_tokens(), len(buffer.staged), sum(t.shape[0] for _, t, _, _ in buffer.items)
+                     + sum(s.tokens.shape[0] for _, s in buffer.staged)])
+        start_drafter_sync(drafter, steps)()
+    recs = gather_ranks({"rank": rank, "held": held, "steps": steps})
+    if rank == 0:
+        with open(out_path, "w") as f:
+            json.dump(recs, f)
+    dist.barrier()
+    dist.destroy_process_group()
+    os._exit(0)
+
+
+def test_a_rank_always_last_holds_at_most_keep_tokens(tmp_path):
+    """The buffer's bounds hold when rows are given, not when an idle turn reads them: the rank that
+    is always last, which never stores a row, holds at most keep_tokens all the same."""
+    out = str(tmp_path / "held.json")
+    ctx = mp.start_processes(_always_last_worker, args=(2, _free_port(), out), nprocs=2, join=False, start_method="spawn")
+    deadline = time.time() + DEADLINE_S
+    while not ctx.join(timeout=1):
+        assert time.time() < deadline, "hung"
+    with open(out) as f:
+        first, last = json.load(f)
+    assert first["steps"] > 0  # the idle rank trained
+    assert max(h for h, _, _ in last["held"]) <= 100 and max(n for _, n, _ in last["held"]) > 0  # rows staged, bounded
+    for h, _, counted in first["held"] + last["held"]:
+        assert h == counted <= 100  # the running count is what is held
 
 
 def _failing_worker(rank, world, port, q):

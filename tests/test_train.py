@@ -423,3 +423,17 @@ def test_a_cache_only_rank_0_sees_is_used_by_every_rank(tmp_path):
     for g in got:
         assert all(torch.equal(g["model"][k], cached[k]) for k in cached)
     assert got[0]["drafter"] == got[1]["drafter"]
+
+
+@pytest.mark.parametrize("flags", [[], ["--drafter-updates", "off"], ["--tlt", "off"]])
+def test_one_process_holds_at_most_keep_tokens_in_every_configuration(flags, tmp_path):
+    """A single process never has idle time, so nothing it gives the drafter buffer is ever trained
+    on or stored; over 8 steps with a small bound, what it holds (staged and stored) stays within
+    --drafter-keep-tokens, and a run that never trains the drafter holds nothing."""
+    out = str(tmp_path / "run")
+    r = run_train(TINY + flags + ["--out-dir", out, "--rl-steps", "8", "--eval-per-bucket", "0", "--ckpt-every", "8",
+                                  "--drafter-keep", "2", "--drafter-keep-tokens", "40"])
+    assert r.returncode == 0, r.stderr[-2000:]
+    held = [m["ranks"][0]["buffer_tokens"] for m in metrics(out)]
+    assert len(held) == 8 and max(held) <= 40, held
+    assert (min(held) > 0) if not flags else (max(held) == 0), held
