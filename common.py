@@ -220,7 +220,8 @@ class Liveness:
 def until_all_arrive(liveness=None, grace_s=0.0, timeout_s=COLLECTIVE_TIMEOUT_S):
     """Wait until every rank has got here, however long that takes while they make progress; yields
     once per turn while some have not, so that the caller can use the time (the idle barrier trains
-    the drafter, `wait_for_all` sleeps). A single process returns at once.
+    the drafter, `wait_for_all` sleeps); what it yields, called, says whether they all have now,
+    for a turn that can stop midway. A single process returns at once.
 
     With a Liveness (`liveness`, else `Liveness.current`) this rank beats and checks every turn, and
     fails once a watched rank has been silent for its timeout; without one (ranks joined without the
@@ -242,7 +243,7 @@ def until_all_arrive(liveness=None, grace_s=0.0, timeout_s=COLLECTIVE_TIMEOUT_S)
             liveness.check()
         elif time.perf_counter() - t0 > timeout_s:  # a peer died or hangs: fail loudly, don't wait forever
             raise RuntimeError(f"barrier not completed after {timeout_s:.0f}s: a rank is dead or stuck")
-        yield
+        yield work.is_completed
     try:
         work.wait()  # surfaces an error if the barrier failed
     except RuntimeError as e:  # a peer closed its connections: it crashed, was killed, or rank 0 failed on a silent one

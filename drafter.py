@@ -256,16 +256,21 @@ def chained_states(drafter, h_in, x_next, depth):
     its own chain's entries (`chain_mask`), as the drafter's cache holds them while drafting.
     Returns a list of `depth` predicted states h~ (B, T, C); pass d's at t predicts h_{t+1}, the
     (d + 1)-th draft of a chain that started after the real pair at t - d."""
+    return list(chained_passes(drafter, h_in, x_next, depth))
+
+
+def chained_passes(drafter, h_in, x_next, depth):
+    """`chained_states` one pass at a time (a generator), so that a caller can stop between passes."""
     emb = F.embedding(x_next, drafter.target.wte.weight.detach())  # (B, T, C)
     T = h_in.shape[1]
     past = [[] for _ in drafter.stack.blocks]  # every pass's keys and values, per block
-    states, h_feed = [], h_in
+    h_feed = h_in
     for d in range(depth):
         x = drafter.fuse(torch.cat([h_feed, emb], dim=-1))
-        states.append(drafter.norm(drafter.stack(x, chain=(past, chain_mask(T, d, h_in.device)))))
+        state = drafter.norm(drafter.stack(x, chain=(past, chain_mask(T, d, h_in.device))))
+        yield state
         # the next pass sees, at position t, this pass's guess of h_t (made at t - 1)
-        h_feed = torch.cat([h_in[:, :1], states[-1][:, :-1].detach()], dim=1)
-    return states
+        h_feed = torch.cat([h_in[:, :1], state[:, :-1].detach()], dim=1)
 
 
 def chain_masks(mask, depth):
@@ -278,16 +283,19 @@ def chain_masks(mask, depth):
     return masks
 
 
-def drafter_loss(drafter, h_in, x_next, h_tgt, mask, n_positions=None, depth=DEPTH):
+def drafter_loss(drafter, h_in, x_next, h_tgt, mask, n_positions=None, depth=DEPTH, preempted=None):
     """Loss of `depth` chained passes (pass 0 teacher-forced, pass d fed with its own predictions:
     see `chained_states`), summed over each pass's positions and divided by depth x n_positions
     (default: this batch's count; when ranks train together, the count over all of them, so the
-    mean is the global one). depth 1 is teacher forcing alone."""
+    mean is the global one). depth 1 is teacher forcing alone. preempted: asked between passes;
+    once it says True the loss is abandoned (None)."""
     with torch.no_grad():  # both softmaxes in float32: under bf16 autocast the logits are bf16
         p_target = F.softmax(F.linear(h_tgt, drafter.target.lm_head.weight).float(), dim=-1)  # (B, T, V)
     n = mask.sum() if n_positions is None else torch.as_tensor(float(n_positions))
     total = 0.0
-    for h_pred, m in zip(chained_states(drafter, h_in, x_next, depth), chain_masks(mask, depth)):
+    for h_pred, m in zip(chained_passes(drafter, h_in, x_next, depth), chain_masks(mask, depth)):
+        if preempted and preempted():
+            return None
         logits = F.linear(h_pred, drafter.target.lm_head.weight.detach())
         reg = F.smooth_l1_loss(h_pred, h_tgt, reduction="none").mean(-1)  # (B, T)
         ce = -(p_target * F.log_softmax(logits.float(), dim=-1)).sum(-1)  # (B, T)
@@ -327,10 +335,13 @@ def expected_accepted(rates):
 
 
 def train_step(drafter, optimizer, buffer, rng, batch_size=DRAFTER_BATCH, device="cpu", sync_grads=False, depth=DEPTH,
-               max_tokens=None):
+               max_tokens=None, preempted=None):
     """One optimizer step on a batch from the buffer; returns (loss, applied). Short on purpose:
     the idle-rank loop checks for preemption between steps, and bounds a step with max_tokens
-    (`DrafterBuffer.sample`) so that the last rank never waits long for one. sync_grads: all ranks train together
+    (`DrafterBuffer.sample`) so that the last rank never waits long for one; `preempted`, asked
+    between the chained passes and before the backward and the optimizer step, abandons a step
+    midway (loss None, nothing applied), so that the last rank waits for a piece of a step, not all
+    of it. sync_grads: all ranks train together
     (the warm-up) on the mean over every rank's positions, with gradients summed over ranks;
     idle-rank training is local, then synced. A step whose gradient is not finite is not applied
     (applied False); under sync_grads every rank sees the same summed gradient and skips with it."""
@@ -338,10 +349,14 @@ def train_step(drafter, optimizer, buffer, rng, batch_size=DRAFTER_BATCH, device
     n_local = batch[3].sum().double()  # the positions the loss counts here
     # under sync_grads the loss is a sum, and its gradient is divided by every rank's positions after
     # one all-reduce of [gradients, positions]: one collective a step, not one per weight plus a count
-    loss = drafter_loss(drafter, *batch, n_positions=1.0 if sync_grads else None, depth=depth)
+    loss = drafter_loss(drafter, *batch, n_positions=1.0 if sync_grads else None, depth=depth, preempted=preempted)
+    if loss is None or (preempted and preempted()):
+        return None, False
     logged = loss.item() / max(float(n_local), 1.0) if sync_grads else loss.item()  # this rank's mean, for the log
     optimizer.zero_grad(set_to_none=True)
     loss.backward()
+    if preempted and preempted():
+        return None, False
     if sync_grads:
         params = list(drafter.parameters())
         flat = torch.cat([p.grad.flatten().double() for p in params] + [n_local.view(1)])

@@ -59,9 +59,10 @@ def idle_train(drafter, optimizer, buffer, rng, *, chores=(), enabled=True, batc
     to delay, so it runs them all and trains nothing. Returns (steps, skipped steps, idle seconds,
     segments) with segments as [kind, start, end] relative to the call.
 
-    Preemption bound: the loop looks at the barrier between turns, so a rank that is busy when the
-    last rank arrives stops within one chore or one drafter step, and a step reads at most
-    `step_tokens` padded positions (up to batch_size sequences), a few milliseconds here;
+    Preemption bound: the loop looks at the barrier between turns, and a drafter step looks at it
+    between its pieces (each chained pass, the backward), so a rank that is busy when the last rank
+    arrives stops within one chore, one piece of stored rows or one piece of a drafter step, each of
+    at most `step_tokens` padded positions (up to batch_size sequences), a few milliseconds here;
     `metrics.jsonl`'s `slowest_wait` shows what the slowest rank paid for it.
     The barrier's grace period, liveness and errors: common.until_all_arrive."""
     t0 = time.perf_counter()
@@ -71,17 +72,17 @@ def idle_train(drafter, optimizer, buffer, rng, *, chores=(), enabled=True, batc
             chores.popleft()()
         return 0, 0, 0.0, []
     steps, skipped, segments = 0, 0, []
-    for _ in until_all_arrive(liveness, grace_s=grace_s, timeout_s=timeout_s):  # the async barrier, turn by turn
+    for arrived in until_all_arrive(liveness, grace_s=grace_s, timeout_s=timeout_s):  # the async barrier, turn by turn
         s = time.perf_counter() - t0
         if chores:
             chores.popleft()()
         elif enabled and buffer.staged:  # the step's rows to the host, a piece a turn: never on the last rank
             buffer.store_staged(step_tokens)
         elif enabled and len(buffer):
-            _, applied = train_step(drafter, optimizer, buffer, rng, batch_size=batch_size, device=device, depth=depth,
-                                    max_tokens=step_tokens)
+            loss, applied = train_step(drafter, optimizer, buffer, rng, batch_size=batch_size, device=device, depth=depth,
+                                       max_tokens=step_tokens, preempted=arrived)
             steps += applied
-            skipped += not applied
+            skipped += loss is not None and not applied  # a step abandoned when the last rank arrived is not a skip
         else:
             time.sleep(0.001)
             continue

@@ -459,6 +459,25 @@ def test_short_training_lowers_loss_and_raises_acceptance(target, buffers):
     assert alen1 > alen0 + 0.1, (alen0, alen1)
 
 
+def test_a_step_preempted_midway_changes_nothing(target, buffers):
+    """The last rank's arrival stops a drafter step at its next piece (between chained passes,
+    before the backward, before the optimizer step): wherever it stops, nothing is applied and the
+    optimizer has not moved; asked and never preempted, the step is the plain one."""
+    train_buf, _, _ = buffers
+    for stop_at in range(1, 6):  # 3 passes, then before the backward, then before the step
+        drafter = make_drafter(target, seed=0)
+        opt = make_optimizer(drafter, lr=1e-2)
+        before = {n: p.detach().clone() for n, p in drafter.named_parameters()}
+        asked = []
+        loss, applied = train_step(drafter, opt, train_buf, random.Random(0), depth=3,
+                                   preempted=lambda: asked.append(1) or len(asked) >= stop_at)
+        assert loss is None and not applied and len(asked) == stop_at
+        assert all(torch.equal(p, before[n]) for n, p in drafter.named_parameters()) and not opt.state
+    asked = []
+    loss, applied = train_step(drafter, opt, train_buf, random.Random(0), depth=3, preempted=lambda: asked.append(1) and False)
+    assert applied and len(asked) == 5 and not all(torch.equal(p, before[n]) for n, p in drafter.named_parameters())
+
+
 def test_non_finite_step_is_not_applied(target, buffers):
     train_buf, _, _ = buffers
     drafter = make_drafter(target, seed=0)
