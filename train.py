@@ -382,9 +382,10 @@ def rl_step(step, args, task_cfg, model, net, drafter, opt, d_opt, bandit, buffe
         device=device, liveness=liveness)
     # 5. every rank ends with the same drafter: the weighted average overlaps the update
     finish_sync = start_drafter_sync(drafter, d_steps if train_drafter else 0)
-    # 6. one GRPO update of the target on every rank's rows, under DDP
-    t_update, all_rewards, responses, (loss, clip, skipped) = update_target(args, model, net, opt, samples, rewards,
-                                                                            rank, world_size, device, ref_model)
+    # 6. every rank's rewards and rows, group-normalised advantages over the global batch, one GRPO update
+    # of the target under DDP
+    t_update, all_rewards, responses, (loss, clip, skipped) = update_target(
+        args, model, net, opt, samples, rewards, rank, world_size, device, ref_model)
     finish_sync()
     sync(device)  # the optimizer step may still be queued on a GPU
     t1 = time.perf_counter()
