@@ -48,7 +48,7 @@ import train
 import warmup
 from drafter import Drafter, DrafterBuffer, SiblingDrafter, make_optimizer, train_step
 from common import OneLineParser, check_out_dir, machine, sync, wants_cuda
-from rollout import Bandit, rollout
+from rollout import Bandit, by_position, format_positions, rollout
 from speculative import SAMPLERS, autoregressive_generate, speculative_generate
 
 
@@ -509,10 +509,10 @@ def e2e_bench(args, task_cfg, model, drafter):
               f"{mean(n, 'accept_len') or 0:10.2f} {mean(n, 'accept_rate') or 0:11.3f} {mean(n, 'reward'):7.3f}")
     print("(step s, rollout s, draft s, update s, rollout %, accept, reward: means over steps 1..; draft s: the slowest "
           "rank's drafting; median: the median step; tail %: median tail share)")
-    by_pos = {n: train.by_position(records[n][1:]) for n in timed[1:] + ("on_k4", "frozen_k4")}
+    by_pos = {n: by_position(records[n][1:]) for n in timed[1:] + ("on_k4", "frozen_k4")}
     print("\ndrafts accepted by draft position, % (given the earlier ones were accepted), and the drafts decided in all:")
     for n, (rates, drafted) in by_pos.items():
-        print(f"{n:9} {train.format_positions(rates)}   ({sum(drafted):,} drafts)")
+        print(f"{n:9} {format_positions(rates)}   ({sum(drafted):,} drafts)")
     # the runs generate the same tokens at every step, so step i of one run and step i of another are a pair
     paired = {n: sorted(a["step_time"] / b["step_time"] for a, b in zip(records["off"][1:], records[n][1:])) for n in timed[1:]}
     other = {n: sum(a["responses_digest"] != b["responses_digest"] for a, b in zip(records["off"], records[n])) for n in timed[1:]}

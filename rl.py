@@ -118,7 +118,7 @@ def grpo_update(model, net, opt, sequences, prompt_lens, advantages, *, pad_id, 
     all-reduce (DDP), one optimizer step per epoch. A rank with no rows still takes part with a
     zero loss, so collectives line up. Returns (loss, clip fraction, skipped) where skipped means
     a non-finite loss or gradient, skipped on every rank. n_total: the response tokens of the whole
-    global batch, when the caller knows it (train.rl_step, which re-deals the rows); else it is
+    global batch, when the caller knows it (train.update_target, which re-deals the rows); else it is
     all-reduced from every rank's own (`global_mean_scale`)."""
     n_local = sum(len(s) - p for s, p in zip(sequences, prompt_lens))
     # the token-level mean is over every rank's tokens

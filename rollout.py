@@ -171,3 +171,27 @@ def tail_share(batch_sizes, step_times, total_time, n_rows, done_frac=0.9):
     running_max = n_rows * (1 - done_frac) + 1e-9
     tail = sum(t for b, t in zip(batch_sizes, step_times) if b <= running_max)
     return tail / total_time if total_time > 0 else 0.0
+
+
+# -----------------------------------------------------------------------------
+# acceptance by draft position, summed over ranks and over steps
+
+def position_counts(stats, k_max):
+    """A rollout's drafts decided and accepted at each draft position 1..k_max, as {name: count}
+    (common.all_sum's form; DecodeStats has the meaning)."""
+    pad = lambda v: v + [0] * (k_max - len(v))  # noqa: E731
+    return {**{f"drafted_at{i}": v for i, v in enumerate(pad(stats.drafted_at))},
+            **{f"accepted_at{i}": v for i, v in enumerate(pad(stats.accepted_at))}}
+
+
+def by_position(records):
+    """Acceptance at each draft position summed over records (metrics.jsonl's, with their
+    `drafted_at` and `accepted_at`) -> ([rates or None], [drafts decided])."""
+    drafted = [sum(c) for c in zip(*(r["drafted_at"] for r in records))]
+    accepted = [sum(c) for c in zip(*(r["accepted_at"] for r in records))]
+    return [a / d if d else None for a, d in zip(accepted, drafted)], drafted
+
+
+def format_positions(rates):
+    """Rates by position as percentages for a log line; '-' where no draft was decided."""
+    return " ".join("  -  " if r is None else f"{100 * r:4.1f}" for r in rates)

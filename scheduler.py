@@ -32,6 +32,7 @@ technique, not a bug: the training is free only because it fills time otherwise 
 
 Test: python -m pytest tests/test_scheduler.py   (4 gloo processes with skewed loads)
 """
+import math
 import time
 from collections import deque
 
@@ -140,3 +141,44 @@ def render_timeline(records, width=64):
                      f"{r['idle_time']:.2f}s idle, {r['drafter_steps']} drafter steps")
     legend = "  ".join(f"{c} {k}" for k, c in TIMELINE_CHARS.items())
     return "\n".join(lines + [f"        {legend}   (full width = {total:.2f}s)"])
+
+
+# -----------------------------------------------------------------------------
+# how hard the idle ranks train the drafter: its health decides
+
+HEALTHY, SICK = 0.98, 0.85  # the drafter's health (teacher-forced top-1) where online training is gentlest and hardest
+HEALTH_STEPS = 5  # RL steps whose figures make the health
+
+
+def drafter_health(recent):
+    """The drafter's health: its teacher-forced top-1 agreement on the fresh rows of the last
+    HEALTH_STEPS RL steps (`recent`: [agreeing positions, positions] per step; None before any).
+    The same on every rank: each step's figure is summed over ranks."""
+    n = sum(p for _, p in recent)
+    return sum(a for a, _ in recent) / n if n else None
+
+
+def add_health(recent, top1, positions):
+    """`recent` with one more step's figure (its top-1 agreement over `positions` scored positions),
+    the last HEALTH_STEPS steps' kept: one step's rows are few. A step with none scored adds nothing."""
+    return (recent + [[top1 * positions, positions]])[-HEALTH_STEPS:] if positions else recent
+
+
+def drafter_schedule(args, step, health):
+    """The idle ranks' drafter learning rate and training depth (chained passes) at RL step `step`,
+    given the drafter's `health`. A cold start builds the drafter from nothing, as a warm-up would,
+    teacher-forced, with a cosine from --drafter-cold-lr down to a twentieth of it over the RL steps.
+    A warmed-up drafter follows its health: --drafter-online-lr while it is at least HEALTHY (a
+    drafter at its plateau only follows the target, and a large rate would only shake it), rising
+    geometrically to --drafter-cold-lr at SICK and below, where a weak drafter (stopped early, or
+    left behind by the target) is trained as hard as a cold start is; always on --drafter-depth
+    chained passes, which cost more per step than teacher forcing alone but keep every draft
+    position good (trained teacher-forced it gained more top-1 and fewer accepted tokens).
+    RESULTS.md has the schedules tried, with their figures."""
+    if args.drafter_warmup_steps == 0:
+        frac, peak = step / max(1, args.rl_steps - 1), args.drafter_cold_lr
+        return peak / 20 + (peak - peak / 20) * 0.5 * (1 + math.cos(math.pi * frac)), 1
+    if health is None:
+        return args.drafter_online_lr, args.drafter_depth
+    sick = min(1.0, max(0.0, (HEALTHY - health) / (HEALTHY - SICK)))
+    return args.drafter_online_lr * (args.drafter_cold_lr / args.drafter_online_lr) ** sick, args.drafter_depth

@@ -16,7 +16,6 @@ import argparse
 import copy
 import hashlib
 import json
-import math
 import os
 import random
 import statistics
@@ -30,19 +29,16 @@ from torch.nn.parallel import DistributedDataParallel
 
 import rl
 import task
-from drafter import (DEPTH, DRAFTER_BATCH, IDLE_STEP_TOKENS, DrafterBuffer, NgramDrafter, SiblingDrafter, SiblingOrLearned,
-                     agreement_chores, make_optimizer)
+from drafter import (DEPTH, DRAFTER_BATCH, DRAFTERS, IDLE_STEP_TOKENS, LEARNED, DrafterBuffer, agreement_chores, make_optimizer,
+                     proposer)
 from model import GPTConfig
 from evaluate import evaluate_both, format_accuracy
 from common import (COLLECTIVE_TIMEOUT_S, Liveness, OneLineParser, Seed, all_sum, check_out_dir, compute_init, derive_seed,
                     load_on_rank0, machine, on_off, print0, save_on_rank0, sync)
-from rollout import ARMS, Bandit, rollout
-from scheduler import gather_ranks, idle_train, render_timeline, start_drafter_sync
+from rollout import ARMS, Bandit, by_position, format_positions, position_counts, rollout
+from scheduler import add_health, drafter_health, drafter_schedule, gather_ranks, idle_train, render_timeline, start_drafter_sync
 from speculative import SAMPLERS
 from warmup import drafter_meta, prepare_models
-
-DRAFTERS = ("learned", "ngram", "sibling", "sibling+learned")  # --drafter: what drafts in the tail
-LEARNED = ("learned", "sibling+learned")  # the drafters whose learned part idle ranks train
 
 
 def task_config(args, warmup=False):
@@ -64,9 +60,24 @@ def autocast(args, device):
     return torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.dtype == "bfloat16", cache_enabled=False)
 
 
+# -----------------------------------------------------------------------------
+# flags: one function per group, in --help's order, then their checks
+
 def parse_args(argv=None):
+    """The command line -> args: every group's flags, checked, and the defaults taken from other flags."""
     p = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    # run
+    for add_flags in (run_flags, task_flags, model_flags, drafter_flags, rl_flags, tlt_flags, logging_flags):
+        add_flags(p)
+    args = p.parse_args(argv)
+    check_args(p, args)
+    args.warmup_dir = args.warmup_dir or args.out_dir
+    args.rl_seed = args.seed if args.rl_seed is None else args.rl_seed
+    args.drafter_seed = args.seed if args.drafter_seed is None else args.drafter_seed
+    return args
+
+
+def run_flags(p):
+    """Where the run writes, its seeds, its device and its precision."""
     p.add_argument("--out-dir", default="out", help="where checkpoints and metrics.jsonl go")
     p.add_argument("--warmup-dir", default=None, help="where the warm-up checkpoints are cached (default: --out-dir)")
     p.add_argument("--seed", type=int, default=1337, help="base seed; per-rank, per-step seeds derive from it")
@@ -76,7 +87,10 @@ def parse_args(argv=None):
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="where to run")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="bfloat16: every forward (warm-ups, "
                    "rollouts, GRPO update, evaluation) under bf16 autocast, weights and optimizer state kept in float32")
-    # task
+
+
+def task_flags(p):
+    """The task: problem sizes, what the reference traces look like, the reward."""
     p.add_argument("--max-n", type=int, default=task.TaskConfig.max_n, help="largest problem size (digits to sum)")
     p.add_argument("--alpha", type=float, default=task.TaskConfig.alpha, help="tail exponent of the problem-size distribution")
     p.add_argument("--recheck", type=float, default=task.TaskConfig.recheck, help="reference traces: probability of one more re-check "
@@ -92,7 +106,10 @@ def parse_args(argv=None):
                    "of the target warm-up: mostly small problems, where the look-up is learned")
     p.add_argument("--warmup-alpha-end", type=float, default=0.5, help="the exponent moves linearly from "
                    "--warmup-alpha to this over the warm-up, a curriculum toward long problems (equal: none)")
-    # model
+
+
+def model_flags(p):
+    """The target: its shape and its supervised warm-up."""
     p.add_argument("--n-layer", type=int, default=12, help="target transformer layers")
     p.add_argument("--n-head", type=int, default=4, help="attention heads")
     p.add_argument("--n-embd", type=int, default=48, help="model width")
@@ -103,7 +120,10 @@ def parse_args(argv=None):
     p.add_argument("--warmup-lr", type=float, default=6e-3, help="peak learning rate of the target warm-up")
     p.add_argument("--merge-init", type=on_off, default=True, metavar="on|off", help="start each labelled-digit "
                    "token's embedding as (label + digit) / sqrt(2) (off: random, as every other token)")
-    # drafter
+
+
+def drafter_flags(p):
+    """The drafter: its warm-up, its training on idle ranks, its buffer."""
     p.add_argument("--drafter-warmup-seqs", type=int, default=2048, help="target samples the drafter warms up on")
     p.add_argument("--drafter-warmup-steps", type=int, default=6000, help="at most this many drafter optimizer steps in its "
                    "warm-up, which ends at its plateau on held-out samples (warmup.py), usually well before (0: a cold "
@@ -120,7 +140,10 @@ def parse_args(argv=None):
     p.add_argument("--drafter-keep", type=int, default=32, help="RL steps of hidden states the drafter buffer keeps")
     p.add_argument("--drafter-keep-tokens", type=int, default=1_000_000, help="and at most this many tokens, the oldest "
                    "sequences dropped first (bounded memory; at least --block-size)")
-    # RL
+
+
+def rl_flags(p):
+    """GRPO and the rollouts it learns from."""
     p.add_argument("--rl-steps", type=int, default=200, help="GRPO steps")
     p.add_argument("--prompts-per-step", type=int, default=4, help="prompts per RL step, all ranks together")
     p.add_argument("--group-size", type=int, default=8, help="responses per prompt (the GRPO group)")
@@ -133,7 +156,10 @@ def parse_args(argv=None):
                    "position), so plain and speculative rollouts give the same tokens; rejection: classic "
                    "speculative sampling, the same distribution but other samples")
     p.add_argument("--update-tokens", type=int, default=1024, help="padded tokens per GRPO micro-batch")
-    # TLT
+
+
+def tlt_flags(p):
+    """TLT itself: speculative decoding in the tail, what drafts there, the online drafter."""
     p.add_argument("--tlt", type=on_off, default=True, metavar="on|off", help="speculative decoding in the tail (off: plain baseline)")
     p.add_argument("--drafter-updates", type=on_off, default=True, metavar="on|off", help="train the drafter on idle ranks (off: frozen)")
     p.add_argument("--drafter", default="learned", choices=DRAFTERS, help="what drafts in the tail: the learned "
@@ -143,12 +169,19 @@ def parse_args(argv=None):
     p.add_argument("--sd-threshold", type=int, default=64, help="speculative steps only when the running batch is at most this")
     p.add_argument("--draft-ks", default=",".join(map(str, ARMS)), help="draft lengths the bandit picks from (0: a plain "
                    "step); one value fixes k, e.g. to compare two drafters at the same k")
-    # logging, evaluation, checkpoints
+
+
+def logging_flags(p):
+    """Evaluation, logging and checkpoints."""
     p.add_argument("--eval-per-bucket", type=int, default=40, help="held-out problems per size bucket (0: no evaluation)")
     p.add_argument("--eval-samples", type=int, default=8, help="samples per held-out problem for the sampled accuracy")
     p.add_argument("--timeline-every", type=int, default=10, help="print the per-rank timeline every N steps (0: never)")
     p.add_argument("--ckpt-every", type=int, default=10, help="write the RL checkpoint every N steps")
-    args = p.parse_args(argv)
+
+
+def check_args(p, args):
+    """Each flag's range, then the flags that must fit together: a bad one is a flag error (p.error),
+    as argparse's own are. --draft-ks becomes a tuple of ints here."""
     positive = ("warmup_steps", "warmup_tokens", "warmup_lr", "drafter_warmup_seqs", "drafter_batch", "drafter_depth", "drafter_idle_tokens",
                 "drafter_keep", "drafter_keep_tokens", "drafter_lr", "drafter_cold_lr", "drafter_online_lr", "prompts_per_step", "group_size", "rl_epochs", "rl_lr",
                 "clip_eps", "update_tokens", "ckpt_every", "eval_samples")
@@ -181,10 +214,6 @@ def parse_args(argv=None):
         p.error(f"--prompts-per-step {args.prompts_per_step} x --group-size {args.group_size} = "
                 f"{args.prompts_per_step * args.group_size} rows per step leave some of the {world_size} ranks without "
                 f"work; raise --prompts-per-step")
-    args.warmup_dir = args.warmup_dir or args.out_dir
-    args.rl_seed = args.seed if args.rl_seed is None else args.rl_seed
-    args.drafter_seed = args.seed if args.drafter_seed is None else args.drafter_seed
-    return args
 
 
 # -----------------------------------------------------------------------------
@@ -256,9 +285,7 @@ def run(args, task_cfg, ddp, rank, world_size, device, liveness=None):
         with autocast(args, device):  # rollout, drafter training, GRPO update
             rec, ranks = rl_step(step, args, task_cfg, model, net, drafter, opt, d_opt, bandit, buffer, rank, world_size,
                                  device, ref_model, liveness, drafter_health(recent))
-        if rec["drafter_top1_positions"]:  # the drafter's health: the last steps' figures, one step's rows being few
-            n = rec["drafter_top1_positions"]
-            recent = (recent + [[rec["drafter_top1"] * n, n]])[-HEALTH_STEPS:]
+        recent = add_health(recent, rec["drafter_top1"], rec["drafter_top1_positions"])  # the drafter's health, next step's
         history.append(rec)
         if rank == 0:
             with open(metrics_path, "a") as f:
@@ -303,44 +330,6 @@ def rl_prompts(args, task_cfg, step):
     return [task.sample_problem(prng, task_cfg) for _ in range(args.prompts_per_step)]
 
 
-HEALTHY, SICK = 0.98, 0.85  # the drafter's health (teacher-forced top-1) where online training is gentlest and hardest
-HEALTH_STEPS = 5  # RL steps whose figures make the health
-
-
-def drafter_health(recent):
-    """The drafter's health: its teacher-forced top-1 agreement on the fresh rows of the last
-    HEALTH_STEPS RL steps (`recent`: [agreeing positions, positions] per step; None before any).
-    The same on every rank: each step's figure is summed over ranks."""
-    n = sum(p for _, p in recent)
-    return sum(a for a, _ in recent) / n if n else None
-
-
-def drafter_schedule(args, step, health):
-    """The idle ranks' drafter learning rate and training depth (chained passes) at RL step `step`,
-    given the drafter's `health`. A cold start builds the drafter from nothing, as a warm-up would,
-    teacher-forced, with a cosine from --drafter-cold-lr down to a twentieth of it over the RL steps.
-    A warmed-up drafter follows its health: --drafter-online-lr while it is at least HEALTHY (a
-    drafter at its plateau only follows the target, and a large rate would only shake it), rising
-    geometrically to --drafter-cold-lr at SICK and below, where a weak drafter (stopped early, or
-    left behind by the target) is trained as hard as a cold start is; always on --drafter-depth
-    chained passes, which cost more per step than teacher forcing alone but keep every draft
-    position good (trained teacher-forced it gained more top-1 and fewer accepted tokens).
-    RESULTS.md has the schedules tried, with their figures."""
-    if args.drafter_warmup_steps == 0:
-        frac, peak = step / max(1, args.rl_steps - 1), args.drafter_cold_lr
-        return peak / 20 + (peak - peak / 20) * 0.5 * (1 + math.cos(math.pi * frac)), 1
-    if health is None:
-        return args.drafter_online_lr, args.drafter_depth
-    sick = min(1.0, max(0.0, (HEALTHY - health) / (HEALTHY - SICK)))
-    return args.drafter_online_lr * (args.drafter_cold_lr / args.drafter_online_lr) ** sick, args.drafter_depth
-
-
-def proposer(name, drafter):
-    """What drafts for --drafter `name`; `drafter` is the learned one."""
-    return {"learned": lambda: drafter, "ngram": NgramDrafter, "sibling": SiblingDrafter,
-            "sibling+learned": lambda: SiblingOrLearned(drafter)}[name]()
-
-
 def step_rows(args, task_cfg, step, rank, world_size):
     """This rank's rows of the step's global batch (prompts x G samples): their problems, their keys,
     and the number of rows in the global batch. Rows, not prompts, are dealt, in contiguous slices
@@ -362,7 +351,7 @@ def rl_step(step, args, task_cfg, model, net, drafter, opt, d_opt, bandit, buffe
     every rank's timeline segments."""
     t0 = time.perf_counter()
     # 1. this rank's rows of the step's global batch, each with its key
-    rows, keys, n_rows = step_rows(args, task_cfg, step, rank, world_size)
+    rows, keys, _ = step_rows(args, task_cfg, step, rank, world_size)
     # 2. roll out: plain steps while the running batch is large, speculative ones in the tail; score
     gen = torch.Generator(device=device).manual_seed(derive_seed(args.rl_seed, rank, step, Seed.ROLLOUT))
     samples, st = rollout(model, proposer(args.drafter, drafter),
@@ -393,23 +382,11 @@ def rl_step(step, args, task_cfg, model, net, drafter, opt, d_opt, bandit, buffe
         device=device, liveness=liveness)
     # 5. every rank ends with the same drafter: the weighted average overlaps the update
     finish_sync = start_drafter_sync(drafter, d_steps if train_drafter else 0)
-    # 6. every rank's rewards and sequences (a group may span ranks), group-normalised advantages over
-    # the global batch, and one GRPO update of the target under DDP, on the rows that carry a gradient,
-    # re-dealt so that every rank updates about as many tokens; its token-level mean is over the global batch
-    everyone = gather_ranks((rewards.tolist(), [s.tokens.tolist() for s in samples], [s.prompt_len for s in samples]))
-    t_update = time.perf_counter()  # the update's first collective is done: every rank is here
-    all_rewards = torch.tensor([r for part in everyone for r in part[0]], dtype=torch.float64)
-    seqs, plens = [x for part in everyone for x in part[1]], [x for part in everyone for x in part[2]]
-    adv = rl.group_advantages(all_rewards, args.group_size)
-    active = [i for i in range(n_rows) if args.kl_coef > 0 or adv[i] != 0]  # a zero advantage adds a zero gradient
-    ours = [active[j] for j in rl.deal_by_tokens([len(seqs[i]) for i in active], world_size)[rank]]
-    model.train()
-    loss, clip, skipped = rl.grpo_update(model, net, opt, [seqs[i] for i in ours], [plens[i] for i in ours], adv[ours],
-                                         pad_id=task.PAD_ID, update_tokens=args.update_tokens, epochs=args.rl_epochs,
-                                         clip_eps=args.clip_eps, kl_coef=args.kl_coef, ref_model=ref_model, device=device,
-                                         n_total=sum(len(s) - p for s, p in zip(seqs, plens)))
+    # 6. every rank's rewards and rows, group-normalised advantages over the global batch, one GRPO update
+    # of the target under DDP
+    t_update, all_rewards, responses, (loss, clip, skipped) = update_target(
+        args, model, net, opt, samples, rewards, rank, world_size, device, ref_model)
     finish_sync()
-    model.eval()
     sync(device)  # the optimizer step may still be queued on a GPU
     t1 = time.perf_counter()
     # 7. the step's record (rank 0 logs it): this rank's part, then every rank's
@@ -422,30 +399,32 @@ def rl_step(step, args, task_cfg, model, net, drafter, opt, d_opt, bandit, buffe
               "accepted": st.accepted, "drafted": st.drafted, "top1_agree": top1[0], "top1_positions": top1[1],
               "careful": sum(map(task.careful_share, texts)), "response_tokens": sum(len(s.response) for s in samples),
               **position_counts(st, max(args.draft_ks))}
-    responses = [s[p:] for s, p in zip(seqs, plens)]  # every rank's, in global row order
     rec, ranks = step_record(step, local, all_sum(counts, device), all_rewards, responses, t1 - t0, t1 - t_update)
     rec.update(loss=loss, clip_frac=clip, skipped_update=skipped, drafter_lr=d_lr, drafter_depth=d_depth, drafter_health=health,
                bandit_best=bandit.best())
     return rec, ranks
 
 
-def position_counts(stats, k_max):
-    """A rollout's drafts decided and accepted at each draft position 1..k_max, as {name: count}
-    (all_sum's form; DecodeStats has the meaning)."""
-    pad = lambda v: v + [0] * (k_max - len(v))  # noqa: E731
-    return {**{f"drafted_at{i}": v for i, v in enumerate(pad(stats.drafted_at))},
-            **{f"accepted_at{i}": v for i, v in enumerate(pad(stats.accepted_at))}}
-
-
-def by_position(records):
-    """Acceptance at each draft position summed over records -> ([rates or None], [drafts decided])."""
-    drafted = [sum(c) for c in zip(*(r["drafted_at"] for r in records))]
-    accepted = [sum(c) for c in zip(*(r["accepted_at"] for r in records))]
-    return [a / d if d else None for a, d in zip(accepted, drafted)], drafted
-
-
-def format_positions(rates):
-    return " ".join("  -  " if r is None else f"{100 * r:4.1f}" for r in rates)
+def update_target(args, model, net, opt, samples, rewards, rank, world_size, device, ref_model=None):
+    """Step 6: every rank's rewards and sequences (a group may span ranks), group-normalised advantages
+    over the global batch, and one GRPO update of the target under DDP, on the rows that carry a
+    gradient, re-dealt so that every rank updates about as many tokens; its token-level mean is over
+    the global batch. -> (when the update began, every reward and every response in global row order,
+    (loss, clip fraction, skipped))."""
+    everyone = gather_ranks((rewards.tolist(), [s.tokens.tolist() for s in samples], [s.prompt_len for s in samples]))
+    t_update = time.perf_counter()  # the update's first collective is done: every rank is here
+    all_rewards = torch.tensor([r for part in everyone for r in part[0]], dtype=torch.float64)
+    seqs, plens = [x for part in everyone for x in part[1]], [x for part in everyone for x in part[2]]
+    adv = rl.group_advantages(all_rewards, args.group_size)
+    active = [i for i in range(len(seqs)) if args.kl_coef > 0 or adv[i] != 0]  # a zero advantage adds a zero gradient
+    ours = [active[j] for j in rl.deal_by_tokens([len(seqs[i]) for i in active], world_size)[rank]]
+    model.train()
+    update = rl.grpo_update(model, net, opt, [seqs[i] for i in ours], [plens[i] for i in ours], adv[ours],
+                            pad_id=task.PAD_ID, update_tokens=args.update_tokens, epochs=args.rl_epochs,
+                            clip_eps=args.clip_eps, kl_coef=args.kl_coef, ref_model=ref_model, device=device,
+                            n_total=sum(len(s) - p for s, p in zip(seqs, plens)))
+    model.eval()
+    return t_update, all_rewards, [s[p:] for s, p in zip(seqs, plens)], update
 
 
 def step_record(step, local, total, all_rewards, responses, step_time, update_time):

@@ -439,3 +439,28 @@ def test_successive_groups_on_one_store_agree_on_fresh_prefixes():
         assert g[0][0] == g[1][0]  # one prefix per group
         assert g[0][1] == g[1][1] == 3.0  # and the group works
     assert groups[0][0][0] != groups[1][0][0]
+
+
+def test_the_idle_ranks_train_the_drafter_as_hard_as_its_health_asks():
+    """scheduler.add_health keeps the last HEALTH_STEPS steps' figures and skips a step nobody scored;
+    drafter_schedule: --drafter-online-lr at HEALTHY and above, --drafter-cold-lr at SICK and below,
+    geometric in between, on --drafter-depth passes; a cold start follows a cosine from the cold rate
+    down to a twentieth of it, teacher-forced (depth 1), whatever the health."""
+    import math
+    from types import SimpleNamespace
+    from scheduler import HEALTH_STEPS, HEALTHY, SICK, add_health, drafter_health, drafter_schedule
+    recent = []
+    for i in range(HEALTH_STEPS + 2):
+        recent = add_health(recent, 0.5 if i < 2 else 1.0, 10)  # the two weak steps fall out of the window
+    assert add_health(recent, None, 0) == recent  # no rank had time to score: the figure is unchanged
+    assert len(recent) == HEALTH_STEPS and drafter_health(recent) == 1.0 and drafter_health([]) is None
+    assert drafter_health(add_health([[5.0, 10]], 1.0, 30)) == 35 / 40  # weighted by positions scored
+    warm = SimpleNamespace(drafter_warmup_steps=100, drafter_online_lr=1e-4, drafter_cold_lr=1e-2, drafter_depth=3, rl_steps=11)
+    assert drafter_schedule(warm, 5, None) == (1e-4, 3) and drafter_schedule(warm, 5, HEALTHY + 0.01) == (1e-4, 3)
+    assert drafter_schedule(warm, 5, SICK - 0.1) == (pytest.approx(1e-2), 3)
+    assert drafter_schedule(warm, 5, (HEALTHY + SICK) / 2) == (pytest.approx(1e-3), 3)  # the geometric mean
+    cold = SimpleNamespace(**{**vars(warm), "drafter_warmup_steps": 0, "rl_steps": 5})
+    assert drafter_schedule(cold, 0, 0.99) == (pytest.approx(1e-2), 1)
+    quarter = 1e-2 / 20 + (1e-2 - 1e-2 / 20) * (1 + math.cos(math.pi / 4)) / 2  # a quarter of the way: a cosine, not a line
+    assert drafter_schedule(cold, 1, None) == (pytest.approx(quarter), 1)
+    assert drafter_schedule(cold, 4, None) == (pytest.approx(1e-2 / 20), 1)
