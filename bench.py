@@ -44,6 +44,7 @@ import time
 import torch
 
 import task
+import config
 import train
 import warmup
 from drafter import Drafter, DrafterBuffer, SiblingDrafter, make_optimizer, train_step
@@ -87,9 +88,9 @@ def parse_args(argv=None):
         p.error(f"--train-args: {e}")
     if args.sampler:  # the e2e runs and every train.py setting the bench reads take it too
         args.train_flags += ["--sampler", args.sampler]
-    args.targs = train.parse_args([*args.train_flags, "--out-dir", args.out_dir])  # the checkpoints' settings, parsed once
+    args.targs = config.parse_args([*args.train_flags, "--out-dir", args.out_dir])  # the checkpoints' settings, parsed once
     args.sampler = args.targs.sampler
-    if min_size(args.max_new, train.task_config(args.targs)) > args.targs.max_n:
+    if min_size(args.max_new, config.task_config(args.targs)) > args.targs.max_n:
         p.error(f"--max-new {args.max_new} is longer than the task's longest response")
     return args
 
@@ -101,10 +102,10 @@ def min_size(max_new, task_cfg):
 
 def load_models(targs):
     check_out_dir(targs.out_dir)
-    task_cfg = train.task_config(targs)
+    task_cfg = config.task_config(targs)
     device = torch.device("cuda" if wants_cuda(targs.device) else "cpu")
-    with train.autocast(targs, device):  # a warm-up made here is made as train.py would make it
-        _, model, drafter = warmup.prepare_models(targs, task_cfg, train.task_config(targs, warmup=True), False, 0, 1, device)
+    with config.autocast(targs, device):  # a warm-up made here is made as train.py would make it
+        _, model, drafter = warmup.prepare_models(targs, task_cfg, config.task_config(targs, warmup=True), False, 0, 1, device)
     return targs, task_cfg, model.eval(), drafter.eval()
 
 
@@ -564,7 +565,7 @@ def drafters_bench(args, targs, task_cfg, model, drafter):
     run's final target. The run must have started from this target warm-up and RL task; its drafter
     may have had another warm-up, or none (a cold start), which is what the comparison is for."""
     meta = torch.load(os.path.join(args.drafters, "ckpt.pt"), map_location="cpu", weights_only=True)["meta"]
-    want = {**warmup.model_meta(targs, model.config, train.task_config(targs, warmup=True)),
+    want = {**warmup.model_meta(targs, model.config, config.task_config(targs, warmup=True)),
             "rl_task": dataclasses.asdict(task_cfg)}
     differ = [k for k in want if meta.get(k) != want[k]]
     if differ:
@@ -584,7 +585,7 @@ def main(argv=None):
     targs, task_cfg, model, drafter = load_models(args.targs)
     device = model.wte.weight.device
     print(f"bench on {machine(device)}, {targs.dtype}")
-    with train.autocast(targs, device):  # --train-args "--dtype bfloat16": every forward under bf16 autocast
+    with config.autocast(targs, device):  # --train-args "--dtype bfloat16": every forward under bf16 autocast
         if args.e2e:
             result = e2e_bench(args, task_cfg, model, drafter)
         elif args.drift:

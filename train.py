@@ -12,7 +12,6 @@ Rank 0 logs one line per step and appends a record to <out-dir>/metrics.jsonl; a
 everything needed to continue is written atomically every --ckpt-every steps, and rerunning the
 same command resumes from it.
 """
-import argparse
 import copy
 import hashlib
 import json
@@ -29,191 +28,14 @@ from torch.nn.parallel import DistributedDataParallel
 
 import rl
 import task
-from drafter import (DEPTH, DRAFTER_BATCH, DRAFTERS, IDLE_STEP_TOKENS, LEARNED, DrafterBuffer, agreement_chores, make_optimizer,
-                     proposer)
-from model import GPTConfig
+from common import (COLLECTIVE_TIMEOUT_S, Liveness, Seed, all_sum, check_out_dir, compute_init, derive_seed, load_on_rank0,
+                    machine, print0, save_on_rank0, sync)
+from config import autocast, parse_args, task_config
+from drafter import LEARNED, DrafterBuffer, agreement_chores, make_optimizer, proposer
 from evaluate import evaluate_both, format_accuracy
-from common import (COLLECTIVE_TIMEOUT_S, Liveness, OneLineParser, Seed, all_sum, check_out_dir, compute_init, derive_seed,
-                    load_on_rank0, machine, on_off, print0, save_on_rank0, sync)
-from rollout import ARMS, Bandit, by_position, format_positions, position_counts, rollout
+from rollout import Bandit, by_position, format_positions, position_counts, rollout
 from scheduler import add_health, drafter_health, drafter_schedule, gather_ranks, idle_train, render_timeline, start_drafter_sync
-from speculative import SAMPLERS
 from warmup import drafter_meta, prepare_models
-
-
-def task_config(args, warmup=False):
-    """The task as the flags define it; warmup=True: with the warm-up's problem-size exponent."""
-    return task.TaskConfig(max_n=args.max_n, alpha=args.warmup_alpha if warmup else args.alpha,
-                           recheck=args.recheck, max_passes=args.max_passes, noise=args.noise, careful=args.careful)
-
-
-def autocast(args, device):
-    """The forwards' precision. --dtype bfloat16: torch.autocast in bf16 on `device` (matrix products
-    and attention in bf16; weights, gradients and optimizer state stay float32, the master copy);
-    float32: a context that does nothing. The files that own them keep the rotation, the softmaxes,
-    the Gumbel noise and the checksums in float32. Backward passes run inside it too, which changes
-    nothing (each backward op runs in its forward op's dtype, inside the context or not).
-    Autocast's weight cache is off: it keeps one bf16 copy of each weight until the outermost context
-    exits, and the optimizer steps taken inside one (warm-ups, idle training, the GRPO update) change
-    the weights in place, so later forwards would read the stale copy (measured: they do). The price
-    is one cast per weight per forward."""
-    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.dtype == "bfloat16", cache_enabled=False)
-
-
-# -----------------------------------------------------------------------------
-# flags: one function per group, in --help's order, then their checks
-
-def parse_args(argv=None):
-    """The command line -> args: every group's flags, checked, and the defaults taken from other flags."""
-    p = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    for add_flags in (run_flags, task_flags, model_flags, drafter_flags, rl_flags, tlt_flags, logging_flags):
-        add_flags(p)
-    args = p.parse_args(argv)
-    check_args(p, args)
-    args.warmup_dir = args.warmup_dir or args.out_dir
-    args.rl_seed = args.seed if args.rl_seed is None else args.rl_seed
-    args.drafter_seed = args.seed if args.drafter_seed is None else args.drafter_seed
-    return args
-
-
-def run_flags(p):
-    """Where the run writes, its seeds, its device and its precision."""
-    p.add_argument("--out-dir", default="out", help="where checkpoints and metrics.jsonl go")
-    p.add_argument("--warmup-dir", default=None, help="where the warm-up checkpoints are cached (default: --out-dir)")
-    p.add_argument("--seed", type=int, default=1337, help="base seed; per-rank, per-step seeds derive from it")
-    p.add_argument("--rl-seed", type=int, default=None, help="seed of the RL phase only (default: --seed), for noise estimates")
-    p.add_argument("--drafter-seed", type=int, default=None, help="seed of the drafter warm-up only (its initial weights, "
-                   "samples and batches; default: --seed), for its spread")
-    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="where to run")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="bfloat16: every forward (warm-ups, "
-                   "rollouts, GRPO update, evaluation) under bf16 autocast, weights and optimizer state kept in float32")
-
-
-def task_flags(p):
-    """The task: problem sizes, what the reference traces look like, the reward."""
-    p.add_argument("--max-n", type=int, default=task.TaskConfig.max_n, help="largest problem size (digits to sum)")
-    p.add_argument("--alpha", type=float, default=task.TaskConfig.alpha, help="tail exponent of the problem-size distribution")
-    p.add_argument("--recheck", type=float, default=task.TaskConfig.recheck, help="reference traces: probability of one more re-check "
-                   "pass after each answer (lengths then vary between samples of one prompt)")
-    p.add_argument("--max-passes", type=int, default=task.TaskConfig.max_passes, help="reference traces: at most this many passes")
-    p.add_argument("--noise", type=float, default=task.TaskConfig.noise, help="reference traces: probability that a running-sum step "
-                   "is written wrong (the warmed-up target then errs at about this rate when sampling)")
-    p.add_argument("--careful", type=float, default=task.TaskConfig.careful, help="reference traces: probability that a step "
-                   "is written out carefully, b7=3+7=0 instead of b7=0, with a quarter of the noise (0: never)")
-    p.add_argument("--careful-bonus", type=float, default=0.0, help="RL reward: a correct answer earns this times its share of "
-                   "careful steps on top of 1 (a format reward: RL then changes how the target writes)")
-    p.add_argument("--warmup-alpha", type=float, default=2.0, help="tail exponent of the problem sizes at the start "
-                   "of the target warm-up: mostly small problems, where the look-up is learned")
-    p.add_argument("--warmup-alpha-end", type=float, default=0.5, help="the exponent moves linearly from "
-                   "--warmup-alpha to this over the warm-up, a curriculum toward long problems (equal: none)")
-
-
-def model_flags(p):
-    """The target: its shape and its supervised warm-up."""
-    p.add_argument("--n-layer", type=int, default=12, help="target transformer layers")
-    p.add_argument("--n-head", type=int, default=4, help="attention heads")
-    p.add_argument("--n-embd", type=int, default=48, help="model width")
-    p.add_argument("--block-size", type=int, default=256, help="longest sequence the model holds")
-    # target warm-up
-    p.add_argument("--warmup-steps", type=int, default=2400, help="supervised optimizer steps for the target")
-    p.add_argument("--warmup-tokens", type=int, default=2048, help="padded tokens per warm-up batch, all ranks together")
-    p.add_argument("--warmup-lr", type=float, default=6e-3, help="peak learning rate of the target warm-up")
-    p.add_argument("--merge-init", type=on_off, default=True, metavar="on|off", help="start each labelled-digit "
-                   "token's embedding as (label + digit) / sqrt(2) (off: random, as every other token)")
-
-
-def drafter_flags(p):
-    """The drafter: its warm-up, its training on idle ranks, its buffer."""
-    p.add_argument("--drafter-warmup-seqs", type=int, default=2048, help="target samples the drafter warms up on")
-    p.add_argument("--drafter-warmup-steps", type=int, default=6000, help="at most this many drafter optimizer steps in its "
-                   "warm-up, which ends at its plateau on held-out samples (warmup.py), usually well before (0: a cold "
-                   "start, no warm-up and no sampling for one: the idle ranks build the drafter during RL)")
-    p.add_argument("--drafter-lr", type=float, default=2e-3, help="peak drafter learning rate of the warm-up")
-    p.add_argument("--drafter-cold-lr", type=float, default=4e-3, help="a cold start's drafter learning rate on idle ranks: "
-                   "it decays on a cosine from this to a twentieth of it over the RL steps")
-    p.add_argument("--drafter-online-lr", type=float, default=5e-5, help="drafter learning rate on idle ranks during RL")
-    p.add_argument("--drafter-batch", type=int, default=DRAFTER_BATCH, help="sequences per drafter training step")
-    p.add_argument("--drafter-depth", type=int, default=DEPTH, help="chained passes per drafter training step: the drafter "
-                   "trains on its own predictions this many drafts deep (1: teacher forcing alone)")
-    p.add_argument("--drafter-idle-tokens", type=int, default=IDLE_STEP_TOKENS, help="padded positions per drafter step on "
-                   "idle ranks at most (fewer sequences when they are long): how long the last rank can wait for one")
-    p.add_argument("--drafter-keep", type=int, default=32, help="RL steps of hidden states the drafter buffer keeps")
-    p.add_argument("--drafter-keep-tokens", type=int, default=1_000_000, help="and at most this many tokens, the oldest "
-                   "sequences dropped first (bounded memory; at least --block-size)")
-
-
-def rl_flags(p):
-    """GRPO and the rollouts it learns from."""
-    p.add_argument("--rl-steps", type=int, default=200, help="GRPO steps")
-    p.add_argument("--prompts-per-step", type=int, default=4, help="prompts per RL step, all ranks together")
-    p.add_argument("--group-size", type=int, default=8, help="responses per prompt (the GRPO group)")
-    p.add_argument("--rl-lr", type=float, default=1e-4, help="learning rate of the GRPO updates")
-    p.add_argument("--rl-epochs", type=int, default=1, help="optimizer passes over each rollout")
-    p.add_argument("--clip-eps", type=float, default=0.2, help="PPO clip range")
-    p.add_argument("--kl-coef", type=float, default=0.0, help="weight of the KL to the warmed-up target (0: off)")
-    p.add_argument("--temperature", type=float, default=1.0, help="rollout sampling temperature")
-    p.add_argument("--sampler", default="gumbel", choices=SAMPLERS, help="gumbel: every token fixed by (sequence key, "
-                   "position), so plain and speculative rollouts give the same tokens; rejection: classic "
-                   "speculative sampling, the same distribution but other samples")
-    p.add_argument("--update-tokens", type=int, default=1024, help="padded tokens per GRPO micro-batch")
-
-
-def tlt_flags(p):
-    """TLT itself: speculative decoding in the tail, what drafts there, the online drafter."""
-    p.add_argument("--tlt", type=on_off, default=True, metavar="on|off", help="speculative decoding in the tail (off: plain baseline)")
-    p.add_argument("--drafter-updates", type=on_off, default=True, metavar="on|off", help="train the drafter on idle ranks (off: frozen)")
-    p.add_argument("--drafter", default="learned", choices=DRAFTERS, help="what drafts in the tail: the learned "
-                   "EAGLE-style drafter (TLT); TLT-Base's model-free n-gram lookup in the row's own tokens; the model-free "
-                   "lookup in the row's GRPO siblings; or the learned drafter until every running row is the last of its group, "
-                   "then the siblings")
-    p.add_argument("--sd-threshold", type=int, default=64, help="speculative steps only when the running batch is at most this")
-    p.add_argument("--draft-ks", default=",".join(map(str, ARMS)), help="draft lengths the bandit picks from (0: a plain "
-                   "step); one value fixes k, e.g. to compare two drafters at the same k")
-
-
-def logging_flags(p):
-    """Evaluation, logging and checkpoints."""
-    p.add_argument("--eval-per-bucket", type=int, default=40, help="held-out problems per size bucket (0: no evaluation)")
-    p.add_argument("--eval-samples", type=int, default=8, help="samples per held-out problem for the sampled accuracy")
-    p.add_argument("--timeline-every", type=int, default=10, help="print the per-rank timeline every N steps (0: never)")
-    p.add_argument("--ckpt-every", type=int, default=10, help="write the RL checkpoint every N steps")
-
-
-def check_args(p, args):
-    """Each flag's range, then the flags that must fit together: a bad one is a flag error (p.error),
-    as argparse's own are. --draft-ks becomes a tuple of ints here."""
-    positive = ("warmup_steps", "warmup_tokens", "warmup_lr", "drafter_warmup_seqs", "drafter_batch", "drafter_depth", "drafter_idle_tokens",
-                "drafter_keep", "drafter_keep_tokens", "drafter_lr", "drafter_cold_lr", "drafter_online_lr", "prompts_per_step", "group_size", "rl_epochs", "rl_lr",
-                "clip_eps", "update_tokens", "ckpt_every", "eval_samples")
-    non_negative = ("rl_steps", "drafter_warmup_steps", "careful_bonus", "kl_coef", "temperature", "sd_threshold", "timeline_every", "eval_per_bucket")
-    for names, ok, what in ((positive, lambda v: v > 0, "positive"), (non_negative, lambda v: v >= 0, "non-negative")):
-        for name in names:
-            if not ok(getattr(args, name)):  # written so that NaN fails too
-                p.error(f"--{name.replace('_', '-')} must be {what}, got {getattr(args, name)}")
-    try:
-        args.draft_ks = tuple(int(k) for k in args.draft_ks.split(","))
-    except ValueError:
-        p.error(f"--draft-ks takes comma-separated integers, got {args.draft_ks!r}")
-    if min(args.draft_ks) < 0 or len(set(args.draft_ks)) != len(args.draft_ks):
-        p.error(f"--draft-ks must be distinct non-negative integers, got {args.draft_ks}")
-    try:  # the task and model configs check their own fields; a bad one is a flag error here
-        task_config(args), task_config(args, warmup=True)
-        task.TaskConfig(alpha=args.warmup_alpha_end)
-        GPTConfig(vocab_size=task.VOCAB_SIZE, block_size=args.block_size, n_layer=args.n_layer, n_head=args.n_head,
-                  n_embd=args.n_embd)
-    except ValueError as e:
-        p.error(str(e))
-    need = task_config(args).max_seq_len + max(args.draft_ks)
-    if args.block_size < need:
-        p.error(f"--block-size {args.block_size} is too small for --max-n {args.max_n}: the longest prompt + "
-                f"response + {max(args.draft_ks)} draft tokens needs {need}")
-    if args.drafter_keep_tokens < args.block_size:  # so the newest sequence always fits
-        p.error(f"--drafter-keep-tokens {args.drafter_keep_tokens} must be at least --block-size {args.block_size}")
-    world_size = int(os.environ.get("WORLD_SIZE", 1))  # torchrun's; 1 for a single process
-    if args.prompts_per_step * args.group_size < world_size:
-        p.error(f"--prompts-per-step {args.prompts_per_step} x --group-size {args.group_size} = "
-                f"{args.prompts_per_step * args.group_size} rows per step leave some of the {world_size} ranks without "
-                f"work; raise --prompts-per-step")
 
 
 # -----------------------------------------------------------------------------
@@ -227,7 +49,7 @@ def rl_meta(args, config, task_cfg):
 
 
 def main(argv=None):
-    args = parse_args(argv)
+    args = parse_args(argv, __doc__)
     check_out_dir(args.out_dir)
     check_out_dir(args.warmup_dir)
     task_cfg = task_config(args)
@@ -280,13 +102,11 @@ def run(args, task_cfg, ddp, rank, world_size, device, liveness=None):
     print0(f"RL: {args.rl_steps} steps x {args.prompts_per_step} prompts x {args.group_size} samples on {world_size} "
            f"rank(s) ({n_rows // world_size}{'+' if n_rows % world_size else ''} rows each) | tlt {'on' if args.tlt else 'off'} | drafter updates "
            f"{'on' if args.drafter_updates and args.tlt else 'off'} | sd threshold {args.sd_threshold}")
-    history = []
     for step in range(start, args.rl_steps):
         with autocast(args, device):  # rollout, drafter training, GRPO update
             rec, ranks = rl_step(step, args, task_cfg, model, net, drafter, opt, d_opt, bandit, buffer, rank, world_size,
                                  device, ref_model, liveness, drafter_health(recent))
         recent = add_health(recent, rec["drafter_top1"], rec["drafter_top1_positions"])  # the drafter's health, next step's
-        history.append(rec)
         if rank == 0:
             with open(metrics_path, "a") as f:
                 f.write(json.dumps(rec) + "\n")
@@ -298,8 +118,9 @@ def run(args, task_cfg, ddp, rank, world_size, device, liveness=None):
 
     with autocast(args, device):
         acc1 = evaluate_both(model, drafter, problems, args, task_cfg, rank, world_size, "after RL", check=True)
-    if history:
-        summary(history, acc0, acc1, time.time() - t_run)
+    if rank == 0 and start < args.rl_steps:  # the run's records read back: none is held in memory while it runs
+        with open(metrics_path) as f:
+            summary([r for r in map(json.loads, f) if r["step"] >= start], acc0, acc1, time.time() - t_run)
 
 
 def resume(ckpt_path, meta, model, drafter, opt, d_opt, bandit, rank):
@@ -501,7 +322,7 @@ def summary(history, acc0, acc1, total_time):
                f"{sum(drafted):,} drafts decided)")
     best = history[-1]["bandit_best"]
     if best:
-        print0("  bandit's k per batch  " + ", ".join(f"{Bandit.bucket_sizes(b)}: {k}" for b, k in best.items())
+        print0("  bandit's k per batch  " + ", ".join(f"{Bandit.bucket_sizes(int(b))}: {k}" for b, k in best.items())
                + " (rank 0, end of run)")
     n = max(1, len(history) // 10)  # a step's reward swings with its prompt mix; tenths of the run show the trend
 

@@ -11,7 +11,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 import bench  # noqa: E402
 import task  # noqa: E402
-import train  # noqa: E402
+import config  # noqa: E402
 from drafter import Drafter  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
 from conftest import randomize  # noqa: E402
@@ -54,7 +54,7 @@ def test_drift_moves_a_copy_of_the_target_and_trains_a_copy_of_the_drafter():
     randomize(target, 0, std=0.3)  # far from the near-uniform init, where every draft is accepted before and after
     before = {k: v.clone() for k, v in target.state_dict().items()}
     d_before = {k: v.clone() for k, v in drafter.state_dict().items()}
-    targs = train.parse_args(["--device", "cpu", "--max-n", "4", "--max-passes", "1", "--block-size", "40", "--warmup-tokens", "256",
+    targs = config.parse_args(["--device", "cpu", "--max-n", "4", "--max-passes", "1", "--block-size", "40", "--warmup-tokens", "256",
                               "--drafter-batch", "4"])
     out = bench.drift_bench(targs, task_cfg, target, drafter, sft_steps=3, n_seqs=64, online_steps=3, n_prompts=8,
                             seeds=(0, 1))["drift"]

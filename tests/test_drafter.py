@@ -627,13 +627,13 @@ def test_warmup_ends_at_its_third_stall_and_keeps_its_best(target, buffers, monk
     from the first scoring on, every 3 scorings are a stall: the rate drops at scorings 5 and 8 and
     the warm-up ends at 11, reached its plateau; the drafter it leaves is its best-scoring one, not
     its last; a cap before that ends it short, and says so."""
-    import train
+    import config
     import warmup
     train_buf, held_out, _ = buffers
     monkeypatch.setattr(warmup, "EVAL_EVERY", 10)
     monkeypatch.setattr(warmup, "MIN_GAIN", 100.0)
     monkeypatch.setattr(warmup, "DEEP_FROM", 0.0)
-    args = train.parse_args(["--drafter-warmup-steps", "1000", "--drafter-batch", "4", "--drafter-lr", "0.3"])
+    args = config.parse_args(["--drafter-warmup-steps", "1000", "--drafter-batch", "4", "--drafter-lr", "0.3"])
     drafter = make_drafter(target, seed=3)
     info = warmup.train_to_plateau(drafter, train_buf, held_out, random.Random(0), args, False, "cpu")
     assert info["steps"] == 110 and info["plateau"]
@@ -643,6 +643,6 @@ def test_warmup_ends_at_its_third_stall_and_keeps_its_best(target, buffers, monk
     kept = warmup.held_out_figures(drafter, held_out, "cpu")
     assert torch.allclose(kept, torch.tensor(info["figures"], dtype=torch.float64))
     assert warmup.expected_accepted((kept[1] / kept[2]).tolist()) == pytest.approx(max(scores), abs=0.006)  # printed to 2 places
-    args = train.parse_args(["--drafter-warmup-steps", "30", "--drafter-batch", "4"])
+    args = config.parse_args(["--drafter-warmup-steps", "30", "--drafter-batch", "4"])
     info = warmup.train_to_plateau(make_drafter(target, seed=3), train_buf, held_out, random.Random(0), args, False, "cpu")
     assert info["steps"] == 30 and not info["plateau"] and "SHORT of its plateau" in capsys.readouterr().out

@@ -265,7 +265,7 @@ def _drafter_warmup(rank, world, fault):
     """warmup.warmup_drafter: the last rank samples late (a delay injected into its rollout), then
     every rank trains the drafter with gradients all-reduced."""
     import task
-    import train
+    import config
     import warmup
     if rank == world - 1:
         real = warmup.rollout
@@ -276,7 +276,7 @@ def _drafter_warmup(rank, world, fault):
         warmup.rollout = late_rollout
     torch.manual_seed(0)
     target = GPT(GPTConfig(vocab_size=task.VOCAB_SIZE, block_size=24, n_layer=1, n_head=2, n_embd=16)).eval()
-    args = train.parse_args(["--drafter-warmup-seqs", "4", "--drafter-warmup-steps", "2", "--drafter-batch", "2"])
+    args = config.parse_args(["--drafter-warmup-seqs", "4", "--drafter-warmup-steps", "2", "--drafter-batch", "2"])
     warmup.warmup_drafter(Drafter(target), target, args, task.TaskConfig(max_n=3, max_passes=1), True, rank, world,
                           torch.device("cpu"))
 

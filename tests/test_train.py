@@ -14,6 +14,7 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 import common  # noqa: E402
+import config  # noqa: E402
 import train  # noqa: E402
 import warmup  # noqa: E402
 
@@ -145,24 +146,24 @@ def test_bad_flags_one_line_nonzero_nothing_written(bad, tmp_path):
 
 
 def test_draft_ks_fixes_the_arms_and_sizes_the_block():
-    args = train.parse_args(TINY + ["--draft-ks", "3"])
+    args = config.parse_args(TINY + ["--draft-ks", "3"])
     bandit = train.Bandit(args.draft_ks)
     assert args.draft_ks == (3,) and {bandit.choose(b) for b in (1, 2, 5, 64) for _ in range(20)} == {3}
     # max-n 4 needs 31 positions plus the longest draft: 40 holds k = 8, 34 only k <= 3
     with pytest.raises(SystemExit):
-        train.parse_args(TINY + ["--block-size", "34"])
-    assert train.parse_args(TINY + ["--block-size", "34", "--draft-ks", "0,1,3"]).draft_ks == (0, 1, 3)
+        config.parse_args(TINY + ["--block-size", "34"])
+    assert config.parse_args(TINY + ["--block-size", "34", "--draft-ks", "0,1,3"]).draft_ks == (0, 1, 3)
 
 
 def test_rl_prompts_are_a_function_of_seed_and_step():
     """Every rank draws the step's whole list and takes its shard; the bench's long-tail workload
     relies on drawing the same list."""
-    args = train.parse_args(TINY)
+    args = config.parse_args(TINY)
     cfg = train.task.TaskConfig(max_n=args.max_n, alpha=args.alpha)
     prompts = train.rl_prompts(args, cfg, 3)
     assert prompts == train.rl_prompts(args, cfg, 3) and len(prompts) == args.prompts_per_step
     assert prompts != train.rl_prompts(args, cfg, 4)
-    assert prompts != train.rl_prompts(train.parse_args(TINY + ["--rl-seed", "7"]), cfg, 3)
+    assert prompts != train.rl_prompts(config.parse_args(TINY + ["--rl-seed", "7"]), cfg, 3)
 
 
 def test_mismatched_or_corrupt_checkpoint_is_refused_and_left_alone(tmp_path):
@@ -216,9 +217,9 @@ def test_bf16_warmups_and_rl_steps_on_one_and_two_ranks(tmp_path):
 def test_dtype_keys_the_warmups_and_float32_keeps_the_old_meta():
     """A bf16 warm-up is another warm-up: its meta differs. float32 adds no key, so warm-ups cached
     before --dtype existed are still used."""
-    f32, bf16 = train.parse_args(TINY), train.parse_args(TINY + ["--dtype", "bfloat16"])
-    config = warmup.GPTConfig(vocab_size=train.task.VOCAB_SIZE, block_size=40, n_layer=1, n_head=2, n_embd=16)
-    metas = [warmup.model_meta(a, config, train.task_config(a, warmup=True)) for a in (f32, bf16)]
+    f32, bf16 = config.parse_args(TINY), config.parse_args(TINY + ["--dtype", "bfloat16"])
+    shape = warmup.GPTConfig(vocab_size=train.task.VOCAB_SIZE, block_size=40, n_layer=1, n_head=2, n_embd=16)
+    metas = [warmup.model_meta(a, shape, config.task_config(a, warmup=True)) for a in (f32, bf16)]
     assert "dtype" not in metas[0] and metas[1] == {**metas[0], "dtype": "bfloat16"}
 
 
@@ -232,9 +233,9 @@ def test_a_block_that_fits_the_longest_draft_fits_the_evaluation(tmp_path):
 
 def test_evaluation_without_drafts_decodes_plainly():
     """--draft-ks 0 never speculates: the evaluation decodes plainly and skips the speculative check."""
-    args = train.parse_args(TINY + ["--draft-ks", "0", "--block-size", "31", "--eval-samples", "1"])
+    args = config.parse_args(TINY + ["--draft-ks", "0", "--block-size", "31", "--eval-samples", "1"])
     model, drafter = _tiny_models(args)
-    task_cfg = train.task_config(args)
+    task_cfg = config.task_config(args)
     acc = train.evaluate_both(model, drafter, train.task.eval_set(task_cfg, 1), args, task_cfg, 0, 1, "now", check=True)
     assert set(acc) == {"greedy", "sampled"}
 
@@ -261,7 +262,7 @@ def test_uneven_shards_and_an_empty_rank(tmp_path):
 
 def test_non_finite_update_is_skipped_and_never_saved(tmp_path):
     from model import GPT, GPTConfig
-    args = train.parse_args(TINY)
+    args = config.parse_args(TINY)
     model = GPT(GPTConfig(vocab_size=20, block_size=40, n_layer=1, n_head=2, n_embd=16))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     before = [p.detach().clone() for p in model.parameters()]
@@ -284,7 +285,7 @@ def test_non_finite_update_is_skipped_and_never_saved(tmp_path):
 
 
 def test_merged_embeddings_start_as_label_plus_digit():
-    args = train.parse_args(TINY)
+    args = config.parse_args(TINY)
     model = warmup.GPT(warmup.GPTConfig(vocab_size=train.task.VOCAB_SIZE, block_size=args.block_size,
                                         n_layer=1, n_head=2, n_embd=16))
     warmup.init_merged_embeddings(model)
@@ -294,19 +295,19 @@ def test_merged_embeddings_start_as_label_plus_digit():
 
 
 def test_task_flags_reach_the_task_config():
-    args = train.parse_args(TINY + ["--recheck", "0.3", "--max-passes", "2", "--noise", "0.05", "--warmup-alpha", "0.5",
+    args = config.parse_args(TINY + ["--recheck", "0.3", "--max-passes", "2", "--noise", "0.05", "--warmup-alpha", "0.5",
                                     "--block-size", "80"])
-    cfg, wcfg = train.task_config(args), train.task_config(args, warmup=True)
+    cfg, wcfg = config.task_config(args), config.task_config(args, warmup=True)
     assert (cfg.recheck, cfg.max_passes, cfg.noise, cfg.alpha, wcfg.alpha) == (0.3, 2, 0.05, args.alpha, 0.5)
     with pytest.raises(SystemExit):  # two passes do not fit the tiny block
-        train.parse_args(TINY + ["--max-passes", "2"])
+        config.parse_args(TINY + ["--max-passes", "2"])
 
 
 def test_warmup_curriculum_keys_the_cache():
-    curriculum, plain = train.parse_args(TINY), train.parse_args(TINY + ["--warmup-alpha-end", "2.0"])
+    curriculum, plain = config.parse_args(TINY), config.parse_args(TINY + ["--warmup-alpha-end", "2.0"])
     assert curriculum.warmup_alpha_end != curriculum.warmup_alpha and plain.warmup_alpha_end == plain.warmup_alpha
-    config = warmup.GPTConfig(vocab_size=train.task.VOCAB_SIZE, block_size=40, n_layer=1, n_head=2, n_embd=16)
-    metas = [warmup.model_meta(a, config, train.task_config(a, warmup=True)) for a in (plain, curriculum)]
+    shape = warmup.GPTConfig(vocab_size=train.task.VOCAB_SIZE, block_size=40, n_layer=1, n_head=2, n_embd=16)
+    metas = [warmup.model_meta(a, shape, config.task_config(a, warmup=True)) for a in (plain, curriculum)]
     assert metas[0] != metas[1]  # a warm-up cached with another curriculum is refused, not reused
 
 
@@ -333,13 +334,13 @@ def _rl_steps_worker(rank, world, port, out, n_steps, warm):
     torch.set_num_threads(1)
     if world > 1:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    args = train.parse_args(SOMETIMES_RIGHT + ["--prompts-per-step", "3", "--group-size", "3", "--rl-lr", "3e-3"])
+    args = config.parse_args(SOMETIMES_RIGHT + ["--prompts-per-step", "3", "--group-size", "3", "--rl-lr", "3e-3"])
     model, drafter = _tiny_models(args)
     model.load_state_dict(torch.load(warm, map_location="cpu")["model"])
     net = DistributedDataParallel(model, forward_sync_buffers=False) if world > 1 else model
     opt = torch.optim.AdamW(model.parameters(), lr=args.rl_lr, betas=(0.9, 0.95), weight_decay=0.0)
     d_opt = train.make_optimizer(drafter, args.drafter_online_lr)
-    recs = [train.rl_step(step, args, train.task_config(args), model, net, drafter, opt, d_opt, train.Bandit(args.draft_ks),
+    recs = [train.rl_step(step, args, config.task_config(args), model, net, drafter, opt, d_opt, train.Bandit(args.draft_ks),
                           train.DrafterBuffer(), rank, world, torch.device("cpu"))[0] for step in range(n_steps)]
     if rank == 0:
         torch.save({"digests": [r["responses_digest"] for r in recs], "rewards": [r["reward"] for r in recs],
@@ -372,7 +373,7 @@ def test_rl_steps_do_not_depend_on_the_number_of_ranks(tmp_path):
     one, two = _rl_steps(1, tmp_path, warm), _rl_steps(2, tmp_path, warm)
     assert one["digests"] == two["digests"] and one["rewards"] == two["rewards"]
     assert 0 < sum(one["rewards"]) < len(one["rewards"])  # rewards vary, so the target is updated
-    start, _ = _tiny_models(train.parse_args(SOMETIMES_RIGHT))
+    start, _ = _tiny_models(config.parse_args(SOMETIMES_RIGHT))
     start.load_state_dict(torch.load(warm, map_location="cpu")["model"])
     w0 = torch.cat([p.detach().reshape(-1) for p in start.parameters()])
     update = (one["weights"] - w0).norm()
@@ -394,8 +395,8 @@ def _cache_worker(rank, port, warmup_dir, out):
     if rank == 1:
         real = os.path.exists
         os.path.exists = lambda p: False if str(p).startswith(warmup_dir) else real(p)
-    args = train.parse_args(TINY + ["--warmup-dir", warmup_dir])
-    _, model, drafter = warmup.prepare_models(args, train.task_config(args), train.task_config(args, warmup=True),
+    args = config.parse_args(TINY + ["--warmup-dir", warmup_dir])
+    _, model, drafter = warmup.prepare_models(args, config.task_config(args), config.task_config(args, warmup=True),
                                               True, rank, 2, torch.device("cpu"))
     torch.save({"model": model.state_dict(), "drafter": drafter.checksum()}, f"{out}.{rank}")
     dist.barrier()
