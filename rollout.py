@@ -33,8 +33,9 @@ from collections import deque
 from dataclasses import dataclass, field
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
-from common import add_segment, sync
+from common import add_segment
 from speculative import DecodeStats, RunningBatch
 
 ARMS = (0, 1, 2, 3, 4, 6, 8)
@@ -120,9 +121,12 @@ def rollout(target, drafter, prompts, max_new_tokens, *, temperature=1.0, eos_id
     (timeline segments relative to the call; the tail share: see `tail_share`).
     sampler and keys: see speculative.RunningBatch; with "gumbel", the tokens do not depend on
     tlt, the threshold or the bandit's choices (up to float32 rounding: see speculative.py).
-    progress, when given, is called after every decoding step (common.beat: this rank
-    is slow, not dead)."""
-    device = target.wte.weight.device
+    progress, when given, is called after the prefill and after every decoding step (common.beat:
+    this rank is slow, not dead).
+
+    One read of the device per step, compact's (which rows finished): it waits for everything queued
+    before it, so the host clock at that read ends the step before it (compaction included), and the
+    bandit's tokens come with it (RunningBatch.emitted): timing adds no sync and no read."""
     stats = RolloutStats()
     if not prompts:
         return [], stats
@@ -131,32 +135,38 @@ def rollout(target, drafter, prompts, max_new_tokens, *, temperature=1.0, eos_id
     t_start = time.perf_counter()
     batch = RunningBatch(target, prompts, max_new_tokens, temperature=temperature, eos_id=eos_id, generator=generator,
                          max_draft=max(bandit.arms) if use_sd else 0, sampler=sampler, keys=keys)
-    sync(device)
-    stats.prefill_time = time.perf_counter() - t_start
-    stats.segments.append(["plain", 0.0, stats.prefill_time])  # the prefill is drawn as plain decoding
-    while batch.compact() > 0:
-        B = batch.batch_size
+    if progress:
+        progress()
+    step = None  # the step in flight: (batch size, k, start)
+    while True:
+        B = batch.compact()  # sync: the step's one read
+        now = time.perf_counter() - t_start
+        if step is None:  # the prefill's first tokens are in; it is drawn as plain decoding
+            stats.prefill_time = now
+            stats.segments.append(["plain", 0.0, now])
+        else:  # the step before this read is over: time it, and score its k on its tokens per second
+            B_step, k, t0 = step
+            if use_sd and B_step <= sd_threshold:
+                bandit.update(B_step, k, batch.emitted, now - t0)
+            stats.batch_sizes.append(B_step)
+            stats.step_times.append(now - t0)
+            if k:
+                stats.spec_time += now - t0
+            else:
+                stats.plain_time += now - t0
+            add_segment(stats.segments, "spec" if k else "plain", t0, now)
+        if B == 0:
+            break
         k = bandit.choose(B) if use_sd and B <= sd_threshold else 0
-        t0 = time.perf_counter()
+        step = (B, k, now)
         if k == 0:
             n_emitted = batch.plain_step()
         else:
             n_emitted, n_acc = batch.speculative_step(drafter, k)
             stats.add_speculative(n_emitted, n_acc, k)
-        sync(device)
-        t1 = time.perf_counter()
+        stats.add_step(n_emitted)
         if progress:
             progress()
-        if use_sd and B <= sd_threshold:  # sync: the bandit scores k by this step's tokens per second, on the host
-            bandit.update(B, k, int(n_emitted.sum()), t1 - t0)
-        stats.add_step(n_emitted)
-        stats.batch_sizes.append(B)
-        stats.step_times.append(t1 - t0)
-        if k:
-            stats.spec_time += t1 - t0
-        else:
-            stats.plain_time += t1 - t0
-        add_segment(stats.segments, "spec" if k else "plain", t0 - t_start, t1 - t_start)
     stats.settle()  # sync: the counts the steps left on the device, read once
     stats.draft_time = batch.drafting.seconds()
     stats.time = time.perf_counter() - t_start
@@ -195,3 +205,72 @@ def by_position(records):
 def format_positions(rates):
     """Rates by position as percentages for a log line; '-' where no draft was decided."""
     return " ".join("  -  " if r is None else f"{100 * r:4.1f}" for r in rates)
+
+class HostTraffic(TorchDispatchMode):
+    """Counts, while active, what makes the host wait for a GPU (reads) and what copies host data to
+    it (copies), in segments: `mark()` ends one and starts the next (rollout's `progress` hook marks
+    the prefill and every decoding step). It counts operations by what they mean, not by what the
+    device at hand does, so a run on a CPU, where host and device are one, counts what the same run
+    would pay on a GPU.
+
+    reads (device -> host: the host waits for every kernel queued before it):
+      aten._local_scalar_dense (item(), int(t), float(t), bool(t), `if t:`), aten.equal (torch.equal
+      returns a Python bool); ops whose output size depends on values (nonzero, unique, masked_select,
+      repeat_interleave, indexing with a boolean mask); Tensor.tolist, .cpu and .numpy, counted where
+      they are called (on a CPU they dispatch nothing), whatever they dispatch inside not counted again.
+    copies (host -> device):
+      aten.lift_fresh of a tensor with a dimension: a tensor made from Python data (torch.tensor(list),
+      torch.as_tensor(list), indexing with a Python list); a 0-d one is a Python scalar, which reaches a
+      kernel as an argument, uncounted; aten._to_copy of a CPU tensor to another device (a GPU run only).
+    Not seen on a CPU: .to(device) of a CPU tensor (nothing is dispatched; on a GPU run it is the
+    _to_copy above). torch.cuda.synchronize is not an op: rollout() calls none in its loop."""
+    READS = {"_local_scalar_dense", "equal", "nonzero", "_unique2", "unique_dim", "unique_consecutive",
+             "masked_select", "repeat_interleave"}
+    HOST_CALLS = ("tolist", "cpu", "numpy")
+
+    def __init__(self):
+        super().__init__()
+        self.segments = [[]]  # per segment, the (kind, op) of every read and copy, in order
+        self._inside = 0  # > 0 inside a counted Tensor.tolist/cpu/numpy
+
+    def mark(self):
+        self.segments.append([])
+
+    def counts(self, kind):
+        """How many reads ("read") or copies ("copy") each segment made."""
+        return [sum(k == kind for k, _ in seg) for seg in self.segments]
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        if not self._inside:
+            t = args[0] if args and torch.is_tensor(args[0]) else None
+            if name in self.READS or (name in ("index", "index_put", "index_put_") and any(
+                    i is not None and i.dtype == torch.bool for i in args[1])):
+                self.segments[-1].append(("read", name))
+            elif name == "lift_fresh" and t.dim() > 0:
+                self.segments[-1].append(("copy", name))
+            elif name == "_to_copy" and t.device.type == "cpu" and kwargs.get("device", t.device).type != "cpu":
+                self.segments[-1].append(("copy", name))
+        return func(*args, **(kwargs or {}))
+
+    def __enter__(self):
+        self._real = {name: getattr(torch.Tensor, name) for name in self.HOST_CALLS}
+        for name, real in self._real.items():
+            setattr(torch.Tensor, name, self._counted(name, real))
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        for name, real in self._real.items():
+            setattr(torch.Tensor, name, real)
+        return super().__exit__(*exc)
+
+    def _counted(self, name, real):
+        def call(t, *args, **kwargs):
+            if not self._inside:
+                self.segments[-1].append(("read", name))
+            self._inside += 1
+            try:
+                return real(t, *args, **kwargs)
+            finally:
+                self._inside -= 1
+        return call

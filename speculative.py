@@ -59,6 +59,7 @@ Test: python -m pytest tests/test_speculative.py
 """
 import bisect
 import functools
+import os
 from dataclasses import asdict, dataclass, field
 from typing import NamedTuple
 
@@ -66,6 +67,8 @@ import torch
 import torch.nn.functional as F
 
 from common import Stopwatch
+
+DEBUG = os.environ.get("TLT_DEBUG") == "1"  # check RunningBatch's invariants (`_check`) at every step: slow
 
 
 def probs(logits, temperature):
@@ -200,6 +203,11 @@ class Sample(NamedTuple):
     prompt_len: int
 
 
+def _invariant(ok, what):
+    if not ok:
+        raise AssertionError(f"RunningBatch invariant broken: {what}")
+
+
 class RunningBatch:
     """The running batch of one generate or rollout call: rows leave it when they finish.
 
@@ -207,9 +215,11 @@ class RunningBatch:
     but not yet read by the target), so the target cache holds n_tokens - 1 positions and
     hidden[b, j] is the target's final hidden state after reading tokens[b, j].
 
-    On the host it keeps bounds instead of reading the device: `longest` >= every row's n_tokens
-    (exact after each compact, then grown by the most a step can add), which sizes every attention
-    window, and `unread` >= how many recorded states the drafter has not read, its catch-up width.
+    The host keeps what it needs to know of every row instead of reading the device: `running`, the
+    original row in each slot; `longest` >= every row's n_tokens (exact after each compact, then
+    grown by the most a step can add), which sizes every attention window; `unread` >= how many
+    recorded states the drafter has not read, its catch-up width. `_check` states the invariants
+    the steps rely on and checks them when DEBUG is on.
 
     sampler "rejection" draws from `generator`; sampler "gumbel" picks every token from the row's
     key (keys[b], any int64 >= 0) and the token's position, and draws nothing from `generator`
@@ -221,8 +231,8 @@ class RunningBatch:
             raise ValueError("prompts must be a non-empty list of non-empty token lists")
         if sampler not in SAMPLERS:
             raise ValueError(f"sampler must be one of {SAMPLERS}, got {sampler!r}")
-        if keys is not None and len(keys) != len(prompts):
-            raise ValueError(f"{len(keys)} keys for {len(prompts)} prompts")
+        if keys is not None and (len(keys) != len(prompts) or min(keys) < 0):
+            raise ValueError(f"keys must be {len(prompts)} non-negative integers, one per prompt")
         if max_new_tokens <= 0:
             raise ValueError(f"max_new_tokens must be positive, got {max_new_tokens}")
         if siblings is not None and len(siblings) != len(prompts):
@@ -233,48 +243,70 @@ class RunningBatch:
             raise ValueError(f"prompt ({longest}) + max_new_tokens ({max_new_tokens}) + draft ({max_draft}) "
                              f"= {need} exceeds block_size {target.config.block_size}")
         self.target, self.temperature, self.eos_id, self.generator = target, temperature, eos_id, generator
+        self.sampler = sampler
         dev = target.wte.weight.device
         B, width = len(prompts), need + 1
-        self.tokens = torch.zeros(B, width, dtype=torch.long, device=dev)
-        for b, p in enumerate(prompts):
-            self.tokens[b, :len(p)] = torch.tensor(p, device=dev)
-        self.prompt_len = torch.tensor([len(p) for p in prompts], device=dev)
-        self.end = self.prompt_len + max_new_tokens  # (B,) a row is done at this many tokens
+        # on the host, never read back: which row is in each slot, the prompts' lengths by row
+        self.running, self.prompt_lens = list(range(B)), [len(p) for p in prompts]
+        self.cap = longest + max_new_tokens  # no row grows past it
+        self.counted = sum(self.prompt_lens)  # the tokens of the running rows at the last compact (see compact)
+        # on the device, per row; each made from host data in one copy, once per batch
+        self.tokens = torch.tensor([p + [0] * (width - len(p)) for p in prompts], device=dev)  # (B, width)
+        prompt_len = torch.tensor(self.prompt_lens, device=dev)  # (B,)
+        self.end = prompt_len + max_new_tokens  # (B,) a row is done at this many tokens
         self.hidden = torch.zeros(B, width, target.config.n_embd, device=dev, dtype=target.wte.weight.dtype)
-        self.row_id = torch.arange(B, device=dev)
-        self.sampler = sampler
-        if keys is None:  # "rejection" never reads them, so it draws nothing for them
-            keys = torch.arange(B) + (int(torch.randint(2 ** 62, (1,), generator=generator, device=dev))
-                                      if sampler == "gumbel" else 0)
-        elif min(keys) < 0:
-            raise ValueError("keys must be non-negative")
-        # every position's noise seed, hashed once per batch (8 bytes a position: nothing beside the KV cache)
-        self.seeds = None if sampler != "gumbel" else gumbel_seeds(torch.as_tensor(keys, dtype=torch.long).to(dev),
-                                                                   torch.arange(width, device=dev).expand(B, width))
+        self.row_id = torch.arange(B, device=dev)  # the device's `running`
+        self.seeds = None  # "gumbel": every position's noise seed, hashed once per batch (8 bytes a position)
+        if sampler == "gumbel":
+            keys = (torch.arange(B, device=dev) + torch.randint(2 ** 62, (1,), generator=generator, device=dev)
+                    if keys is None else torch.as_tensor(keys, dtype=torch.long, device=dev))
+            self.seeds = gumbel_seeds(keys, torch.arange(width, device=dev).expand(B, width))  # (B, width)
         self.cache = target.new_cache(B, max_len=need)
         self.dcache = None  # the drafter's cache, made on the first speculative step
-        self.drafting = Stopwatch(dev)  # the time spent drafting
-        self.results = [None] * B  # per original row, a Sample once it has finished
-        self.cap = longest + max_new_tokens  # no row grows past it
         self.unread = None  # no drafter cache yet
+        self.drafting = Stopwatch(dev)  # the time spent drafting
+        self._results, self._unread_responses = [None] * B, []  # see `results`
         # prefill: each distinct prompt once (a GRPO group repeats its prompt G times), padded, in
         # one pass; then copy its cache entries to the rows that share it and roll each row back
         # to its true length. Every row then samples its own first token.
-        distinct, inverse = torch.unique(torch.cat([self.prompt_len[:, None], self.tokens[:, :longest]], 1), dim=0,
-                                         return_inverse=True)  # (U, 1 + longest): length, then the padded prompt
-        once = target.new_cache(distinct.shape[0], max_len=longest)
+        index, firsts = {}, []  # distinct prompt -> its index; the first row that has each
+        for b, p in enumerate(prompts):
+            if tuple(p) not in index:
+                index[tuple(p)] = len(firsts)
+                firsts.append(b)
+        group = [index[tuple(p)] for p in prompts]  # each row's distinct prompt: its GRPO group
+        inverse = torch.tensor(group, device=dev)  # (B,)
+        once = target.new_cache(len(firsts), max_len=longest)
         once.window = longest
-        logits, hidden = target(distinct[:, 1:], once)  # (U, T, V), (U, T, C)
+        logits, hidden = target(self.tokens[torch.tensor(firsts, device=dev), :longest], once)  # (U, T, V), (U, T, C)
         self.cache.kv[..., :longest, :] = once.kv[:, :, inverse]
-        self.cache.lengths = self.prompt_len.clone()
+        self.cache.lengths = prompt_len
         self.hidden[:, :longest] = hidden[inverse]
-        self.n_tokens = self.prompt_len.clone()
+        self.n_tokens = prompt_len.clone()
         self.done = torch.zeros(B, dtype=torch.bool, device=dev)
-        self._at(self.prompt_len[:, None])
-        first, _ = self._choose(logits[inverse, self.prompt_len - 1][:, None])  # (B, 1)
+        self._at(prompt_len[:, None])
+        first, _ = self._choose(logits[inverse, prompt_len - 1][:, None])  # (B, 1)
         self._append(first)
         self.longest = longest + 1
-        self._group(inverse.tolist(), siblings or [[] for _ in prompts], prompts)  # sync: once per batch
+        self._group(group, siblings or [[] for _ in prompts], prompts)
+        if DEBUG:
+            self._check()
+
+    def _check(self):
+        """The invariants the steps rely on, checked when DEBUG is on (each check reads the device):
+        1. the target cache holds every row's tokens but the pending one: cache.lengths == n_tokens - 1
+           (a step reads tokens[n_tokens - 1] and writes its state at that position);
+        2. `longest` bounds every row, n_tokens <= longest <= cap: the attention windows, sized from
+           it on the host, cover every row's cache, and the writes stay inside the tensors;
+        3. `unread` bounds what the drafter has not read, n_tokens - 1 - dcache.lengths <= unread:
+           its catch-up (`draft`) reaches every row's first unread state;
+        4. the host's `running` is the device's row_id: results go to the right rows."""
+        check, n = _invariant, self.n_tokens
+        check(torch.equal(self.cache.lengths, n - 1), "the target cache holds n_tokens - 1 positions per row")
+        check(self.batch_size == 0 or int(n.max()) <= self.longest <= self.cap, "longest bounds every row's n_tokens")
+        if self.dcache is not None:
+            check(bool((n - 1 - self.dcache.lengths <= self.unread).all()), "unread bounds the drafter's unread states")
+        check(self.row_id.tolist() == self.running, "the host's rows are the device's")
 
     def _group(self, group, finished, prompts):
         """What a model-free drafter may read besides a row's own tokens: its GRPO group, the rows
@@ -285,15 +317,16 @@ class RunningBatch:
         `text_len` (R,); `siblings` (B, S): for each row, the texts of its group but its own, -1
         padding. A running row's entry in `texts` is refreshed by whoever reads it (`group_texts`)."""
         B, width = self.tokens.shape
+        dev = self.tokens.device
         extra = [(b, (prompts[b] + list(r))[:width]) for b in range(B) for r in finished[b]]
         # a running row's entry is filled when it finishes (compact) and read through group_texts till then
-        self.texts = torch.zeros(B + len(extra), width, dtype=torch.long, device=self.tokens.device)
-        self.text_len = torch.tensor([0] * B + [len(t) for _, t in extra], dtype=torch.long, device=self.tokens.device)
+        self.texts = torch.cat([torch.zeros(B, width, dtype=torch.long, device=dev),
+                                torch.tensor([t + [0] * (width - len(t)) for _, t in extra], dtype=torch.long,
+                                             device=dev).view(-1, width)])  # (B + extra, width)
+        self.text_len = torch.tensor([0] * B + [len(t) for _, t in extra], dtype=torch.long, device=dev)
         members = {}  # group -> its texts
         for i, g in enumerate(group + [group[b] for b, _ in extra]):
             members.setdefault(g, []).append(i)
-        for i, (_, t) in enumerate(extra):
-            self.texts[B + i, :len(t)] = torch.tensor(t, device=self.tokens.device)
         rows = []  # a row's siblings: the other members of its group, the MAX_SIBLINGS nearest in row order
         for b in range(B):
             m = members[group[b]]
@@ -303,11 +336,11 @@ class RunningBatch:
         self.group, self.n_siblings = group, [len(r) for r in rows]  # on the host, by original row
         self._siblings_done(range(B))
         S = max(1, max(map(len, rows)))
-        self.siblings = torch.tensor([r + [-1] * (S - len(r)) for r in rows], dtype=torch.long, device=self.tokens.device)
+        self.siblings = torch.tensor([r + [-1] * (S - len(r)) for r in rows], dtype=torch.long, device=dev)
 
     def _siblings_done(self, running):
         """siblings_done: every running row (original ids) has siblings and all of them have finished,
-        i.e. no two running rows share a group. The host knows it from compact's read."""
+        i.e. no two running rows share a group. The host knows it (`running`)."""
         groups = [self.group[i] for i in running]
         self.siblings_done = len(set(groups)) == len(groups) and all(self.n_siblings[i] for i in running)
 
@@ -362,6 +395,8 @@ class RunningBatch:
     @torch.no_grad()
     def plain_step(self):
         """One token for every running row. Returns the number of tokens emitted per row."""
+        if DEBUG:
+            self._check()
         L = self.n_tokens - 1  # (B,) target cache length; tokens[L] is pending
         self.cache.window = self.longest  # the longest row after the append: the forward reads nothing
         logits, hidden = self.target(self.tokens.gather(1, L[:, None]), self.cache)  # (B, 1, V), (B, 1, C)
@@ -382,6 +417,8 @@ class RunningBatch:
         if self.dcache is None:  # the switch to SD: the drafter reads every recorded hidden state
             self.dcache = drafter.new_cache(B, max_len=self.cache.max_len, dtype=self.cache.kv.dtype)
             self.unread = self.longest
+        if DEBUG:
+            self._check()
         # catch up: each row re-reads its last T pairs (h_j, x_{j+1}), j < L, T a bound on how many it
         # has not read (pairs it had read are rewritten with the values they had); a row with L < T
         # also reads padding past L: dead entries, rolled back below
@@ -414,6 +451,8 @@ class RunningBatch:
         `drafter`: anything with propose(batch, k) -> (drafts (B, k), q (B, k, V) or None, None
         meaning deterministic proposals, a one-hot q): drafter.Drafter (whose proposal is `draft`)
         or drafter.NgramDrafter. Returns (tokens emitted per row, drafts accepted per row)."""
+        if DEBUG:
+            self._check()
         V = self.target.config.vocab_size
         L = self.n_tokens - 1  # (B,) target cache length; tokens[L] is pending
         positions = self.n_tokens[:, None] + self.cache.offsets[:k + 1]  # (B, k+1): the drafts', then the bonus token's
@@ -444,39 +483,79 @@ class RunningBatch:
 
     def compact(self):
         """Move finished rows to `results` and drop them from every tensor and cache.
-        Returns the number of rows still running."""
+        Returns the number of rows still running; `emitted`: the tokens written since the last
+        compact (the prefill's, then the step's), for the bandit."""
         B = self.batch_size
         if B == 0:
             return 0
-        # sync: the one read of every step: which rows finished (the host must know to shrink the
-        # batch), with every row's length (the longest makes the next windows exact)
-        done, n_tokens, prompt_len, row_id = torch.stack((self.done, self.n_tokens, self.prompt_len, self.row_id)).tolist()
-        self.longest = max(n_tokens)
+        # sync: the one read of every step: which rows finished (the host must know, to shrink the
+        # batch), with every row's length (the longest makes the next windows exact; their sum, less
+        # the last compact's, counts the step's tokens)
+        done, n_tokens = torch.stack((self.done, self.n_tokens)).tolist()
+        self.emitted = sum(n_tokens) - self.counted
         finished = [b for b in range(B) if done[b]]
-        if not finished:
-            return B
-        ids = self.row_id[finished]
-        self.texts[ids], self.text_len[ids] = self.tokens[finished], self.n_tokens[finished]  # a sibling's text stays
-        responses = self.tokens[finished].tolist()  # sync: the finished rows' tokens
-        for b, row in zip(finished, responses):
-            n, plen = n_tokens[b], prompt_len[b]
-            self.results[row_id[b]] = Sample(row[plen:n], self.tokens[b, :n].clone(), self.hidden[b, :n - 1].clone(), plen)
-        # the live rows past the new end fill the holes that finished rows leave before it, so the
-        # caches copy a few rows instead of all of them (KVCache.keep); row_id keeps the order
-        live = [b for b in range(B) if not done[b]]
-        keep = list(range(len(live)))
-        for hole, row in zip([b for b in finished if b < len(live)], [b for b in live if b >= len(live)]):
-            keep[hole] = row
-        rows = torch.tensor(keep, dtype=torch.long, device=self.tokens.device)
-        for name in ("tokens", "hidden", "prompt_len", "end", "row_id", "n_tokens", "done", "seeds"):
-            if getattr(self, name) is not None:
-                setattr(self, name, getattr(self, name)[rows])
-        self.cache.keep(keep)
-        self._siblings_done([row_id[b] for b in keep])
-        if self.dcache is not None:
-            self.dcache.keep(keep)
-        self.longest = max((n_tokens[b] for b in keep), default=0)
+        if finished:
+            self._drop(finished, n_tokens)
+        self.counted = sum(n for n, d in zip(n_tokens, done) if not d)
+        self.longest = max((n for n, d in zip(n_tokens, done) if not d), default=0)
+        if DEBUG:
+            self._check()
         return self.batch_size
+
+    def _drop(self, finished, n_tokens):
+        """compact's work when the rows in slots `finished` (ascending) have finished: keep their
+        tokens and states as results, then fill the holes they leave before the new end with the
+        live rows past it, in order, in every tensor and both caches, so a compaction copies a few
+        rows instead of all of them (the cache is tens of MB at batch 64). The host knows which slots
+        move from compact's read; the device finds the same ones in its own `done` mask, so no index
+        crosses from the host (a list index is a copy that waits for the GPU's queue)."""
+        n = self.batch_size - len(finished)  # rows still running: they end in slots 0..n-1
+        if DEBUG:  # every slot's tokens and first keys, to check that each row's keys move with its tokens
+            before = self.tokens.clone(), self.cache.k[0, :, 0, :, 0].clone()  # (B, width), (B, max_len)
+        for b in finished:
+            row = self.running[b]
+            self._results[row] = Sample(None, self.tokens[b, :n_tokens[b]].clone(), self.hidden[b, :n_tokens[b] - 1].clone(),
+                                        self.prompt_lens[row])  # its response is read with the others' (`results`)
+            self._unread_responses.append(row)
+        # the live slots in order, then the finished ones: a stable sort of the done mask (nonzero
+        # would read how many there are, which the host knows); as uint8: CUDA sorts no bool before 2.6
+        order = torch.argsort(self.done.to(torch.uint8), stable=True)  # (B,)
+        gone = self.row_id[order[n:]]  # the finished rows' ids
+        self.texts[gone], self.text_len[gone] = self.tokens[order[n:]], self.n_tokens[order[n:]]  # a sibling's text stays
+        holes = sum(b < n for b in finished)  # finished slots before the new end = live slots past it
+        live = [b for b in range(self.batch_size) if b not in finished]
+        keep = list(range(n))  # on the host: slot i gets the row in slot keep[i]
+        for hole, row in zip(finished[:holes], live[n - holes:]):
+            keep[hole] = row
+        self.running = [self.running[b] for b in keep]
+        slots, rows = order[n:n + holes], order[n - holes:n]  # on the device: the same holes and rows
+        for name in ("tokens", "hidden", "end", "row_id", "n_tokens", "done", "seeds"):
+            t = getattr(self, name)
+            if t is not None:
+                t[slots] = t[rows]  # the right side is a copy: safe in any order
+                setattr(self, name, t[:n])
+        for cache in (self.cache, self.dcache):
+            if cache is not None:
+                cache.keep(n, slots, rows)
+        self._siblings_done(self.running)
+        if DEBUG:
+            _invariant(torch.equal(self.tokens, before[0][keep]) and torch.equal(self.cache.k[0, :, 0, :, 0], before[1][keep]),
+                       "compaction moves every row's cache keys with its tokens")
+
+    @property
+    def results(self):
+        """Per original row, its Sample once it has finished, else None. The responses of the rows
+        that finished since the last look are read here, together (compact reads only which rows
+        finished, so a rollout reads its responses once, at the end)."""
+        if self._unread_responses:
+            rows, self._unread_responses = self._unread_responses, []
+            # sync: the responses of the rows finished since the last look, in one read
+            ids = torch.cat([self._results[r].tokens[self._results[r].prompt_len:] for r in rows]).tolist()
+            for r in rows:
+                s = self._results[r]
+                n = len(s.tokens) - s.prompt_len
+                self._results[r], ids = s._replace(response=ids[:n]), ids[n:]
+        return self._results
 
     def outputs(self):
         return [r.response for r in self.results]

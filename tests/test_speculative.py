@@ -28,6 +28,7 @@ import torch
 from drafter import Drafter, DrafterBuffer, make_optimizer, train_step
 from conftest import randomize
 from model import GPT, GPTConfig
+from rollout import HostTraffic
 from speculative import (DecodeStats, RunningBatch, _mix32_, autoregressive_generate, gumbel_choose, gumbel_noise, gumbel_seeds,
                          probs, draw, speculative_generate, verify, verify_gumbel)
 
@@ -768,63 +769,38 @@ def test_rows_whose_old_32_bit_streams_were_a_shift_apart_get_unrelated_noise():
     assert not torch.equal(noise[0, m:], noise[1, :-m])
 
 
-class NoDeviceReads(torch.utils._python_dispatch.TorchDispatchMode):
-    """Fails on what makes the host wait for a GPU: reading a value (item, bool, int), an op whose
-    output size depends on values (nonzero, unique, masked_select, boolean indexing), and tolist,
-    which on a CPU dispatches nothing and so is patched."""
-    BAD = {"_local_scalar_dense", "nonzero", "_unique2", "unique_dim", "unique_consecutive", "masked_select"}
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        name = func.overloadpacket.__name__
-        bool_index = name in ("index", "index_put_", "index_put") and any(
-            t is not None and t.dtype == torch.bool for t in (args[1] or []))
-        if name in self.BAD or bool_index:
-            raise AssertionError(f"host-device sync: aten.{name}")
-        return func(*args, **(kwargs or {}))
-
-    def __enter__(self):
-        self._tolist = torch.Tensor.tolist
-        torch.Tensor.tolist = lambda t: (_ for _ in ()).throw(AssertionError("host-device sync: tolist"))
-        return super().__enter__()
-
-    def __exit__(self, *exc):
-        torch.Tensor.tolist = self._tolist
-        return super().__exit__(*exc)
-
-
 @pytest.mark.parametrize("sampler,temperature", [("gumbel", 1.0), ("rejection", 0.7), ("gumbel", 0.0), ("rejection", 0.0)])
 def test_steps_read_nothing_from_the_device(greedy_setup, sampler, temperature):
     """Plain and speculative steps (every drafter, the learned drafter's first catch-up included)
-    size everything from the host's bounds: no sync. compact() reads the device once
-    (which rows finished) when none finished; the generate stats read it once at the end."""
+    size everything from the host's bounds: no read, no copy from the host. compact() reads the
+    device once (which rows finished) and copies nothing, also when rows finish and live rows move
+    into their slots (its index tensors are made on the device). rollout.HostTraffic says what counts."""
     target, drafter, pool, _, eos = greedy_setup
     gen = RunningBatch(target, pool * 2, N_NEW, temperature=temperature, eos_id=eos, sampler=sampler, max_draft=4,
                        generator=torch.Generator().manual_seed(3), keys=list(range(2 * len(pool))))
     drafters = every_drafter(drafter)
     schedule = itertools.cycle([None, ("learned", 4), None, ("learned", 2), ("ngram", 3), ("learned", 3), ("sibling", 2),
                                 ("learned", 1), ("sibling+learned", 3)])
-    steps = 0
-    while gen.compact() > 0:
-        step = next(schedule)
-        with NoDeviceReads():
+    counter, sizes, moved = HostTraffic(), [], False
+    with counter:  # segments: compact, step, compact, step, ..., the last compact
+        while gen.compact() > 0:
+            sizes.append(gen.batch_size)
+            moved |= gen.running != sorted(gen.running)  # a row past the new end filled a hole
+            counter.mark()
+            step = next(schedule)
             if step is None:
                 gen.plain_step()
             else:
                 gen.speculative_step(drafters[step[0]], step[1])
-        steps += 1
-    assert steps >= 9 and all(r is not None for r in gen.results)
-    cache = target.new_cache(2, 16)  # the detector works: a forward given no window reads the lengths
-    with pytest.raises(AssertionError, match="sync"):
-        with NoDeviceReads():
-            target(torch.zeros(2, 3, dtype=torch.long), cache)
-    reads = []
-    real = torch.Tensor.tolist
-    try:
-        torch.Tensor.tolist = lambda t: reads.append(t.shape) or real(t)
-        gen2 = RunningBatch(target, pool, N_NEW, temperature=temperature, sampler=sampler, max_draft=2,
-                            generator=torch.Generator().manual_seed(3), keys=list(range(len(pool))))
-        reads.clear()
-        assert gen2.compact() == len(pool)  # nothing finished yet: one read
-        assert len(reads) == 1
-    finally:
-        torch.Tensor.tolist = real
+            counter.mark()
+    reads, copies = counter.counts("read"), counter.counts("copy")
+    assert reads[0::2] == [1] * (len(sizes) + 1), counter.segments  # every compact: one read
+    assert reads[1::2] == [0] * len(sizes), counter.segments  # every step: none
+    assert copies == [0] * len(reads), counter.segments
+    assert len(sizes) >= 9 and any(0 < b < a for a, b in zip(sizes, sizes[1:])) and moved  # rows left mid-run
+    assert all(r is not None for r in gen.results)
+    cache = target.new_cache(2, 16)  # the counter works: a forward given no window reads the lengths,
+    with HostTraffic() as counter:  # a list index is a copy
+        target(torch.zeros(2, 3, dtype=torch.long), cache)
+        cache.lengths[[0, 1]]
+    assert counter.segments == [[("read", "_local_scalar_dense"), ("copy", "lift_fresh")]]
