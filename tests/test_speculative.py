@@ -341,6 +341,35 @@ def test_compact_moves_marked_rows_to_results():
 # ----------------------------------------------------------------------------- recorded hidden states
 
 
+def test_debug_checks_catch_a_broken_invariant(greedy_setup, monkeypatch):
+    """With speculative.DEBUG on (TLT_DEBUG=1), a whole run passes RunningBatch's checks, and each
+    invariant that the steps rely on, broken by hand, stops the next step (or the compaction)."""
+    import speculative
+    from model import KVCache
+    monkeypatch.setattr(speculative, "DEBUG", True)
+    target, drafter, pool, free, eos = greedy_setup
+    assert speculative_generate(target, drafter, pool, N_NEW, k=3, temperature=0)[0] == free  # no false alarm
+    breaks = {"n_tokens - 1 positions": lambda g: setattr(g.cache, "lengths", g.cache.lengths + 1),
+              "longest bounds": lambda g: setattr(g, "longest", g.longest - 1),
+              "unread bounds": lambda g: setattr(g, "unread", 0),
+              "host's rows": lambda g: g.running.reverse(),
+              "keys with its tokens": lambda g: monkeypatch.setattr(g.cache, "keep", lambda n, *_: KVCache.keep(g.cache, n))}
+    for what, brake in breaks.items():
+        gen = RunningBatch(target, pool, N_NEW, temperature=0, max_draft=3)
+        gen.compact()
+        gen.speculative_step(drafter, 3)  # the drafter's cache exists
+        gen.compact()
+        gen.plain_step()  # a state the drafter has not read
+        gen.compact()
+        brake(gen)
+        with pytest.raises(AssertionError, match=what):
+            if what == "keys with its tokens":
+                gen.done = gen.cache.rows == 0  # a hole at slot 0, for the last row to fill
+                gen.compact()
+            else:
+                gen.speculative_step(drafter, 3)
+
+
 @pytest.mark.parametrize("k", [0, 3])
 @pytest.mark.parametrize("copies", [1, 3])
 def test_recorded_hidden_states_match_a_full_forward(greedy_setup, k, copies):
