@@ -42,22 +42,15 @@ kind of step throughout; rollout.py mixes the two kinds of step by batch size. `
 counts what they did (tokens, speculative row-steps, drafts proposed and accepted); the generate
 functions return it as a dict, the interface their callers and tests rely on.
 
-Host-device round trips (marked "sync:"; free on a CPU, a stall of the GPU's queue on a GPU). A
-speculative step (drafting, verify, bookkeeping) makes none: every size it needs is a bound the
-host keeps (`RunningBatch.longest`: the attention windows; `unread`: the drafter's catch-up width),
-handed to each forward through `cache.window`, and DecodeStats keeps the step's counts on the
-device until the end. What remains per step is one read in `compact`: which rows finished (the
-host must know, to shrink the batch and hand results back: the price of a truly shrinking batch),
-read together with every row's length, which makes the next step's windows exact. A step in which
-rows finish reads their tokens too. rollout.py adds the bandit's read of the step's tokens and the
-clock's torch.cuda.synchronize (it scores k by measured tokens per second). Once per batch: the
-prefill's distinct prompts (torch.unique), which rows share one (the GRPO groups) and, with
-"gumbel" and no keys, the base key. The drafting clock (`drafting`) records CUDA events, read once.
-`bench.count_syncs` counts them on a GPU.
+Host-device traffic (reads marked "sync:", a stall of a GPU's queue; copies from host lists). A
+step makes none: every size it needs is a bound the host keeps (`RunningBatch.longest`, `unread`),
+DecodeStats keeps its counts on the device, and compaction builds its index tensors there. What
+remains per step is one read in `compact`: which rows finished (the host must know, to shrink the
+batch: the price of a truly shrinking batch), with every row's length. The prefill copies a few
+host lists; the responses are read once, at the end (`results`). rollout.HostTraffic counts it all.
 
 Test: python -m pytest tests/test_speculative.py
 """
-import bisect
 import functools
 import os
 from dataclasses import asdict, dataclass, field
@@ -67,6 +60,7 @@ import torch
 import torch.nn.functional as F
 
 from common import Stopwatch
+from drafter import GroupTexts
 
 DEBUG = os.environ.get("TLT_DEBUG") == "1"  # check RunningBatch's invariants (`_check`) at every step: slow
 
@@ -132,7 +126,6 @@ def gumbel_noise(seeds, vocab_size, lo=0, hi=None):
     return u.log_().neg_().log_().neg_()  # -log(-log(u))
 
 
-MAX_SIBLINGS = 15  # a row's siblings, at most: a GRPO group of 16 in full (bounds the lookup's work per row)
 NOISE_CHUNK = 8192  # token ids per chunk: at most B * T * 8192 noise values (int64 while hashed) at once
 
 
@@ -203,11 +196,6 @@ class Sample(NamedTuple):
     prompt_len: int
 
 
-def _invariant(ok, what):
-    if not ok:
-        raise AssertionError(f"RunningBatch invariant broken: {what}")
-
-
 class RunningBatch:
     """The running batch of one generate or rollout call: rows leave it when they finish.
 
@@ -215,11 +203,10 @@ class RunningBatch:
     but not yet read by the target), so the target cache holds n_tokens - 1 positions and
     hidden[b, j] is the target's final hidden state after reading tokens[b, j].
 
-    The host keeps what it needs to know of every row instead of reading the device: `running`, the
-    original row in each slot; `longest` >= every row's n_tokens (exact after each compact, then
-    grown by the most a step can add), which sizes every attention window; `unread` >= how many
-    recorded states the drafter has not read, its catch-up width. `_check` states the invariants
-    the steps rely on and checks them when DEBUG is on.
+    The host keeps what it must know instead of reading the device: `running`, the row in each slot;
+    `longest` >= every row's n_tokens (exact after each compact, then grown by the most a step can
+    add), which sizes every attention window; `unread` >= how many recorded states the drafter has
+    not read, its catch-up width. `_check` states the invariants the steps rely on.
 
     sampler "rejection" draws from `generator`; sampler "gumbel" picks every token from the row's
     key (keys[b], any int64 >= 0) and the token's position, and draws nothing from `generator`
@@ -242,8 +229,7 @@ class RunningBatch:
         if need > target.config.block_size:
             raise ValueError(f"prompt ({longest}) + max_new_tokens ({max_new_tokens}) + draft ({max_draft}) "
                              f"= {need} exceeds block_size {target.config.block_size}")
-        self.target, self.temperature, self.eos_id, self.generator = target, temperature, eos_id, generator
-        self.sampler = sampler
+        self.target, self.temperature, self.eos_id, self.generator, self.sampler = target, temperature, eos_id, generator, sampler
         dev = target.wte.weight.device
         B, width = len(prompts), need + 1
         # on the host, never read back: which row is in each slot, the prompts' lengths by row
@@ -262,23 +248,18 @@ class RunningBatch:
                     if keys is None else torch.as_tensor(keys, dtype=torch.long, device=dev))
             self.seeds = gumbel_seeds(keys, torch.arange(width, device=dev).expand(B, width))  # (B, width)
         self.cache = target.new_cache(B, max_len=need)
-        self.dcache = None  # the drafter's cache, made on the first speculative step
-        self.unread = None  # no drafter cache yet
+        self.dcache = self.unread = None  # the drafter's cache and catch-up width, from the first draft
         self.drafting = Stopwatch(dev)  # the time spent drafting
         self._results, self._unread_responses = [None] * B, []  # see `results`
         # prefill: each distinct prompt once (a GRPO group repeats its prompt G times), padded, in
         # one pass; then copy its cache entries to the rows that share it and roll each row back
         # to its true length. Every row then samples its own first token.
-        index, firsts = {}, []  # distinct prompt -> its index; the first row that has each
-        for b, p in enumerate(prompts):
-            if tuple(p) not in index:
-                index[tuple(p)] = len(firsts)
-                firsts.append(b)
-        group = [index[tuple(p)] for p in prompts]  # each row's distinct prompt: its GRPO group
-        inverse = torch.tensor(group, device=dev)  # (B,)
-        once = target.new_cache(len(firsts), max_len=longest)
+        index = {}  # distinct prompt -> its index
+        group = [index.setdefault(tuple(p), len(index)) for p in prompts]  # each row's distinct prompt: its GRPO group
+        firsts, inverse = (torch.tensor(x, device=dev) for x in ([group.index(u) for u in range(len(index))], group))
+        once = target.new_cache(len(index), max_len=longest)
         once.window = longest
-        logits, hidden = target(self.tokens[torch.tensor(firsts, device=dev), :longest], once)  # (U, T, V), (U, T, C)
+        logits, hidden = target(self.tokens[firsts, :longest], once)  # (U, T, V), (U, T, C)
         self.cache.kv[..., :longest, :] = once.kv[:, :, inverse]
         self.cache.lengths = prompt_len
         self.hidden[:, :longest] = hidden[inverse]
@@ -288,66 +269,34 @@ class RunningBatch:
         first, _ = self._choose(logits[inverse, prompt_len - 1][:, None])  # (B, 1)
         self._append(first)
         self.longest = longest + 1
-        self._group(group, siblings or [[] for _ in prompts], prompts)
+        self.groups = GroupTexts(group, siblings or [[] for _ in prompts], prompts, width, dev)
+        self.siblings = self.groups.siblings  # (B, S) by original row: see GroupTexts
         if DEBUG:
             self._check()
 
     def _check(self):
         """The invariants the steps rely on, checked when DEBUG is on (each check reads the device):
-        1. the target cache holds every row's tokens but the pending one: cache.lengths == n_tokens - 1
-           (a step reads tokens[n_tokens - 1] and writes its state at that position);
-        2. `longest` bounds every row, n_tokens <= longest <= cap: the attention windows, sized from
-           it on the host, cover every row's cache, and the writes stay inside the tensors;
-        3. `unread` bounds what the drafter has not read, n_tokens - 1 - dcache.lengths <= unread:
-           its catch-up (`draft`) reaches every row's first unread state;
+        1. the target cache holds every row's tokens but the pending one: lengths == n_tokens - 1;
+        2. n_tokens <= longest <= cap: the windows sized from `longest` cover every row's cache;
+        3. n_tokens - 1 - dcache.lengths <= unread: the drafter's catch-up reaches every unread state;
         4. the host's `running` is the device's row_id: results go to the right rows."""
-        check, n = _invariant, self.n_tokens
-        check(torch.equal(self.cache.lengths, n - 1), "the target cache holds n_tokens - 1 positions per row")
-        check(self.batch_size == 0 or int(n.max()) <= self.longest <= self.cap, "longest bounds every row's n_tokens")
-        if self.dcache is not None:
-            check(bool((n - 1 - self.dcache.lengths <= self.unread).all()), "unread bounds the drafter's unread states")
-        check(self.row_id.tolist() == self.running, "the host's rows are the device's")
+        n = self.n_tokens
+        for ok, what in ((torch.equal(self.cache.lengths, n - 1), "the target cache holds n_tokens - 1 positions"),
+                         (not n.numel() or int(n.max()) <= self.longest <= self.cap, "longest bounds every row"),
+                         (self.dcache is None or bool((n - 1 - self.dcache.lengths <= self.unread).all()),
+                          "unread bounds the drafter's unread states"),
+                         (self.row_id.tolist() == self.running, "the host's rows are the device's")):
+            if not ok:
+                raise AssertionError(f"RunningBatch invariant broken: {what}")
 
-    def _group(self, group, finished, prompts):
-        """What a model-free drafter may read besides a row's own tokens: its GRPO group, the rows
-        with the same prompt (`group`, the prefill's grouping), plus the responses of its group that
-        had finished before this batch began (`finished`, per row; a rollout has none, as it holds
-        the whole group; bench.py's decoding table starts in the tail). `texts` (R, width): every
-        row's tokens by original row, kept when it finishes, then those finished responses;
-        `text_len` (R,); `siblings` (B, S): for each row, the texts of its group but its own, -1
-        padding. A running row's entry in `texts` is refreshed by whoever reads it (`group_texts`)."""
-        B, width = self.tokens.shape
-        dev = self.tokens.device
-        extra = [(b, (prompts[b] + list(r))[:width]) for b in range(B) for r in finished[b]]
-        # a running row's entry is filled when it finishes (compact) and read through group_texts till then
-        self.texts = torch.cat([torch.zeros(B, width, dtype=torch.long, device=dev),
-                                torch.tensor([t + [0] * (width - len(t)) for _, t in extra], dtype=torch.long,
-                                             device=dev).view(-1, width)])  # (B + extra, width)
-        self.text_len = torch.tensor([0] * B + [len(t) for _, t in extra], dtype=torch.long, device=dev)
-        members = {}  # group -> its texts
-        for i, g in enumerate(group + [group[b] for b, _ in extra]):
-            members.setdefault(g, []).append(i)
-        rows = []  # a row's siblings: the other members of its group, the MAX_SIBLINGS nearest in row order
-        for b in range(B):
-            m = members[group[b]]
-            at = bisect.bisect_left(m, b)  # members are in row order
-            lo = max(0, min(at - MAX_SIBLINGS // 2, len(m) - MAX_SIBLINGS - 1))
-            rows.append([i for i in m[lo:lo + MAX_SIBLINGS + 1] if i != b][:MAX_SIBLINGS])
-        self.group, self.n_siblings = group, [len(r) for r in rows]  # on the host, by original row
-        self._siblings_done(range(B))
-        S = max(1, max(map(len, rows)))
-        self.siblings = torch.tensor([r + [-1] * (S - len(r)) for r in rows], dtype=torch.long, device=dev)
-
-    def _siblings_done(self, running):
-        """siblings_done: every running row (original ids) has siblings and all of them have finished,
-        i.e. no two running rows share a group. The host knows it (`running`)."""
-        groups = [self.group[i] for i in running]
-        self.siblings_done = len(set(groups)) == len(groups) and all(self.n_siblings[i] for i in running)
+    @property
+    def siblings_done(self):
+        """Whether every running row is the last of its group (drafter.SiblingOrLearned): no read."""
+        return self.groups.all_finished(self.running)
 
     def group_texts(self):
         """The texts of every row, running rows as they are now: (R, width) tokens, (R,) lengths."""
-        return (self.texts.index_copy(0, self.row_id, self.tokens),
-                self.text_len.index_copy(0, self.row_id, self.n_tokens))
+        return self.groups.now(self.row_id, self.tokens, self.n_tokens)
 
     @property
     def batch_size(self):
@@ -503,12 +452,10 @@ class RunningBatch:
         return self.batch_size
 
     def _drop(self, finished, n_tokens):
-        """compact's work when the rows in slots `finished` (ascending) have finished: keep their
-        tokens and states as results, then fill the holes they leave before the new end with the
-        live rows past it, in order, in every tensor and both caches, so a compaction copies a few
-        rows instead of all of them (the cache is tens of MB at batch 64). The host knows which slots
-        move from compact's read; the device finds the same ones in its own `done` mask, so no index
-        crosses from the host (a list index is a copy that waits for the GPU's queue)."""
+        """compact's work when the rows in slots `finished` (ascending) have: keep them as results,
+        then fill the holes they leave before the new end with the live rows past it, in every tensor
+        and both caches (a few rows move, not the whole cache). The host knows which slots move from
+        compact's read; the device finds the same ones in its own `done` mask (no index from the host)."""
         n = self.batch_size - len(finished)  # rows still running: they end in slots 0..n-1
         if DEBUG:  # every slot's tokens and first keys, to check that each row's keys move with its tokens
             before = self.tokens.clone(), self.cache.k[0, :, 0, :, 0].clone()  # (B, width), (B, max_len)
@@ -520,8 +467,7 @@ class RunningBatch:
         # the live slots in order, then the finished ones: a stable sort of the done mask (nonzero
         # would read how many there are, which the host knows); as uint8: CUDA sorts no bool before 2.6
         order = torch.argsort(self.done.to(torch.uint8), stable=True)  # (B,)
-        gone = self.row_id[order[n:]]  # the finished rows' ids
-        self.texts[gone], self.text_len[gone] = self.tokens[order[n:]], self.n_tokens[order[n:]]  # a sibling's text stays
+        self.groups.finish(self.row_id[order[n:]], self.tokens[order[n:]], self.n_tokens[order[n:]])
         holes = sum(b < n for b in finished)  # finished slots before the new end = live slots past it
         live = [b for b in range(self.batch_size) if b not in finished]
         keep = list(range(n))  # on the host: slot i gets the row in slot keep[i]
@@ -537,24 +483,19 @@ class RunningBatch:
         for cache in (self.cache, self.dcache):
             if cache is not None:
                 cache.keep(n, slots, rows)
-        self._siblings_done(self.running)
-        if DEBUG:
-            _invariant(torch.equal(self.tokens, before[0][keep]) and torch.equal(self.cache.k[0, :, 0, :, 0], before[1][keep]),
-                       "compaction moves every row's cache keys with its tokens")
+        if DEBUG and not (torch.equal(self.tokens, before[0][keep]) and torch.equal(self.cache.k[0, :, 0, :, 0], before[1][keep])):
+            raise AssertionError("RunningBatch invariant broken: compaction moves every row's cache keys with its tokens")
 
     @property
     def results(self):
         """Per original row, its Sample once it has finished, else None. The responses of the rows
-        that finished since the last look are read here, together (compact reads only which rows
-        finished, so a rollout reads its responses once, at the end)."""
-        if self._unread_responses:
-            rows, self._unread_responses = self._unread_responses, []
-            # sync: the responses of the rows finished since the last look, in one read
+        finished since the last look are read here, together: a rollout reads them once, at the end."""
+        rows, self._unread_responses = self._unread_responses, []
+        if rows:  # sync: the responses of the rows finished since the last look, in one read
             ids = torch.cat([self._results[r].tokens[self._results[r].prompt_len:] for r in rows]).tolist()
             for r in rows:
-                s = self._results[r]
-                n = len(s.tokens) - s.prompt_len
-                self._results[r], ids = s._replace(response=ids[:n]), ids[n:]
+                n = len(self._results[r].tokens) - self._results[r].prompt_len
+                self._results[r], ids = self._results[r]._replace(response=ids[:n]), ids[n:]
         return self._results
 
     def outputs(self):
