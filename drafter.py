@@ -439,7 +439,9 @@ class GroupTexts:
     read as it is now (`now`). Made once per batch from host lists, each in one copy."""
 
     def __init__(self, group, finished, prompts, width, device):
-        B = len(group)
+        B, finished = len(group), finished or [[]] * len(group)
+        if len(finished) != B:
+            raise ValueError(f"{len(finished)} lists of finished siblings for {B} prompts")
         extra = [(b, (prompts[b] + list(r))[:width]) for b in range(B) for r in finished[b]]
         self.texts = torch.cat([torch.zeros(B, width, dtype=torch.long, device=device),
                                 torch.tensor([t + [0] * (width - len(t)) for _, t in extra], dtype=torch.long,
@@ -502,8 +504,8 @@ class SiblingDrafter:
     def lookup(self, batch, k):
         """-> drafts (B, k) and each row's match length (B,), 0 where no sibling matched."""
         M, dev = self.max_match, batch.tokens.device
-        texts, lens = batch.group_texts()  # (R, W), (R,)
-        sib = batch.siblings[batch.row_id]  # (B, S) the row's siblings' texts, -1 padding
+        texts, lens = batch.groups.now(batch.row_id, batch.tokens, batch.n_tokens)  # (R, W), (R,)
+        sib = batch.groups.siblings[batch.row_id]  # (B, S) the row's siblings' texts, -1 padding
         cand = texts[sib.clamp(min=0)]  # (B, S, W)
         cand_len = torch.where(sib >= 0, lens[sib.clamp(min=0)], 0)  # (B, S); padding matches nothing
         B, S, W = cand.shape
@@ -530,7 +532,7 @@ class SiblingDrafter:
 class SiblingOrLearned:
     """The combination (`--drafter sibling+learned`): the learned drafter while any running row has a
     sibling still running (or none at all), the sibling drafter once every running row is the last
-    of its group (`RunningBatch.siblings_done`). Then every sibling is finished and sibling drafts
+    of its group (`GroupTexts.all_finished`). Then every sibling is finished and sibling drafts
     cost no forward pass; before that a row's siblings are no further than it is and the learned
     drafter drafts better. The host knows which
     rows finished (`RunningBatch.compact`), so choosing reads nothing from the device, and the
@@ -541,7 +543,7 @@ class SiblingOrLearned:
         self.learned, self.siblings = learned, SiblingDrafter(max_match)
 
     def propose(self, batch, k):
-        return (self.siblings if batch.siblings_done else self.learned).propose(batch, k)
+        return (self.siblings if batch.groups.all_finished(batch.running) else self.learned).propose(batch, k)
 
 
 def make_optimizer(drafter, lr=3e-3):

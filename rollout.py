@@ -206,6 +206,10 @@ def format_positions(rates):
     """Rates by position as percentages for a log line; '-' where no draft was decided."""
     return " ".join("  -  " if r is None else f"{100 * r:4.1f}" for r in rates)
 
+
+# -----------------------------------------------------------------------------
+# host-device traffic, counted as a GPU would pay it
+
 class HostTraffic(TorchDispatchMode):
     """Counts, while active, what makes the host wait for a GPU (reads) and what copies host data to
     it (copies), in segments: `mark()` ends one and starts the next (rollout's `progress` hook marks

@@ -222,8 +222,6 @@ class RunningBatch:
             raise ValueError(f"keys must be {len(prompts)} non-negative integers, one per prompt")
         if max_new_tokens <= 0:
             raise ValueError(f"max_new_tokens must be positive, got {max_new_tokens}")
-        if siblings is not None and len(siblings) != len(prompts):
-            raise ValueError(f"{len(siblings)} lists of finished siblings for {len(prompts)} prompts")
         longest = max(len(p) for p in prompts)
         need = longest + max_new_tokens + max_draft  # the verify pass writes k positions past the end
         if need > target.config.block_size:
@@ -269,8 +267,7 @@ class RunningBatch:
         first, _ = self._choose(logits[inverse, prompt_len - 1][:, None])  # (B, 1)
         self._append(first)
         self.longest = longest + 1
-        self.groups = GroupTexts(group, siblings or [[] for _ in prompts], prompts, width, dev)
-        self.siblings = self.groups.siblings  # (B, S) by original row: see GroupTexts
+        self.groups = GroupTexts(group, siblings, prompts, width, dev)  # what model-free drafters read
         if DEBUG:
             self._check()
 
@@ -288,15 +285,6 @@ class RunningBatch:
                          (self.row_id.tolist() == self.running, "the host's rows are the device's")):
             if not ok:
                 raise AssertionError(f"RunningBatch invariant broken: {what}")
-
-    @property
-    def siblings_done(self):
-        """Whether every running row is the last of its group (drafter.SiblingOrLearned): no read."""
-        return self.groups.all_finished(self.running)
-
-    def group_texts(self):
-        """The texts of every row, running rows as they are now: (R, width) tokens, (R,) lengths."""
-        return self.groups.now(self.row_id, self.tokens, self.n_tokens)
 
     @property
     def batch_size(self):
@@ -361,18 +349,16 @@ class RunningBatch:
         """The learned drafter's proposal (drafter.Drafter): k tokens per row (B, k) and, with
         "rejection", their distributions q (B, k, V) (None with "gumbel"). It first catches up on the
         target hidden states it has not read, then drafts, feeding its own predicted hidden state
-        back; draft i is the sampler's choice at position L + 1 + i, with the step's noise there."""
-        B = self.batch_size
-        if self.dcache is None:  # the switch to SD: the drafter reads every recorded hidden state
+        back; draft i is the sampler's choice at position L + 1 + i, with the step's noise there.
+        It relies on invariants 2 and 3 (`_check`; speculative_step checks them under DEBUG)."""
+        B, L = self.batch_size, self.n_tokens - 1  # L (B,): the target cache length
+        if self.dcache is None:  # the switch to SD: the drafter has read no recorded hidden state
             self.dcache = drafter.new_cache(B, max_len=self.cache.max_len, dtype=self.cache.kv.dtype)
             self.unread = self.longest
-        if DEBUG:
-            self._check()
         # catch up: each row re-reads its last T pairs (h_j, x_{j+1}), j < L, T a bound on how many it
         # has not read (pairs it had read are rewritten with the values they had); a row with L < T
         # also reads padding past L: dead entries, rolled back below
         T = min(self.unread, self.longest - 1)
-        L = self.n_tokens - 1  # (B,) the target cache length
         start = (L - T).clamp_(min=0)  # (B,)
         j = start[:, None] + self.cache.offsets[:T]  # (B, T)
         self.dcache.lengths, self.dcache.window = start, self.longest - 1
@@ -431,9 +417,10 @@ class RunningBatch:
         return n_emitted, n_acc
 
     def compact(self):
-        """Move finished rows to `results` and drop them from every tensor and cache.
-        Returns the number of rows still running; `emitted`: the tokens written since the last
-        compact (the prefill's, then the step's), for the bandit."""
+        """Move finished rows to `results` and drop them from every tensor and cache: the live rows
+        past the new end fill the holes that finished rows leave before it, so a few rows move, not
+        the whole cache. Returns the number of rows still running, and sets `emitted`, the tokens
+        written since the last compact (the prefill's, then a step's), which the bandit scores."""
         B = self.batch_size
         if B == 0:
             return 0
@@ -441,40 +428,29 @@ class RunningBatch:
         # batch), with every row's length (the longest makes the next windows exact; their sum, less
         # the last compact's, counts the step's tokens)
         done, n_tokens = torch.stack((self.done, self.n_tokens)).tolist()
-        self.emitted = sum(n_tokens) - self.counted
-        finished = [b for b in range(B) if done[b]]
-        if finished:
-            self._drop(finished, n_tokens)
-        self.counted = sum(n for n, d in zip(n_tokens, done) if not d)
-        self.longest = max((n for n, d in zip(n_tokens, done) if not d), default=0)
-        if DEBUG:
-            self._check()
-        return self.batch_size
-
-    def _drop(self, finished, n_tokens):
-        """compact's work when the rows in slots `finished` (ascending) have: keep them as results,
-        then fill the holes they leave before the new end with the live rows past it, in every tensor
-        and both caches (a few rows move, not the whole cache). The host knows which slots move from
-        compact's read; the device finds the same ones in its own `done` mask (no index from the host)."""
-        n = self.batch_size - len(finished)  # rows still running: they end in slots 0..n-1
+        live = [b for b in range(B) if not done[b]]
+        self.emitted, self.counted = sum(n_tokens) - self.counted, sum(n_tokens[b] for b in live)
+        self.longest, n = max((n_tokens[b] for b in live), default=0), len(live)
+        if n == B:  # none finished
+            return B
         if DEBUG:  # every slot's tokens and first keys, to check that each row's keys move with its tokens
             before = self.tokens.clone(), self.cache.k[0, :, 0, :, 0].clone()  # (B, width), (B, max_len)
-        for b in finished:
+        for b in (b for b in range(B) if done[b]):  # a result; its response is read with the others' (`results`)
             row = self.running[b]
-            self._results[row] = Sample(None, self.tokens[b, :n_tokens[b]].clone(), self.hidden[b, :n_tokens[b] - 1].clone(),
-                                        self.prompt_lens[row])  # its response is read with the others' (`results`)
+            self._results[row] = Sample(None, self.tokens[b, :n_tokens[b]].clone(),
+                                        self.hidden[b, :n_tokens[b] - 1].clone(), self.prompt_lens[row])
             self._unread_responses.append(row)
-        # the live slots in order, then the finished ones: a stable sort of the done mask (nonzero
-        # would read how many there are, which the host knows); as uint8: CUDA sorts no bool before 2.6
+        # on the host: slot b < n keeps its row if it runs, else takes the next live row past n
+        movers = iter([b for b in live if b >= n])
+        keep = [b if not done[b] else next(movers) for b in range(n)]
+        self.running = [self.running[b] for b in keep]
+        # on the device, the same moves found in the done mask, so no index crosses from the host:
+        # the live slots in order, then the finished ones, by a stable sort (nonzero would read how
+        # many there are, which the host knows; uint8: CUDA sorts no bool before torch 2.6)
         order = torch.argsort(self.done.to(torch.uint8), stable=True)  # (B,)
         self.groups.finish(self.row_id[order[n:]], self.tokens[order[n:]], self.n_tokens[order[n:]])
-        holes = sum(b < n for b in finished)  # finished slots before the new end = live slots past it
-        live = [b for b in range(self.batch_size) if b not in finished]
-        keep = list(range(n))  # on the host: slot i gets the row in slot keep[i]
-        for hole, row in zip(finished[:holes], live[n - holes:]):
-            keep[hole] = row
-        self.running = [self.running[b] for b in keep]
-        slots, rows = order[n:n + holes], order[n - holes:n]  # on the device: the same holes and rows
+        holes = sum(done[:n])  # finished slots before the new end = live slots past it
+        slots, rows = order[n:n + holes], order[n - holes:n]  # slots[i] gets the row in slot rows[i]
         for name in ("tokens", "hidden", "end", "row_id", "n_tokens", "done", "seeds"):
             t = getattr(self, name)
             if t is not None:
@@ -485,6 +461,9 @@ class RunningBatch:
                 cache.keep(n, slots, rows)
         if DEBUG and not (torch.equal(self.tokens, before[0][keep]) and torch.equal(self.cache.k[0, :, 0, :, 0], before[1][keep])):
             raise AssertionError("RunningBatch invariant broken: compaction moves every row's cache keys with its tokens")
+        if DEBUG:
+            self._check()
+        return self.batch_size
 
     @property
     def results(self):

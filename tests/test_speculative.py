@@ -289,30 +289,31 @@ def test_compact_drops_finished_rows_keeps_original_order(greedy_setup):
 def test_groups_are_the_rows_of_one_prompt_and_their_texts_outlive_them(greedy_setup):
     """What a model-free drafter reads of a row's GRPO group: the rows with its prompt plus the
     finished responses passed in, never the row itself; a finished row's text stays as it ended, a
-    running row's is read as it is now; siblings_done is whether no two running rows share a prompt
+    running row's is read as it is now; all_finished is whether no two running rows share a prompt
     (and every one has a sibling: a row alone in its group has nothing to copy)."""
     target, _, pool, _, eos = greedy_setup
     a, b = pool[0], pool[1]
     prompts = [a, b, a, b, a]
     gen = RunningBatch(target, prompts, N_NEW, temperature=1.0, eos_id=eos, sampler="gumbel", keys=[5, 6, 7, 8, 9],
                        siblings=[[], [[3, 1]], [], [], []])
-    assert gen.siblings.tolist() == [[2, 4], [3, 5], [0, 4], [1, 5], [0, 2]]  # text 5: b + [3, 1], row 1's finished sibling
-    texts, lens = gen.group_texts()
+    done = lambda g: g.groups.all_finished(g.running)  # noqa: E731
+    assert gen.groups.siblings.tolist() == [[2, 4], [3, 5], [0, 4], [1, 5], [0, 2]]  # text 5: b + [3, 1], row 1's finished sibling
+    texts, lens = gen.groups.now(gen.row_id, gen.tokens, gen.n_tokens)
     assert texts[5, :lens[5]].tolist() == b + [3, 1]
-    assert not gen.siblings_done
+    assert not done(gen)
     seen = set()
     while gen.compact() > 0:
         running = gen.row_id.tolist()
-        assert gen.siblings_done == (len({tuple(prompts[i]) for i in running}) == len(running))
-        seen.add(gen.siblings_done)
-        texts, lens = gen.group_texts()
+        assert done(gen) == (len({tuple(prompts[i]) for i in running}) == len(running))
+        seen.add(done(gen))
+        texts, lens = gen.groups.now(gen.row_id, gen.tokens, gen.n_tokens)
         for i in range(5):  # every text is the row's tokens: as they are now, or as the row ended
             now = gen.tokens[running.index(i), :gen.n_tokens[running.index(i)]] if i in running else gen.results[i].tokens
             assert texts[i, :lens[i]].tolist() == now.tolist()
         gen.plain_step()
     assert seen == {False, True}  # the rows finish at different times
     alone = RunningBatch(target, [a, b], N_NEW, temperature=1.0, eos_id=eos, sampler="gumbel", keys=[1, 2])
-    assert alone.siblings.tolist() == [[-1], [-1]] and not alone.siblings_done  # no siblings: nothing to copy
+    assert alone.groups.siblings.tolist() == [[-1], [-1]] and not done(alone)  # no siblings: nothing to copy
 
 
 def test_compact_moves_marked_rows_to_results():
