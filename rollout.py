@@ -25,10 +25,17 @@ The switch to speculative decoding fills the drafter's cache from the target hid
 RunningBatch has recorded for every token (see speculative.py): no second target pass. Those same
 states, exactly aligned with the tokens in both kinds of step, go to the drafter buffer.
 
+The hot loop's budget: one read of the device per step, compaction's (which rows finished), and no
+copy from the host. The bandit's clock and token count ride on that read (the host clock at a read
+that waited for the step; the rows' lengths it brings), so timing adds no sync. `HostTraffic`
+counts reads and copies as a GPU would pay them, on any device; `host_traffic` reports them for a
+rollout (bench.py prints it), `count_syncs` what a GPU itself reports.
+
 Test: python -m pytest tests/test_rollout.py
 """
 import random
 import time
+import warnings
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -220,16 +227,16 @@ class HostTraffic(TorchDispatchMode):
     reads (device -> host: the host waits for every kernel queued before it):
       aten._local_scalar_dense (item(), int(t), float(t), bool(t), `if t:`), aten.equal (torch.equal
       returns a Python bool); ops whose output size depends on values (nonzero, unique, masked_select,
-      repeat_interleave, indexing with a boolean mask); Tensor.tolist, .cpu and .numpy, counted where
-      they are called (on a CPU they dispatch nothing), whatever they dispatch inside not counted again.
+      indexing with a boolean mask); Tensor.tolist, .cpu and .numpy, counted where they are called (on
+      a CPU they dispatch nothing), whatever they dispatch inside not counted again.
     copies (host -> device):
-      aten.lift_fresh of a tensor with a dimension: a tensor made from Python data (torch.tensor(list),
-      torch.as_tensor(list), indexing with a Python list); a 0-d one is a Python scalar, which reaches a
-      kernel as an argument, uncounted; aten._to_copy of a CPU tensor to another device (a GPU run only).
+      aten.lift_fresh, a tensor made from Python data (torch.tensor(list), torch.as_tensor(list),
+      indexing with a Python list), unless it is a 0-d CPU tensor (a Python scalar, which a kernel takes
+      as an argument); aten._to_copy of a CPU tensor to another device (a GPU run only).
     Not seen on a CPU: .to(device) of a CPU tensor (nothing is dispatched; on a GPU run it is the
-    _to_copy above). torch.cuda.synchronize is not an op: rollout() calls none in its loop."""
-    READS = {"_local_scalar_dense", "equal", "nonzero", "_unique2", "unique_dim", "unique_consecutive",
-             "masked_select", "repeat_interleave"}
+    _to_copy above). torch.cuda.synchronize is not an op: rollout() calls none; `count_syncs` counts
+    what a GPU itself reports."""
+    READS = {"_local_scalar_dense", "equal", "nonzero", "_unique2", "unique_dim", "unique_consecutive", "masked_select"}
     HOST_CALLS = ("tolist", "cpu", "numpy")
 
     def __init__(self):
@@ -251,9 +258,9 @@ class HostTraffic(TorchDispatchMode):
             if name in self.READS or (name in ("index", "index_put", "index_put_") and any(
                     i is not None and i.dtype == torch.bool for i in args[1])):
                 self.segments[-1].append(("read", name))
-            elif name == "lift_fresh" and t.dim() > 0:
+            elif name == "lift_fresh" and (t.dim() > 0 or t.device.type != "cpu"):
                 self.segments[-1].append(("copy", name))
-            elif name == "_to_copy" and t.device.type == "cpu" and kwargs.get("device", t.device).type != "cpu":
+            elif name == "_to_copy" and t.device.type == "cpu" and (kwargs.get("device") or t.device).type != "cpu":
                 self.segments[-1].append(("copy", name))
         return func(*args, **(kwargs or {}))
 
@@ -278,3 +285,57 @@ class HostTraffic(TorchDispatchMode):
             finally:
                 self._inside -= 1
         return call
+
+
+def host_traffic(target, drafter, prompts, max_new_tokens, **kwargs):
+    """One rollout(target, drafter, prompts, max_new_tokens, **kwargs) under a HostTraffic, a segment
+    per decoding step, the prefill and the end apart. Prints a line; returns its reads and copies."""
+    counter = HostTraffic()
+    with counter:
+        _, stats = rollout(target, drafter, prompts, max_new_tokens, progress=counter.mark, **kwargs)
+    (r0, *reads, r_end), (c0, *copies, c_end) = counter.counts("read"), counter.counts("copy")
+    out = {"steps": len(reads), "sd_row_steps": stats.sd_row_steps, "reads_per_step":
+           sum(reads) / len(reads), "max_reads_in_a_step": max(reads), "copies_in_steps": sum(copies),
+           "prefill": {"reads": r0, "copies": c0}, "end": {"reads": r_end, "copies": c_end}}
+    print(f"host-device traffic of a {len(prompts)}-row rollout, as a GPU would pay it (rollout.HostTraffic): "
+          f"{out['reads_per_step']:.2f} reads per decoding step (at most {max(reads)}), {sum(copies)} copies from the "
+          f"host over its {len(reads)} steps; the prefill {r0} reads, {c0} copies; the end {r_end} reads")
+    return out
+
+
+@torch.no_grad()
+def count_syncs(model, drafter, batch_size=1, k=4, steps=8, sampler="gumbel"):
+    """Host-device round trips per speculative step and per compaction, counted on a GPU by
+    torch.cuda.set_sync_debug_mode("warn"), which warns once per synchronizing call. The rows run
+    to the length limit (no <|eos|>), after one unmeasured step that fills the drafter's cache.
+    Prints the counts and returns {"step": syncs per speculative step, "compact": per compact()};
+    on a CPU prints "n/a on CPU" and returns None (HostTraffic counts what they would be)."""
+    if model.wte.weight.device.type != "cuda":
+        print("host-device syncs per speculative step: n/a on CPU")
+        return None
+    prompts = [[1 + b % 7, 2, 3, 4, 5] for b in range(batch_size)]
+    max_new = min((steps + 1) * (k + 1), model.config.block_size - 5 - k)
+    batch = RunningBatch(model, prompts, max_new, max_draft=k, sampler=sampler,
+                         generator=torch.Generator(device=model.wte.weight.device).manual_seed(0))
+    batch.compact()
+    batch.speculative_step(drafter, k)
+    batch.compact()
+    torch.cuda.synchronize()
+    counts, n = {"step": 0, "compact": 0}, 0
+    before = torch.cuda.get_sync_debug_mode()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            while n < steps and batch.batch_size:
+                for name, fn in (("step", lambda: batch.speculative_step(drafter, k)), ("compact", batch.compact)):
+                    seen = len(caught)
+                    fn()
+                    counts[name] += len(caught) - seen
+                n += 1
+        finally:
+            torch.cuda.set_sync_debug_mode(before)
+    out = {name: c / max(n, 1) for name, c in counts.items()}
+    print(f"host-device syncs at batch {batch_size}, k = {k} ({sampler}), over {n} steps: "
+          f"{out['step']:.1f} per speculative step, {out['compact']:.1f} per compaction")
+    return out
