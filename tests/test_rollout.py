@@ -87,8 +87,8 @@ def test_hidden_states_align_with_tokens(tlt):
 def test_a_rollout_reads_once_per_step_and_copies_nothing_in_its_loop(sampler):
     """The budget of a rollout's hot path, as a GPU would pay it (rollout.HostTraffic): per decoding
     step, compaction and the bandit's clock included, one read (which rows finished) and no copy from
-    the host; the prefill reads nothing; the end reads three times (the last compact, the stats, the
-    responses). The bandit is scored with every step's tokens, which that one read brings."""
+    the host; the prefill reads nothing and copies a few host lists; the end reads three times (the
+    last compact, the stats, the responses). The bandit is scored with every step's tokens, which that one read brings."""
     target, drafter = tiny_models(3)
     ps = [p for p in prompts(6, seed=8) for _ in range(4)]  # 6 GRPO groups of 4
     scored = []
@@ -106,6 +106,7 @@ def test_a_rollout_reads_once_per_step_and_copies_nothing_in_its_loop(sampler):
     assert len(reads) == st.steps + 2
     assert reads[1:-1] == [1] * st.steps and copies[1:-1] == [0] * st.steps, counter.segments
     assert reads[0] == 0 and reads[-1] == 3 and copies[-1] == 0, (counter.segments[0], counter.segments[-1])
+    assert copies[0] <= 8  # the prefill: a few host lists, each in one copy, not one per prompt
     sizes = st.batch_sizes
     assert st.sd_row_steps > 0 and st.accept_hist.get(0, 0) > 0 and st.sd_row_steps < sum(sizes)  # plain steps too
     assert any(0 < b < a for a, b in zip(sizes, sizes[1:]))  # rows finished mid-run: compactions in the loop
