@@ -37,8 +37,8 @@ hidden states in the run's dtype. `train_step` serves the warm-up and online tra
 
 Three more drafters close the file, each with the one method the speculative step calls,
 `propose(batch, k)`: `NgramDrafter` (TLT-Base: the row's own text), `SiblingDrafter` (the texts of
-the row's GRPO group) and `SiblingOrLearned` (the learned drafter until every running row is the
-last of its group, then siblings).
+the row's GRPO group, which RunningBatch keeps in a `GroupTexts`) and `SiblingOrLearned` (the learned
+drafter until every running row is the last of its group, then siblings).
 
 Test: python -m pytest tests/test_drafter.py
 """

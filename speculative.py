@@ -7,7 +7,7 @@ The pieces, in the order one speculative step uses them:
    drafter offers). The learned drafter (`RunningBatch.draft`) first catches up on the target
    hidden states it has not read yet (a ragged number per row), then proposes k tokens, feeding
    its own predicted hidden state back; the model-free drafters look them up in the row's own text
-   (n-gram) or in its GRPO siblings' (`texts`, `siblings`: the rows with the same prompt).
+   (n-gram) or in its GRPO siblings' (drafter.GroupTexts: the rows with the same prompt).
 3. Verification: the target reads [pending token, d_1..d_k] in one forward pass (T = k + 1).
 4. The verify rule, one of two samplers (both lossless; greedy decoding is the same in both):
    - "rejection", `verify`: exact rejection sampling (Leviathan et al. 2023, Chen et al. 2023).
