@@ -20,6 +20,8 @@ The cost ratio c is the drafter's time per one-token forward over the target's, 
 standard formula predicts a speedup of accept_len / (1 + k c), assuming a verify pass of k+1
 tokens costs what a one-token pass costs; that holds on a GPU at small batch but not on a CPU,
 so the bench also measures that cost and reports accept_len / (verify + k c).
+It ends with the host-device traffic of one rollout like train.py's (32 rows, speculating from 8 on):
+reads and copies per decoding step as a GPU would pay them (rollout.host_traffic, any device).
 
 End-to-end bench. train.py runs from the same warm-ups and seed, each its own torchrun group
 (E2E_VARIANTS): --tlt off, on, on with a frozen drafter, on with the n-gram drafter (TLT-Base), with
