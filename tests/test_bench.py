@@ -12,6 +12,7 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 import bench  # noqa: E402
+import speculative  # noqa: E402
 import task  # noqa: E402
 import train  # noqa: E402
 from drafter import Drafter  # noqa: E402
@@ -86,9 +87,10 @@ def test_expected_steps_counts_verify_steps_to_emit_a_row():
     assert bench.expected_steps([0.5], 2) == pytest.approx(1.5)
 
 
-def test_host_traffic_report_of_a_rollout_like_train_py(capsys):
+def test_host_traffic_report_of_a_rollout_like_train_py(capsys, monkeypatch):
     """The report python bench.py prints: a rollout of train.py's rows for step 0 on one rank, one
     read per decoding step and no copy from the host, as a JSON-ready figure."""
+    monkeypatch.setattr(speculative, "DEBUG", False)  # TLT_DEBUG's checks read the device on purpose
     targs = train.parse_args(["--device", "cpu", "--max-n", "4", "--max-passes", "1", "--block-size", "40",
                               "--draft-ks", "0,2,3"])
     target, drafter = tiny_pair(0)

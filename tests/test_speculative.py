@@ -25,6 +25,7 @@ import random
 import pytest
 import torch
 
+import speculative
 from drafter import Drafter, DrafterBuffer, make_optimizer, train_step
 from conftest import randomize
 from model import GPT, GPTConfig
@@ -345,7 +346,6 @@ def test_compact_moves_marked_rows_to_results():
 def test_debug_checks_catch_a_broken_invariant(greedy_setup, monkeypatch):
     """With speculative.DEBUG on (TLT_DEBUG=1), a whole run passes RunningBatch's checks, and each
     invariant that the steps rely on, broken by hand, stops the next step (or the compaction)."""
-    import speculative
     from model import KVCache
     monkeypatch.setattr(speculative, "DEBUG", True)
     target, drafter, pool, free, eos = greedy_setup
@@ -800,11 +800,12 @@ def test_rows_whose_old_32_bit_streams_were_a_shift_apart_get_unrelated_noise():
 
 
 @pytest.mark.parametrize("sampler,temperature", [("gumbel", 1.0), ("rejection", 0.7), ("gumbel", 0.0), ("rejection", 0.0)])
-def test_steps_read_nothing_from_the_device(greedy_setup, sampler, temperature):
+def test_steps_read_nothing_from_the_device(greedy_setup, sampler, temperature, monkeypatch):
     """Plain and speculative steps (every drafter, the learned drafter's first catch-up included)
     size everything from the host's bounds: no read, no copy from the host. compact() reads the
     device once (which rows finished) and copies nothing, also when rows finish and live rows move
     into their slots (its index tensors are made on the device). rollout.HostTraffic says what counts."""
+    monkeypatch.setattr(speculative, "DEBUG", False)  # TLT_DEBUG's checks read the device on purpose
     target, drafter, pool, _, eos = greedy_setup
     gen = RunningBatch(target, pool * 2, N_NEW, temperature=temperature, eos_id=eos, sampler=sampler, max_draft=4,
                        generator=torch.Generator().manual_seed(3), keys=list(range(2 * len(pool))))
