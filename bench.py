@@ -20,6 +20,8 @@ The cost ratio c is the drafter's time per one-token forward over the target's, 
 standard formula predicts a speedup of accept_len / (1 + k c), assuming a verify pass of k+1
 tokens costs what a one-token pass costs; that holds on a GPU at small batch but not on a CPU,
 so the bench also measures that cost and reports accept_len / (verify + k c).
+It ends with the host-device traffic of one rollout like train.py's (32 rows, speculating from 8 on):
+reads and copies per decoding step as a GPU would pay them (rollout.host_traffic, any device).
 
 End-to-end bench. train.py runs from the same warm-ups and seed, each its own torchrun group
 (E2E_VARIANTS): --tlt off, on, on with a frozen drafter, on with the n-gram drafter (TLT-Base), with
@@ -49,7 +51,7 @@ import train
 import warmup
 from drafter import Drafter, DrafterBuffer, SiblingDrafter, make_optimizer, train_step
 from common import OneLineParser, check_out_dir, machine, sync, wants_cuda
-from rollout import Bandit, by_position, format_positions, rollout
+from rollout import Bandit, by_position, count_syncs, format_positions, host_traffic, rollout
 from speculative import SAMPLERS, autoregressive_generate, speculative_generate
 
 
@@ -146,45 +148,6 @@ def forward_time(model, T, drafter=None, repeats=200):
         sync(device)
         best = min(best, time.perf_counter() - t0)
     return best / repeats
-
-
-@torch.no_grad()
-def count_syncs(model, drafter, batch_size=1, k=4, steps=8, sampler="gumbel"):
-    """Host-device round trips per speculative step and per compaction, counted on a GPU by
-    torch.cuda.set_sync_debug_mode("warn"), which warns once per synchronizing call. The rows run
-    to the length limit (no <|eos|>), after one unmeasured step that fills the drafter's cache.
-    Prints the counts and returns {"step": syncs per speculative step, "compact": per compact()};
-    on a CPU prints "n/a on CPU" and returns None. speculative.py says which remain and why."""
-    import warnings
-    from speculative import RunningBatch
-    if model.wte.weight.device.type != "cuda":
-        print("host-device syncs per speculative step: n/a on CPU")
-        return None
-    prompts = [[1 + b % 7, 2, 3, 4, 5] for b in range(batch_size)]
-    max_new = min((steps + 1) * (k + 1), model.config.block_size - 5 - k)
-    batch = RunningBatch(model, prompts, max_new, max_draft=k, sampler=sampler, generator=generator(model, 0))
-    batch.compact()
-    batch.speculative_step(drafter, k)
-    batch.compact()
-    torch.cuda.synchronize()
-    counts, n = {"step": 0, "compact": 0}, 0
-    before = torch.cuda.get_sync_debug_mode()
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            while n < steps and batch.batch_size:
-                for name, fn in (("step", lambda: batch.speculative_step(drafter, k)), ("compact", batch.compact)):
-                    seen = len(caught)
-                    fn()
-                    counts[name] += len(caught) - seen
-                n += 1
-        finally:
-            torch.cuda.set_sync_debug_mode(before)
-    out = {name: c / max(n, 1) for name, c in counts.items()}
-    print(f"host-device syncs at batch {batch_size}, k = {k} ({sampler}), over {n} steps: "
-          f"{out['step']:.1f} per speculative step, {out['compact']:.1f} per compaction")
-    return out
 
 
 def decode_row(args, model, drafter, prompts, sampler, siblings=None):
@@ -371,6 +334,14 @@ def tail_workload(args, task_cfg, model, drafter, n_steps=4):
     return {"steps": n_steps, "rows": len(shards[0][0]), "plain_time": t_plain, "tlt_time": t_tlt,
             "speedup": t_plain / t_tlt, "accept_len": accept, "tail_share": share, "reward_plain": r_plain, "reward_tlt": r_tlt,
             "identical_responses": same, "responses": n, "bandit_best": {str(k): v for k, v in bandit.best().items()}}
+
+
+def rollout_host_traffic(args, task_cfg, model, drafter):
+    """rollout.host_traffic of a rollout like train.py's: step 0's rows on one rank, speculating from 8 rows on."""
+    rows, keys, _ = train.step_rows(args.targs, task_cfg, 0, 0, 1)
+    return host_traffic(model, drafter, [task.encode(p.prompt()) for p in rows], task_cfg.max_response_len,
+                        eos_id=task.EOS_ID, generator=generator(model, 0), sd_threshold=8,
+                        bandit=Bandit(args.targs.draft_ks), sampler=args.sampler, keys=keys)
 
 
 def held_out_prompts(task_cfg, n):
@@ -594,6 +565,7 @@ def main(argv=None):
             result = drafters_bench(args, targs, task_cfg, model, drafter)
         else:
             result = decode_bench(args, task_cfg, model, drafter)
+            result["host_traffic"] = rollout_host_traffic(args, task_cfg, model, drafter)
     print(json.dumps({**result, "dtype": targs.dtype, "machine": machine(device)}))
 
 

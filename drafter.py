@@ -37,8 +37,8 @@ hidden states in the run's dtype. `train_step` serves the warm-up and online tra
 
 Three more drafters close the file, each with the one method the speculative step calls,
 `propose(batch, k)`: `NgramDrafter` (TLT-Base: the row's own text), `SiblingDrafter` (the texts of
-the row's GRPO group) and `SiblingOrLearned` (the learned drafter until every running row is the
-last of its group, then siblings).
+the row's GRPO group, which RunningBatch keeps in a `GroupTexts`) and `SiblingOrLearned` (the learned
+drafter until every running row is the last of its group, then siblings).
 
 Test: python -m pytest tests/test_drafter.py
 """
@@ -425,6 +425,56 @@ class NgramDrafter:
         return tokens.gather(1, torch.minimum(follow, n_tokens[:, None] - 1)), None
 
 
+MAX_SIBLINGS = 15  # a row's siblings, at most: a GRPO group of 16 in full (bounds the lookup's work per row)
+
+
+class GroupTexts:
+    """What a model-free drafter may read besides a row's own tokens, kept by speculative.RunningBatch:
+    its GRPO group, the rows with the same prompt (`group`, per row: the prefill's grouping), plus the
+    responses of its group that had finished before the batch began (`finished`, per row; a rollout
+    has none, as it holds the whole group; bench.py's decoding table starts in the tail).
+    `texts` (R, width): every row's tokens by original row, stored when it finishes (`finish`), then
+    those finished responses; `text_len` (R,); `siblings` (B, S): for each row, the texts of its
+    group but its own, the MAX_SIBLINGS nearest in row order, -1 padding. A running row's text is
+    read as it is now (`now`). Made once per batch from host lists, each in one copy."""
+
+    def __init__(self, group, finished, prompts, width, device):
+        B, finished = len(group), finished or [[]] * len(group)
+        if len(finished) != B:
+            raise ValueError(f"{len(finished)} lists of finished siblings for {B} prompts")
+        extra = [(b, (prompts[b] + list(r))[:width]) for b in range(B) for r in finished[b]]
+        self.texts = torch.cat([torch.zeros(B, width, dtype=torch.long, device=device),
+                                torch.tensor([t + [0] * (width - len(t)) for _, t in extra], dtype=torch.long,
+                                             device=device).view(-1, width)])  # (B + extra, width)
+        self.text_len = torch.tensor([0] * B + [len(t) for _, t in extra], dtype=torch.long, device=device)
+        members = {}  # group -> its texts, in row order
+        for i, g in enumerate(group + [group[b] for b, _ in extra]):
+            members.setdefault(g, []).append(i)
+        rows = []  # a row's siblings: the other members of its group, the MAX_SIBLINGS nearest in row order
+        for b in range(B):
+            m = members[group[b]]
+            at = bisect.bisect_left(m, b)
+            lo = max(0, min(at - MAX_SIBLINGS // 2, len(m) - MAX_SIBLINGS - 1))
+            rows.append([i for i in m[lo:lo + MAX_SIBLINGS + 1] if i != b][:MAX_SIBLINGS])
+        self.group, self.n_siblings = group, [len(r) for r in rows]  # on the host, by original row
+        S = max(1, max(map(len, rows)))
+        self.siblings = torch.tensor([r + [-1] * (S - len(r)) for r in rows], dtype=torch.long, device=device)
+
+    def finish(self, rows, tokens, n_tokens):
+        """Rows `rows` (original ids, a device tensor) have finished: their texts stay as they ended."""
+        self.texts[rows], self.text_len[rows] = tokens, n_tokens
+
+    def all_finished(self, running):
+        """Whether every running row (original ids, on the host) has siblings and all of them have
+        finished, i.e. no two running rows share a group."""
+        groups = [self.group[i] for i in running]
+        return len(set(groups)) == len(groups) and all(self.n_siblings[i] for i in running)
+
+    def now(self, row_id, tokens, n_tokens):
+        """Every text, the running rows' (original ids row_id (B,)) as they are now: (R, width), (R,)."""
+        return self.texts.index_copy(0, row_id, tokens), self.text_len.index_copy(0, row_id, n_tokens)
+
+
 class SiblingDrafter:
     """Drafts from the row's GRPO group, a model-free drafter (`--drafter sibling`). GRPO samples G
     responses per prompt, and in the tail the rows still running are the last of their groups: their
@@ -454,8 +504,8 @@ class SiblingDrafter:
     def lookup(self, batch, k):
         """-> drafts (B, k) and each row's match length (B,), 0 where no sibling matched."""
         M, dev = self.max_match, batch.tokens.device
-        texts, lens = batch.group_texts()  # (R, W), (R,)
-        sib = batch.siblings[batch.row_id]  # (B, S) the row's siblings' texts, -1 padding
+        texts, lens = batch.groups.now(batch.row_id, batch.tokens, batch.n_tokens)  # (R, W), (R,)
+        sib = batch.groups.siblings[batch.row_id]  # (B, S) the row's siblings' texts, -1 padding
         cand = texts[sib.clamp(min=0)]  # (B, S, W)
         cand_len = torch.where(sib >= 0, lens[sib.clamp(min=0)], 0)  # (B, S); padding matches nothing
         B, S, W = cand.shape
@@ -482,7 +532,7 @@ class SiblingDrafter:
 class SiblingOrLearned:
     """The combination (`--drafter sibling+learned`): the learned drafter while any running row has a
     sibling still running (or none at all), the sibling drafter once every running row is the last
-    of its group (`RunningBatch.siblings_done`). Then every sibling is finished and sibling drafts
+    of its group (`GroupTexts.all_finished`). Then every sibling is finished and sibling drafts
     cost no forward pass; before that a row's siblings are no further than it is and the learned
     drafter drafts better. The host knows which
     rows finished (`RunningBatch.compact`), so choosing reads nothing from the device, and the
@@ -493,7 +543,7 @@ class SiblingOrLearned:
         self.learned, self.siblings = learned, SiblingDrafter(max_match)
 
     def propose(self, batch, k):
-        return (self.siblings if batch.siblings_done else self.learned).propose(batch, k)
+        return (self.siblings if batch.groups.all_finished(batch.running) else self.learned).propose(batch, k)
 
 
 def make_optimizer(drafter, lr=3e-3):

@@ -15,7 +15,7 @@ p only attends to keys at positions <= p, and they are overwritten by the next a
 
 Ragged prompts: right padding plus per-row lengths. Prefill the padded (B, T) batch with every
 length at 0, then assign the true prompt lengths; the padding's cache entries are dead. Rows that
-finish leave the batch with `cache.keep(rows)` (compaction), so a shrinking batch really costs less.
+finish leave the batch with `cache.keep` (compaction), so a shrinking batch really costs less.
 
 Shape: 12 layers of width 48 (0.37 M parameters), deep and narrow on purpose. On a CPU at small
 batch a decoding step costs its kernel launches, about 20 per layer, far more than its FLOPs, so
@@ -102,21 +102,16 @@ class KVCache:
     def batch_size(self):
         return self.lengths.shape[0]
 
-    def keep(self, rows):
-        """Compaction: keep only `rows` (row indices, a list or a long tensor), in that order: slot i
-        gets row rows[i]. Only the slots whose row changes are copied, and the cache becomes a view of
-        its first len(rows) slots. RunningBatch.compact moves the few live rows past the new end
-        into the holes that finished rows leave, so a compaction copies a few rows instead of the
-        whole cache (tens of MB at batch 64 with 12 layers). A list is read on the host; a tensor is
-        read once (a sync)."""
-        rows = rows.tolist() if torch.is_tensor(rows) else list(rows)
-        moved = [i for i, r in enumerate(rows) if r != i]
-        dev = self.kv.device
-        if moved:  # the right side is a copy: safe for any order
-            self.kv[:, :, torch.tensor(moved, device=dev)] = self.kv[:, :, torch.tensor([rows[i] for i in moved], device=dev)]
-        self.kv = self.kv[:, :, :len(rows)]
-        self.lengths = self.lengths[torch.tensor(rows, dtype=torch.long, device=dev)]
-        self.rows = self.rows[:len(rows)]
+    def keep(self, n, slots=None, rows=None):
+        """Compaction: slots `slots` get rows `rows` (long tensors on the cache's device), then the
+        cache is its first n slots. RunningBatch.compact moves the few live rows past the new end
+        into the holes that finished rows leave before it, so a compaction copies a few rows instead
+        of the whole cache (tens of MB at batch 64 with 12 layers). Index tensors, not lists: a list
+        is copied from the host, which waits for a GPU's queue."""
+        if slots is not None:  # the right side is a copy: safe in any order
+            self.kv[:, :, slots] = self.kv[:, :, rows]
+            self.lengths = self.lengths.index_copy(0, slots, self.lengths[rows])
+        self.kv, self.lengths, self.rows = self.kv[:, :, :n], self.lengths[:n], self.rows[:n]
 
 
 def rope_table(head_dim, max_len, base, device=None):

@@ -7,7 +7,7 @@ The pieces, in the order one speculative step uses them:
    drafter offers). The learned drafter (`RunningBatch.draft`) first catches up on the target
    hidden states it has not read yet (a ragged number per row), then proposes k tokens, feeding
    its own predicted hidden state back; the model-free drafters look them up in the row's own text
-   (n-gram) or in its GRPO siblings' (`texts`, `siblings`: the rows with the same prompt).
+   (n-gram) or in its GRPO siblings' (drafter.GroupTexts: the rows with the same prompt).
 3. Verification: the target reads [pending token, d_1..d_k] in one forward pass (T = k + 1).
 4. The verify rule, one of two samplers (both lossless; greedy decoding is the same in both):
    - "rejection", `verify`: exact rejection sampling (Leviathan et al. 2023, Chen et al. 2023).
@@ -42,23 +42,17 @@ kind of step throughout; rollout.py mixes the two kinds of step by batch size. `
 counts what they did (tokens, speculative row-steps, drafts proposed and accepted); the generate
 functions return it as a dict, the interface their callers and tests rely on.
 
-Host-device round trips (marked "sync:"; free on a CPU, a stall of the GPU's queue on a GPU). A
-speculative step (drafting, verify, bookkeeping) makes none: every size it needs is a bound the
-host keeps (`RunningBatch.longest`: the attention windows; `unread`: the drafter's catch-up width),
-handed to each forward through `cache.window`, and DecodeStats keeps the step's counts on the
-device until the end. What remains per step is one read in `compact`: which rows finished (the
-host must know, to shrink the batch and hand results back: the price of a truly shrinking batch),
-read together with every row's length, which makes the next step's windows exact. A step in which
-rows finish reads their tokens too. rollout.py adds the bandit's read of the step's tokens and the
-clock's torch.cuda.synchronize (it scores k by measured tokens per second). Once per batch: the
-prefill's distinct prompts (torch.unique), which rows share one (the GRPO groups) and, with
-"gumbel" and no keys, the base key. The drafting clock (`drafting`) records CUDA events, read once.
-`bench.count_syncs` counts them on a GPU.
+Host-device traffic (reads marked "sync:", a stall of a GPU's queue; copies from host lists). A
+step makes none: every size it needs is a bound the host keeps (`RunningBatch.longest`, `unread`),
+DecodeStats keeps its counts on the device, and compaction builds its index tensors there. What
+remains per step is one read in `compact`: which rows finished (the host must know, to shrink the
+batch: the price of a truly shrinking batch), with every row's length. The prefill copies a few
+host lists; the responses are read once, at the end (`results`). rollout.HostTraffic counts it all.
 
 Test: python -m pytest tests/test_speculative.py
 """
-import bisect
 import functools
+import os
 from dataclasses import asdict, dataclass, field
 from typing import NamedTuple
 
@@ -66,6 +60,9 @@ import torch
 import torch.nn.functional as F
 
 from common import Stopwatch
+from drafter import GroupTexts
+
+DEBUG = os.environ.get("TLT_DEBUG") == "1"  # check RunningBatch's invariants (`_check`) at every step: slow
 
 
 def probs(logits, temperature):
@@ -129,7 +126,6 @@ def gumbel_noise(seeds, vocab_size, lo=0, hi=None):
     return u.log_().neg_().log_().neg_()  # -log(-log(u))
 
 
-MAX_SIBLINGS = 15  # a row's siblings, at most: a GRPO group of 16 in full (bounds the lookup's work per row)
 NOISE_CHUNK = 8192  # token ids per chunk: at most B * T * 8192 noise values (int64 while hashed) at once
 
 
@@ -207,9 +203,10 @@ class RunningBatch:
     but not yet read by the target), so the target cache holds n_tokens - 1 positions and
     hidden[b, j] is the target's final hidden state after reading tokens[b, j].
 
-    On the host it keeps bounds instead of reading the device: `longest` >= every row's n_tokens
-    (exact after each compact, then grown by the most a step can add), which sizes every attention
-    window, and `unread` >= how many recorded states the drafter has not read, its catch-up width.
+    The host keeps what it must know instead of reading the device: `running`, the row in each slot;
+    `longest` >= every row's n_tokens (exact after each compact, then grown by the most a step can
+    add), which sizes every attention window; `unread` >= how many recorded states the drafter has
+    not read, its catch-up width. `_check` states the invariants the steps rely on.
 
     sampler "rejection" draws from `generator`; sampler "gumbel" picks every token from the row's
     key (keys[b], any int64 >= 0) and the token's position, and draws nothing from `generator`
@@ -221,100 +218,73 @@ class RunningBatch:
             raise ValueError("prompts must be a non-empty list of non-empty token lists")
         if sampler not in SAMPLERS:
             raise ValueError(f"sampler must be one of {SAMPLERS}, got {sampler!r}")
-        if keys is not None and len(keys) != len(prompts):
-            raise ValueError(f"{len(keys)} keys for {len(prompts)} prompts")
+        if keys is not None and (len(keys) != len(prompts) or min(keys) < 0):
+            raise ValueError(f"keys must be {len(prompts)} non-negative integers, one per prompt")
         if max_new_tokens <= 0:
             raise ValueError(f"max_new_tokens must be positive, got {max_new_tokens}")
-        if siblings is not None and len(siblings) != len(prompts):
-            raise ValueError(f"{len(siblings)} lists of finished siblings for {len(prompts)} prompts")
         longest = max(len(p) for p in prompts)
         need = longest + max_new_tokens + max_draft  # the verify pass writes k positions past the end
         if need > target.config.block_size:
             raise ValueError(f"prompt ({longest}) + max_new_tokens ({max_new_tokens}) + draft ({max_draft}) "
                              f"= {need} exceeds block_size {target.config.block_size}")
-        self.target, self.temperature, self.eos_id, self.generator = target, temperature, eos_id, generator
+        self.target, self.temperature, self.eos_id, self.generator, self.sampler = target, temperature, eos_id, generator, sampler
         dev = target.wte.weight.device
         B, width = len(prompts), need + 1
-        self.tokens = torch.zeros(B, width, dtype=torch.long, device=dev)
-        for b, p in enumerate(prompts):
-            self.tokens[b, :len(p)] = torch.tensor(p, device=dev)
-        self.prompt_len = torch.tensor([len(p) for p in prompts], device=dev)
-        self.end = self.prompt_len + max_new_tokens  # (B,) a row is done at this many tokens
-        self.hidden = torch.zeros(B, width, target.config.n_embd, device=dev, dtype=target.wte.weight.dtype)
-        self.row_id = torch.arange(B, device=dev)
-        self.sampler = sampler
-        if keys is None:  # "rejection" never reads them, so it draws nothing for them
-            keys = torch.arange(B) + (int(torch.randint(2 ** 62, (1,), generator=generator, device=dev))
-                                      if sampler == "gumbel" else 0)
-        elif min(keys) < 0:
-            raise ValueError("keys must be non-negative")
-        # every position's noise seed, hashed once per batch (8 bytes a position: nothing beside the KV cache)
-        self.seeds = None if sampler != "gumbel" else gumbel_seeds(torch.as_tensor(keys, dtype=torch.long).to(dev),
-                                                                   torch.arange(width, device=dev).expand(B, width))
-        self.cache = target.new_cache(B, max_len=need)
-        self.dcache = None  # the drafter's cache, made on the first speculative step
-        self.drafting = Stopwatch(dev)  # the time spent drafting
-        self.results = [None] * B  # per original row, a Sample once it has finished
+        # on the host, never read back: which row is in each slot, the prompts' lengths by row
+        self.running, self.prompt_lens = list(range(B)), [len(p) for p in prompts]
         self.cap = longest + max_new_tokens  # no row grows past it
-        self.unread = None  # no drafter cache yet
+        self.counted = sum(self.prompt_lens)  # the tokens of the running rows at the last compact (see compact)
+        # on the device, per row; each made from host data in one copy, once per batch
+        self.tokens = torch.tensor([p + [0] * (width - len(p)) for p in prompts], device=dev)  # (B, width)
+        prompt_len = torch.tensor(self.prompt_lens, device=dev)  # (B,)
+        self.end = prompt_len + max_new_tokens  # (B,) a row is done at this many tokens
+        self.hidden = torch.zeros(B, width, target.config.n_embd, device=dev, dtype=target.wte.weight.dtype)
+        self.row_id = torch.arange(B, device=dev)  # the device's `running`
+        self.seeds = None  # "gumbel": every position's noise seed, hashed once per batch (8 bytes a position)
+        if sampler == "gumbel":
+            keys = (torch.arange(B, device=dev) + torch.randint(2 ** 62, (1,), generator=generator, device=dev)
+                    if keys is None else torch.as_tensor(keys, dtype=torch.long, device=dev))
+            self.seeds = gumbel_seeds(keys, torch.arange(width, device=dev).expand(B, width))  # (B, width)
+        self.cache = target.new_cache(B, max_len=need)
+        self.dcache = self.unread = None  # the drafter's cache and catch-up width, from the first draft
+        self.drafting = Stopwatch(dev)  # the time spent drafting
+        self._results, self._unread_responses = [None] * B, []  # see `results`
         # prefill: each distinct prompt once (a GRPO group repeats its prompt G times), padded, in
         # one pass; then copy its cache entries to the rows that share it and roll each row back
         # to its true length. Every row then samples its own first token.
-        distinct, inverse = torch.unique(torch.cat([self.prompt_len[:, None], self.tokens[:, :longest]], 1), dim=0,
-                                         return_inverse=True)  # (U, 1 + longest): length, then the padded prompt
-        once = target.new_cache(distinct.shape[0], max_len=longest)
+        index = {}  # distinct prompt -> its index
+        group = [index.setdefault(tuple(p), len(index)) for p in prompts]  # each row's distinct prompt: its GRPO group
+        firsts, inverse = (torch.tensor(x, device=dev) for x in ([group.index(u) for u in range(len(index))], group))
+        once = target.new_cache(len(index), max_len=longest)
         once.window = longest
-        logits, hidden = target(distinct[:, 1:], once)  # (U, T, V), (U, T, C)
+        logits, hidden = target(self.tokens[firsts, :longest], once)  # (U, T, V), (U, T, C)
         self.cache.kv[..., :longest, :] = once.kv[:, :, inverse]
-        self.cache.lengths = self.prompt_len.clone()
+        self.cache.lengths = prompt_len
         self.hidden[:, :longest] = hidden[inverse]
-        self.n_tokens = self.prompt_len.clone()
+        self.n_tokens = prompt_len.clone()
         self.done = torch.zeros(B, dtype=torch.bool, device=dev)
-        self._at(self.prompt_len[:, None])
-        first, _ = self._choose(logits[inverse, self.prompt_len - 1][:, None])  # (B, 1)
+        self._at(prompt_len[:, None])
+        first, _ = self._choose(logits[inverse, prompt_len - 1][:, None])  # (B, 1)
         self._append(first)
         self.longest = longest + 1
-        self._group(inverse.tolist(), siblings or [[] for _ in prompts], prompts)  # sync: once per batch
+        self.groups = GroupTexts(group, siblings, prompts, width, dev)  # what model-free drafters read
+        if DEBUG:
+            self._check()
 
-    def _group(self, group, finished, prompts):
-        """What a model-free drafter may read besides a row's own tokens: its GRPO group, the rows
-        with the same prompt (`group`, the prefill's grouping), plus the responses of its group that
-        had finished before this batch began (`finished`, per row; a rollout has none, as it holds
-        the whole group; bench.py's decoding table starts in the tail). `texts` (R, width): every
-        row's tokens by original row, kept when it finishes, then those finished responses;
-        `text_len` (R,); `siblings` (B, S): for each row, the texts of its group but its own, -1
-        padding. A running row's entry in `texts` is refreshed by whoever reads it (`group_texts`)."""
-        B, width = self.tokens.shape
-        extra = [(b, (prompts[b] + list(r))[:width]) for b in range(B) for r in finished[b]]
-        # a running row's entry is filled when it finishes (compact) and read through group_texts till then
-        self.texts = torch.zeros(B + len(extra), width, dtype=torch.long, device=self.tokens.device)
-        self.text_len = torch.tensor([0] * B + [len(t) for _, t in extra], dtype=torch.long, device=self.tokens.device)
-        members = {}  # group -> its texts
-        for i, g in enumerate(group + [group[b] for b, _ in extra]):
-            members.setdefault(g, []).append(i)
-        for i, (_, t) in enumerate(extra):
-            self.texts[B + i, :len(t)] = torch.tensor(t, device=self.tokens.device)
-        rows = []  # a row's siblings: the other members of its group, the MAX_SIBLINGS nearest in row order
-        for b in range(B):
-            m = members[group[b]]
-            at = bisect.bisect_left(m, b)  # members are in row order
-            lo = max(0, min(at - MAX_SIBLINGS // 2, len(m) - MAX_SIBLINGS - 1))
-            rows.append([i for i in m[lo:lo + MAX_SIBLINGS + 1] if i != b][:MAX_SIBLINGS])
-        self.group, self.n_siblings = group, [len(r) for r in rows]  # on the host, by original row
-        self._siblings_done(range(B))
-        S = max(1, max(map(len, rows)))
-        self.siblings = torch.tensor([r + [-1] * (S - len(r)) for r in rows], dtype=torch.long, device=self.tokens.device)
-
-    def _siblings_done(self, running):
-        """siblings_done: every running row (original ids) has siblings and all of them have finished,
-        i.e. no two running rows share a group. The host knows it from compact's read."""
-        groups = [self.group[i] for i in running]
-        self.siblings_done = len(set(groups)) == len(groups) and all(self.n_siblings[i] for i in running)
-
-    def group_texts(self):
-        """The texts of every row, running rows as they are now: (R, width) tokens, (R,) lengths."""
-        return (self.texts.index_copy(0, self.row_id, self.tokens),
-                self.text_len.index_copy(0, self.row_id, self.n_tokens))
+    def _check(self):
+        """The invariants the steps rely on, checked when DEBUG is on (each check reads the device):
+        1. the target cache holds every row's tokens but the pending one: lengths == n_tokens - 1;
+        2. n_tokens <= longest <= cap: the windows sized from `longest` cover every row's cache;
+        3. n_tokens - 1 - dcache.lengths <= unread: the drafter's catch-up reaches every unread state;
+        4. the host's `running` is the device's row_id: results go to the right rows."""
+        n = self.n_tokens
+        for ok, what in ((torch.equal(self.cache.lengths, n - 1), "the target cache holds n_tokens - 1 positions"),
+                         (not n.numel() or int(n.max()) <= self.longest <= self.cap, "longest bounds every row"),
+                         (self.dcache is None or bool((n - 1 - self.dcache.lengths <= self.unread).all()),
+                          "unread bounds the drafter's unread states"),
+                         (self.row_id.tolist() == self.running, "the host's rows are the device's")):
+            if not ok:
+                raise AssertionError(f"RunningBatch invariant broken: {what}")
 
     @property
     def batch_size(self):
@@ -362,6 +332,8 @@ class RunningBatch:
     @torch.no_grad()
     def plain_step(self):
         """One token for every running row. Returns the number of tokens emitted per row."""
+        if DEBUG:
+            self._check()
         L = self.n_tokens - 1  # (B,) target cache length; tokens[L] is pending
         self.cache.window = self.longest  # the longest row after the append: the forward reads nothing
         logits, hidden = self.target(self.tokens.gather(1, L[:, None]), self.cache)  # (B, 1, V), (B, 1, C)
@@ -377,16 +349,16 @@ class RunningBatch:
         """The learned drafter's proposal (drafter.Drafter): k tokens per row (B, k) and, with
         "rejection", their distributions q (B, k, V) (None with "gumbel"). It first catches up on the
         target hidden states it has not read, then drafts, feeding its own predicted hidden state
-        back; draft i is the sampler's choice at position L + 1 + i, with the step's noise there."""
-        B = self.batch_size
-        if self.dcache is None:  # the switch to SD: the drafter reads every recorded hidden state
+        back; draft i is the sampler's choice at position L + 1 + i, with the step's noise there.
+        It relies on invariants 2 and 3 (`_check`; speculative_step checks them under DEBUG)."""
+        B, L = self.batch_size, self.n_tokens - 1  # L (B,): the target cache length
+        if self.dcache is None:  # the switch to SD: the drafter has read no recorded hidden state
             self.dcache = drafter.new_cache(B, max_len=self.cache.max_len, dtype=self.cache.kv.dtype)
             self.unread = self.longest
         # catch up: each row re-reads its last T pairs (h_j, x_{j+1}), j < L, T a bound on how many it
         # has not read (pairs it had read are rewritten with the values they had); a row with L < T
         # also reads padding past L: dead entries, rolled back below
         T = min(self.unread, self.longest - 1)
-        L = self.n_tokens - 1  # (B,) the target cache length
         start = (L - T).clamp_(min=0)  # (B,)
         j = start[:, None] + self.cache.offsets[:T]  # (B, T)
         self.dcache.lengths, self.dcache.window = start, self.longest - 1
@@ -414,6 +386,8 @@ class RunningBatch:
         `drafter`: anything with propose(batch, k) -> (drafts (B, k), q (B, k, V) or None, None
         meaning deterministic proposals, a one-hot q): drafter.Drafter (whose proposal is `draft`)
         or drafter.NgramDrafter. Returns (tokens emitted per row, drafts accepted per row)."""
+        if DEBUG:
+            self._check()
         V = self.target.config.vocab_size
         L = self.n_tokens - 1  # (B,) target cache length; tokens[L] is pending
         positions = self.n_tokens[:, None] + self.cache.offsets[:k + 1]  # (B, k+1): the drafts', then the bonus token's
@@ -443,40 +417,65 @@ class RunningBatch:
         return n_emitted, n_acc
 
     def compact(self):
-        """Move finished rows to `results` and drop them from every tensor and cache.
-        Returns the number of rows still running."""
+        """Move finished rows to `results` and drop them from every tensor and cache: the live rows
+        past the new end fill the holes that finished rows leave before it, so a few rows move, not
+        the whole cache. Returns the number of rows still running, and sets `emitted`, the tokens
+        written since the last compact (the prefill's, then a step's), which the bandit scores."""
         B = self.batch_size
         if B == 0:
             return 0
-        # sync: the one read of every step: which rows finished (the host must know to shrink the
-        # batch), with every row's length (the longest makes the next windows exact)
-        done, n_tokens, prompt_len, row_id = torch.stack((self.done, self.n_tokens, self.prompt_len, self.row_id)).tolist()
-        self.longest = max(n_tokens)
-        finished = [b for b in range(B) if done[b]]
-        if not finished:
-            return B
-        ids = self.row_id[finished]
-        self.texts[ids], self.text_len[ids] = self.tokens[finished], self.n_tokens[finished]  # a sibling's text stays
-        responses = self.tokens[finished].tolist()  # sync: the finished rows' tokens
-        for b, row in zip(finished, responses):
-            n, plen = n_tokens[b], prompt_len[b]
-            self.results[row_id[b]] = Sample(row[plen:n], self.tokens[b, :n].clone(), self.hidden[b, :n - 1].clone(), plen)
-        # the live rows past the new end fill the holes that finished rows leave before it, so the
-        # caches copy a few rows instead of all of them (KVCache.keep); row_id keeps the order
+        # sync: the one read of every step: which rows finished (the host must know, to shrink the
+        # batch), with every row's length (the longest makes the next windows exact; their sum, less
+        # the last compact's, counts the step's tokens)
+        done, n_tokens = torch.stack((self.done, self.n_tokens)).tolist()
         live = [b for b in range(B) if not done[b]]
-        keep = list(range(len(live)))
-        for hole, row in zip([b for b in finished if b < len(live)], [b for b in live if b >= len(live)]):
-            keep[hole] = row
-        rows = torch.tensor(keep, dtype=torch.long, device=self.tokens.device)
-        for name in ("tokens", "hidden", "prompt_len", "end", "row_id", "n_tokens", "done", "seeds"):
-            if getattr(self, name) is not None:
-                setattr(self, name, getattr(self, name)[rows])
-        self.cache.keep(keep)
-        self._siblings_done([row_id[b] for b in keep])
-        if self.dcache is not None:
-            self.dcache.keep(keep)
-        self.longest = max((n_tokens[b] for b in keep), default=0)
+        self.emitted, self.counted = sum(n_tokens) - self.counted, sum(n_tokens[b] for b in live)
+        self.longest, n = max((n_tokens[b] for b in live), default=0), len(live)
+        if n == B:  # none finished
+            return B
+        if DEBUG:  # every slot's tokens and first keys, to check that each row's keys move with its tokens
+            before = self.tokens.clone(), self.cache.k[0, :, 0, :, 0].clone()  # (B, width), (B, max_len)
+        for b in (b for b in range(B) if done[b]):  # a result; its response is read with the others' (`results`)
+            row = self.running[b]
+            self._results[row] = Sample(None, self.tokens[b, :n_tokens[b]].clone(),
+                                        self.hidden[b, :n_tokens[b] - 1].clone(), self.prompt_lens[row])
+            self._unread_responses.append(row)
+        # on the host: slot b < n keeps its row if it runs, else takes the next live row past n
+        movers = iter([b for b in live if b >= n])
+        keep = [b if not done[b] else next(movers) for b in range(n)]
+        self.running = [self.running[b] for b in keep]
+        # on the device, the same moves found in the done mask, so no index crosses from the host:
+        # the live slots in order, then the finished ones, by a stable sort (nonzero would read how
+        # many there are, which the host knows; uint8: CUDA sorts no bool before torch 2.6)
+        order = torch.argsort(self.done.to(torch.uint8), stable=True)  # (B,)
+        self.groups.finish(self.row_id[order[n:]], self.tokens[order[n:]], self.n_tokens[order[n:]])
+        holes = sum(done[:n])  # finished slots before the new end = live slots past it
+        slots, rows = order[n:n + holes], order[n - holes:n]  # slots[i] gets the row in slot rows[i]
+        for name in ("tokens", "hidden", "end", "row_id", "n_tokens", "done", "seeds"):
+            t = getattr(self, name)
+            if t is not None:
+                t[slots] = t[rows]  # the right side is a copy: safe in any order
+                setattr(self, name, t[:n])
+        for cache in (self.cache, self.dcache):
+            if cache is not None:
+                cache.keep(n, slots, rows)
+        if DEBUG and not (torch.equal(self.tokens, before[0][keep]) and torch.equal(self.cache.k[0, :, 0, :, 0], before[1][keep])):
+            raise AssertionError("RunningBatch invariant broken: compaction moves every row's cache keys with its tokens")
+        if DEBUG:
+            self._check()
         return self.batch_size
+
+    @property
+    def results(self):
+        """Per original row, its Sample once it has finished, else None. The responses of the rows
+        finished since the last look are read here, together: a rollout reads them once, at the end."""
+        rows, self._unread_responses = self._unread_responses, []
+        if rows:  # sync: the responses of the rows finished since the last look, in one read
+            ids = torch.cat([self._results[r].tokens[self._results[r].prompt_len:] for r in rows]).tolist()
+            for r in rows:
+                n = len(self._results[r].tokens) - self._results[r].prompt_len
+                self._results[r], ids = self._results[r]._replace(response=ids[:n]), ids[n:]
+        return self._results
 
     def outputs(self):
         return [r.response for r in self.results]

@@ -1,8 +1,10 @@
 """bench.py's measuring pieces: runs take turns, the controlled drafter comparison shares its
 prompts and random stream, and bad flags are refused. The timings themselves are reported by
 bench.py, never asserted."""
+import json
 import os
 import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -10,6 +12,7 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 import bench  # noqa: E402
+import speculative  # noqa: E402
 import task  # noqa: E402
 import config  # noqa: E402
 from drafter import Drafter  # noqa: E402
@@ -82,3 +85,18 @@ def test_expected_steps_counts_verify_steps_to_emit_a_row():
     assert bench.expected_steps([0.0] * 4, 10) == 10.0
     # k = 1 at acceptance 1/2: a step emits 1 or 2 tokens alike; 2 tokens take 1 + 1/2 steps
     assert bench.expected_steps([0.5], 2) == pytest.approx(1.5)
+
+
+def test_host_traffic_report_of_a_rollout_like_train_py(capsys, monkeypatch):
+    """The report python bench.py prints: a rollout of train.py's rows for step 0 on one rank, one
+    read per decoding step and no copy from the host, as a JSON-ready figure."""
+    monkeypatch.setattr(speculative, "DEBUG", False)  # TLT_DEBUG's checks read the device on purpose
+    targs = train.parse_args(["--device", "cpu", "--max-n", "4", "--max-passes", "1", "--block-size", "40",
+                              "--draft-ks", "0,2,3"])
+    target, drafter = tiny_pair(0)
+    randomize(target, 0, std=0.3)
+    out = bench.rollout_host_traffic(SimpleNamespace(targs=targs, sampler=targs.sampler),
+                                     task.TaskConfig(max_n=4, max_passes=1), target, drafter)
+    assert out["steps"] > 0 and out["reads_per_step"] == 1 and out["max_reads_in_a_step"] == 1
+    assert out["copies_in_steps"] == 0 and out["prefill"]["reads"] == 0
+    assert json.loads(json.dumps(out)) == out and "reads per decoding step" in capsys.readouterr().out

@@ -609,9 +609,9 @@ def test_sibling_drafter_takes_the_longest_match_then_the_closest_from_siblings_
     tokens = texts[running].clone()
     tokens[1, 7:] = 99  # what a running sibling holds past its length is never read
     texts[1, 7:] = 99
-    batch = SimpleNamespace(tokens=tokens, n_tokens=lens[running], row_id=torch.tensor(running),
-                            siblings=torch.tensor([[1, 2], [0, 2], [-1, -1], [-1, -1], [-1, -1]]),
-                            group_texts=lambda: (texts, lens))
+    groups = SimpleNamespace(siblings=torch.tensor([[1, 2], [0, 2], [-1, -1], [-1, -1], [-1, -1]]),
+                             now=lambda *_: (texts, lens))
+    batch = SimpleNamespace(tokens=tokens, n_tokens=lens[running], row_id=torch.tensor(running), groups=groups)
     drafts, length = SiblingDrafter(max_match=3).lookup(batch, 3)
     # row 0 ends "3 4 5": in row 1 followed by 6 at its own position 5, in text 2 by 9 at 4: the closer
     assert drafts[0].tolist() == [6, 7, 7] and length[0] == 3  # then row 1's last token, not what lies past it

@@ -255,8 +255,8 @@ def test_keep_compacts_rows_and_decoding_continues(gpt64):
         for step in range(7):
             keep = {2: [3, 2, 0],  # drop row 1 and reverse the order of the others
                     4: [1, 2]}.get(step)  # drop (original) row 3, now at position 0
-            if keep is not None:
-                cache.keep(torch.tensor(keep))
+            if keep is not None:  # every slot gets a row: slots 0..n-1 get rows keep
+                cache.keep(len(keep), torch.arange(len(keep)), torch.tensor(keep))
                 live = [live[i] for i in keep]
                 assert cache.batch_size == len(live)
                 assert cache.lengths.tolist() == [len(seqs[r]) for r in live]

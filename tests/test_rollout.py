@@ -6,9 +6,10 @@ import statistics
 import pytest
 import torch
 
+import speculative
 from drafter import Drafter
 from model import GPT, GPTConfig
-from rollout import ARMS, Bandit, rollout, tail_share
+from rollout import ARMS, Bandit, HostTraffic, rollout, tail_share
 
 EOS = 3
 
@@ -81,6 +82,38 @@ def test_hidden_states_align_with_tokens(tlt):
         with torch.no_grad():
             _, full = target(tokens[None, :-1])
         torch.testing.assert_close(hidden, full[0], atol=1e-9, rtol=0)
+
+
+@pytest.mark.parametrize("sampler", ["gumbel", "rejection"])
+def test_a_rollout_reads_once_per_step_and_copies_nothing_in_its_loop(sampler, monkeypatch):
+    """The budget of a rollout's hot path, as a GPU would pay it (rollout.HostTraffic): per decoding
+    step, compaction and the bandit's clock included, one read (which rows finished) and no copy from
+    the host; the prefill reads nothing and copies a few host lists; the end reads three times (the
+    last compact, the stats, the responses). The bandit is scored with every step's tokens, which that one read brings."""
+    monkeypatch.setattr(speculative, "DEBUG", False)  # TLT_DEBUG's checks read the device on purpose
+    target, drafter = tiny_models(3)
+    ps = [p for p in prompts(6, seed=8) for _ in range(4)]  # 6 GRPO groups of 4
+    scored = []
+
+    class Spy(Bandit):
+        def update(self, batch_size, arm, tokens, seconds):
+            scored.append(tokens)
+            super().update(batch_size, arm, tokens, seconds)
+    counter = HostTraffic()
+    with counter:  # segments: the prefill, one per decoding step, the end
+        results, st = rollout(target, drafter, ps, 40, temperature=1.0, eos_id=EOS, sampler=sampler, sd_threshold=100,
+                              bandit=Spy(arms=(0, 2, 3), seed=1), generator=torch.Generator().manual_seed(0),
+                              keys=list(range(len(ps))), progress=counter.mark)
+    reads, copies = counter.counts("read"), counter.counts("copy")
+    assert len(reads) == st.steps + 2
+    assert reads[1:-1] == [1] * st.steps and copies[1:-1] == [0] * st.steps, counter.segments
+    assert reads[0] == 0 and reads[-1] == 3 and copies[-1] == 0, (counter.segments[0], counter.segments[-1])
+    assert copies[0] <= 8  # the prefill: a few host lists, each in one copy, not one per prompt
+    sizes = st.batch_sizes
+    assert st.sd_row_steps > 0 and st.accept_hist.get(0, 0) > 0 and st.sd_row_steps < sum(sizes)  # plain steps too
+    assert any(0 < b < a for a, b in zip(sizes, sizes[1:]))  # rows finished mid-run: compactions in the loop
+    assert len(scored) == st.steps and sum(scored) == st.tokens  # the bandit saw every step's tokens
+    assert all(r.response and len(r.tokens) == r.prompt_len + len(r.response) for r in results)
 
 
 def test_batch_shrinks_as_rows_finish():

@@ -25,9 +25,11 @@ import random
 import pytest
 import torch
 
+import speculative
 from drafter import Drafter, DrafterBuffer, make_optimizer, train_step
 from conftest import randomize
 from model import GPT, GPTConfig
+from rollout import HostTraffic
 from speculative import (DecodeStats, RunningBatch, _mix32_, autoregressive_generate, gumbel_choose, gumbel_noise, gumbel_seeds,
                          probs, draw, speculative_generate, verify, verify_gumbel)
 
@@ -288,30 +290,31 @@ def test_compact_drops_finished_rows_keeps_original_order(greedy_setup):
 def test_groups_are_the_rows_of_one_prompt_and_their_texts_outlive_them(greedy_setup):
     """What a model-free drafter reads of a row's GRPO group: the rows with its prompt plus the
     finished responses passed in, never the row itself; a finished row's text stays as it ended, a
-    running row's is read as it is now; siblings_done is whether no two running rows share a prompt
+    running row's is read as it is now; all_finished is whether no two running rows share a prompt
     (and every one has a sibling: a row alone in its group has nothing to copy)."""
     target, _, pool, _, eos = greedy_setup
     a, b = pool[0], pool[1]
     prompts = [a, b, a, b, a]
     gen = RunningBatch(target, prompts, N_NEW, temperature=1.0, eos_id=eos, sampler="gumbel", keys=[5, 6, 7, 8, 9],
                        siblings=[[], [[3, 1]], [], [], []])
-    assert gen.siblings.tolist() == [[2, 4], [3, 5], [0, 4], [1, 5], [0, 2]]  # text 5: b + [3, 1], row 1's finished sibling
-    texts, lens = gen.group_texts()
+    done = lambda g: g.groups.all_finished(g.running)  # noqa: E731
+    assert gen.groups.siblings.tolist() == [[2, 4], [3, 5], [0, 4], [1, 5], [0, 2]]  # text 5: b + [3, 1], row 1's finished sibling
+    texts, lens = gen.groups.now(gen.row_id, gen.tokens, gen.n_tokens)
     assert texts[5, :lens[5]].tolist() == b + [3, 1]
-    assert not gen.siblings_done
+    assert not done(gen)
     seen = set()
     while gen.compact() > 0:
         running = gen.row_id.tolist()
-        assert gen.siblings_done == (len({tuple(prompts[i]) for i in running}) == len(running))
-        seen.add(gen.siblings_done)
-        texts, lens = gen.group_texts()
+        assert done(gen) == (len({tuple(prompts[i]) for i in running}) == len(running))
+        seen.add(done(gen))
+        texts, lens = gen.groups.now(gen.row_id, gen.tokens, gen.n_tokens)
         for i in range(5):  # every text is the row's tokens: as they are now, or as the row ended
             now = gen.tokens[running.index(i), :gen.n_tokens[running.index(i)]] if i in running else gen.results[i].tokens
             assert texts[i, :lens[i]].tolist() == now.tolist()
         gen.plain_step()
     assert seen == {False, True}  # the rows finish at different times
     alone = RunningBatch(target, [a, b], N_NEW, temperature=1.0, eos_id=eos, sampler="gumbel", keys=[1, 2])
-    assert alone.siblings.tolist() == [[-1], [-1]] and not alone.siblings_done  # no siblings: nothing to copy
+    assert alone.groups.siblings.tolist() == [[-1], [-1]] and not done(alone)  # no siblings: nothing to copy
 
 
 def test_compact_moves_marked_rows_to_results():
@@ -338,6 +341,34 @@ def test_compact_moves_marked_rows_to_results():
 
 
 # ----------------------------------------------------------------------------- recorded hidden states
+
+
+def test_debug_checks_catch_a_broken_invariant(greedy_setup, monkeypatch):
+    """With speculative.DEBUG on (TLT_DEBUG=1), a whole run passes RunningBatch's checks, and each
+    invariant that the steps rely on, broken by hand, stops the next step (or the compaction)."""
+    from model import KVCache
+    monkeypatch.setattr(speculative, "DEBUG", True)
+    target, drafter, pool, free, eos = greedy_setup
+    assert speculative_generate(target, drafter, pool, N_NEW, k=3, temperature=0)[0] == free  # no false alarm
+    breaks = {"n_tokens - 1 positions": lambda g: setattr(g.cache, "lengths", g.cache.lengths + 1),
+              "longest bounds": lambda g: setattr(g, "longest", g.longest - 1),
+              "unread bounds": lambda g: setattr(g, "unread", 0),
+              "host's rows": lambda g: g.running.reverse(),
+              "keys with its tokens": lambda g: monkeypatch.setattr(g.cache, "keep", lambda n, *_: KVCache.keep(g.cache, n))}
+    for what, brake in breaks.items():
+        gen = RunningBatch(target, pool, N_NEW, temperature=0, max_draft=3)
+        gen.compact()
+        gen.speculative_step(drafter, 3)  # the drafter's cache exists
+        gen.compact()
+        gen.plain_step()  # a state the drafter has not read
+        gen.compact()
+        brake(gen)
+        with pytest.raises(AssertionError, match=what):
+            if what == "keys with its tokens":
+                gen.done = gen.cache.rows == 0  # a hole at slot 0, for the last row to fill
+                gen.compact()
+            else:
+                gen.speculative_step(drafter, 3)
 
 
 @pytest.mark.parametrize("k", [0, 3])
@@ -768,63 +799,39 @@ def test_rows_whose_old_32_bit_streams_were_a_shift_apart_get_unrelated_noise():
     assert not torch.equal(noise[0, m:], noise[1, :-m])
 
 
-class NoDeviceReads(torch.utils._python_dispatch.TorchDispatchMode):
-    """Fails on what makes the host wait for a GPU: reading a value (item, bool, int), an op whose
-    output size depends on values (nonzero, unique, masked_select, boolean indexing), and tolist,
-    which on a CPU dispatches nothing and so is patched."""
-    BAD = {"_local_scalar_dense", "nonzero", "_unique2", "unique_dim", "unique_consecutive", "masked_select"}
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        name = func.overloadpacket.__name__
-        bool_index = name in ("index", "index_put_", "index_put") and any(
-            t is not None and t.dtype == torch.bool for t in (args[1] or []))
-        if name in self.BAD or bool_index:
-            raise AssertionError(f"host-device sync: aten.{name}")
-        return func(*args, **(kwargs or {}))
-
-    def __enter__(self):
-        self._tolist = torch.Tensor.tolist
-        torch.Tensor.tolist = lambda t: (_ for _ in ()).throw(AssertionError("host-device sync: tolist"))
-        return super().__enter__()
-
-    def __exit__(self, *exc):
-        torch.Tensor.tolist = self._tolist
-        return super().__exit__(*exc)
-
-
 @pytest.mark.parametrize("sampler,temperature", [("gumbel", 1.0), ("rejection", 0.7), ("gumbel", 0.0), ("rejection", 0.0)])
-def test_steps_read_nothing_from_the_device(greedy_setup, sampler, temperature):
+def test_steps_read_nothing_from_the_device(greedy_setup, sampler, temperature, monkeypatch):
     """Plain and speculative steps (every drafter, the learned drafter's first catch-up included)
-    size everything from the host's bounds: no sync. compact() reads the device once
-    (which rows finished) when none finished; the generate stats read it once at the end."""
+    size everything from the host's bounds: no read, no copy from the host. compact() reads the
+    device once (which rows finished) and copies nothing, also when rows finish and live rows move
+    into their slots (its index tensors are made on the device). rollout.HostTraffic says what counts."""
+    monkeypatch.setattr(speculative, "DEBUG", False)  # TLT_DEBUG's checks read the device on purpose
     target, drafter, pool, _, eos = greedy_setup
     gen = RunningBatch(target, pool * 2, N_NEW, temperature=temperature, eos_id=eos, sampler=sampler, max_draft=4,
                        generator=torch.Generator().manual_seed(3), keys=list(range(2 * len(pool))))
     drafters = every_drafter(drafter)
     schedule = itertools.cycle([None, ("learned", 4), None, ("learned", 2), ("ngram", 3), ("learned", 3), ("sibling", 2),
                                 ("learned", 1), ("sibling+learned", 3)])
-    steps = 0
-    while gen.compact() > 0:
-        step = next(schedule)
-        with NoDeviceReads():
+    counter, sizes, moved = HostTraffic(), [], False
+    with counter:  # segments: compact, step, compact, step, ..., the last compact
+        while gen.compact() > 0:
+            sizes.append(gen.batch_size)
+            moved |= gen.running != sorted(gen.running)  # a row past the new end filled a hole
+            counter.mark()
+            step = next(schedule)
             if step is None:
                 gen.plain_step()
             else:
                 gen.speculative_step(drafters[step[0]], step[1])
-        steps += 1
-    assert steps >= 9 and all(r is not None for r in gen.results)
-    cache = target.new_cache(2, 16)  # the detector works: a forward given no window reads the lengths
-    with pytest.raises(AssertionError, match="sync"):
-        with NoDeviceReads():
-            target(torch.zeros(2, 3, dtype=torch.long), cache)
-    reads = []
-    real = torch.Tensor.tolist
-    try:
-        torch.Tensor.tolist = lambda t: reads.append(t.shape) or real(t)
-        gen2 = RunningBatch(target, pool, N_NEW, temperature=temperature, sampler=sampler, max_draft=2,
-                            generator=torch.Generator().manual_seed(3), keys=list(range(len(pool))))
-        reads.clear()
-        assert gen2.compact() == len(pool)  # nothing finished yet: one read
-        assert len(reads) == 1
-    finally:
-        torch.Tensor.tolist = real
+            counter.mark()
+    reads, copies = counter.counts("read"), counter.counts("copy")
+    assert reads[0::2] == [1] * (len(sizes) + 1), counter.segments  # every compact: one read
+    assert reads[1::2] == [0] * len(sizes), counter.segments  # every step: none
+    assert copies == [0] * len(reads), counter.segments
+    assert len(sizes) >= 9 and any(0 < b < a for a, b in zip(sizes, sizes[1:])) and moved  # rows left mid-run
+    assert all(r is not None for r in gen.results)
+    cache = target.new_cache(2, 16)  # the counter works: a forward given no window reads the lengths,
+    with HostTraffic() as counter:  # a list index is a copy
+        target(torch.zeros(2, 3, dtype=torch.long), cache)
+        cache.lengths[[0, 1]]
+    assert counter.segments == [[("read", "_local_scalar_dense"), ("copy", "lift_fresh")]]
