@@ -4,8 +4,9 @@
     python bench.py --e2e      # RL steps: --tlt off, on, on with a frozen drafter, on with each model-free drafter
     python bench.py --drift    # a target moved away from the drafter: frozen vs online-trained drafter
     python bench.py --drafters out   # after a train.py run: its online-trained drafter vs the warm-up one
+    python bench.py --vocab    # the exact-token sampler at vocabularies of 50k and 152k tokens (random weights)
 
-All load the warmed-up target and drafter from --out-dir (warming them up first if absent, with
+All but --vocab load the warmed-up target and drafter from --out-dir (warming them up first if absent, with
 train.py's defaults plus --train-args), on the GPU when there is one, print a table, and end with
 one JSON line holding every figure. Checkpoints made with other flags need the same flags here, e.g.
     python bench.py --out-dir out_4x128 --train-args "--n-layer 4 --n-embd 128 --warmup-lr 3e-3 --warmup-steps 900"
@@ -20,39 +21,37 @@ The cost ratio c is the drafter's time per one-token forward over the target's, 
 standard formula predicts a speedup of accept_len / (1 + k c), assuming a verify pass of k+1
 tokens costs what a one-token pass costs; that holds on a GPU at small batch but not on a CPU,
 so the bench also measures that cost and reports accept_len / (verify + k c).
+
+Exact tokens at a real vocabulary (`vocab_noise`, also alone with --vocab, which needs no checkpoints):
+a plain decoding step of a random-weight GPT of the default target shape with GPT-2's and Qwen2's
+vocabularies, sampling by the "gumbel" sampler or by torch.multinomial, with the aten ops each runs.
 It ends with the host-device traffic of one rollout like train.py's (32 rows, speculating from 8 on):
 reads and copies per decoding step as a GPU would pay them (rollout.host_traffic, any device).
 
-End-to-end bench. train.py runs from the same warm-ups and seed, each its own torchrun group
-(E2E_VARIANTS): --tlt off, on, on with a frozen drafter, on with the n-gram drafter (TLT-Base), with
-sibling drafts, and with the learned drafter until every running row is the last of its group.
-Means and medians skip step 0 (first allocations). With exact-token sampling the runs generate
-the same tokens at every step, so step i of two runs is a pair, and the median of the per-step
-ratios compares the modes on the same work. Two more runs fix k = 4 to compare the adaptive and
-the frozen drafter step by step, and the bench ends on one target (drafter_vs_target).
+--e2e, --drift and --drafters run the comparisons of bench_e2e.py, which says what each measures.
 """
 import argparse
-import copy
-import dataclasses
 import json
 import os
 import random
 import shlex
 import statistics
-import subprocess
-import sys
 import time
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
-import task
 import config
+import task
 import train
 import warmup
-from drafter import Drafter, DrafterBuffer, SiblingDrafter, make_optimizer, train_step
+from bench_e2e import drafters_bench, drift_bench, e2e_bench, tail_workload
+from drafter import SiblingDrafter
 from common import OneLineParser, check_out_dir, machine, sync, wants_cuda
-from rollout import Bandit, by_position, count_syncs, format_positions, host_traffic, rollout
-from speculative import SAMPLERS, autoregressive_generate, speculative_generate
+from model import GPT, GPTConfig
+from rollout import Bandit, count_syncs, host_traffic
+from speculative import (NOISE_ELEMENTS, SAMPLERS, autoregressive_generate, gumbel_choose, gumbel_seeds,
+                         speculative_generate)
 
 
 def parse_args(argv=None):
@@ -68,6 +67,8 @@ def parse_args(argv=None):
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--e2e", action="store_true", help="run the end-to-end RL comparison instead")
     mode.add_argument("--drift", action="store_true", help="run the moved-target drafter comparison instead")
+    mode.add_argument("--vocab", action="store_true", help="only the exact-token sampler at real vocabulary sizes "
+                      "(random weights, no checkpoints)")
     mode.add_argument("--drafters", metavar="RUN_DIR", help="compare the drafter a train.py run left in RUN_DIR/ckpt.pt "
                    "with the warm-up drafter, on that run's final target")
     p.add_argument("--e2e-steps", type=int, default=30, help="RL steps per end-to-end run")
@@ -148,6 +149,67 @@ def forward_time(model, T, drafter=None, repeats=200):
         sync(device)
         best = min(best, time.perf_counter() - t0)
     return best / repeats
+
+
+class _OpCounter(TorchDispatchMode):
+    n = 0  # ops seen
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # allocations launch nothing, views neither
+        self.n += not (func.is_view or func.overloadpacket.__name__ in ("empty", "empty_like", "empty_strided"))
+        return func(*args, **(kwargs or {}))
+
+
+def count_ops(fn):
+    """The aten ops that fn() runs, views and allocations left out: about the kernels it launches
+    on a GPU (a few ops launch more than one), counted on any device by a TorchDispatchMode."""
+    with _OpCounter() as counter:
+        fn()
+    return counter.n
+
+
+@torch.no_grad()
+def vocab_noise(device, vocabs=(50_257, 151_936), batches=(1, 64), repeats=5, shape=None):
+    """What exact tokens cost at a real vocabulary (GPT-2's, Qwen2's): a plain decoding step, one token
+    per row through a random-weight GPT (the default target's shape unless `shape` gives GPTConfig
+    fields) with a KV cache, then sampling by "gumbel" or by torch.multinomial of the softmax, taking
+    turns (median of `repeats`); with the aten ops a step runs (count_ops), for "gumbel" also with the
+    larger noise passes of a GPU (speculative.NOISE_ELEMENTS)."""
+    print(f"\nexact tokens at a real vocabulary: a plain decoding step of a random-weight GPT (median of {repeats} rounds) "
+          f"and its aten ops, with noise passes of {NOISE_ELEMENTS[device.type]:,} values (here) or {NOISE_ELEMENTS['cuda']:,} (a GPU)"
+          f"\n{'vocab':>7} {'batch':>5} {'multinomial ms':>14} {'gumbel ms':>9} {'ratio':>6} {'ops: multinomial':>16} "
+          f"{'gumbel':>6} {'gumbel on a GPU':>15}")
+    rows = []
+    for V in vocabs:
+        torch.manual_seed(0)
+        model = GPT(GPTConfig(vocab_size=V, block_size=32, **(shape or {}))).to(device).eval()
+        for B in batches:
+            cache, x, gen = model.new_cache(B), torch.zeros(B, 1, dtype=torch.long, device=device), generator(model, 0)
+            seeds = gumbel_seeds(torch.arange(B, device=device), torch.full((B, 1), 20, device=device))
+
+            def step(sampler, **how):  # a forward at 20 cached positions, logits (B, 1, V) -> tokens (B, 1)
+                cache.lengths.fill_(20)
+                cache.window = 21
+                logits = model(x, cache)[0]
+                if sampler == "gumbel":
+                    return gumbel_choose(logits, 1.0, seeds, **how)
+                return torch.multinomial(torch.softmax(logits[:, -1].float(), -1), 1, generator=gen)
+            runs = {name: lambda name=name: step(name) for name in ("multinomial", "gumbel")}
+            t, _ = interleaved(runs, repeats, device)
+            rows.append({"vocab": V, "batch": B, "multinomial_ms": 1e3 * t["multinomial"], "gumbel_ms": 1e3 * t["gumbel"],
+                         "ratio": t["gumbel"] / t["multinomial"], "multinomial_ops": count_ops(runs["multinomial"]),
+                         "gumbel_ops": count_ops(runs["gumbel"]),
+                         "gumbel_ops_gpu": count_ops(lambda: step("gumbel", max_elements=NOISE_ELEMENTS["cuda"]))})
+            print("{vocab:7d} {batch:5d} {multinomial_ms:14.2f} {gumbel_ms:9.2f} {ratio:5.2f}x {multinomial_ops:16d} "
+                  "{gumbel_ops:6d} {gumbel_ops_gpu:15d}".format(**rows[-1]), flush=True)
+    return rows
+
+
+def rollout_host_traffic(args, task_cfg, model, drafter):
+    """rollout.host_traffic of a rollout like train.py's: step 0's rows on one rank, speculating from 8 rows on."""
+    rows, keys, _ = train.step_rows(args.targs, task_cfg, 0, 0, 1)
+    return host_traffic(model, drafter, [task.encode(p.prompt()) for p in rows], task_cfg.max_response_len,
+                        eos_id=task.EOS_ID, generator=generator(model, 0), sd_threshold=8,
+                        bandit=Bandit(args.targs.draft_ks), sampler=args.sampler, keys=keys)
 
 
 def decode_row(args, model, drafter, prompts, sampler, siblings=None):
@@ -289,270 +351,15 @@ def acceptance_table(args, task_cfg, model, drafter, n_prompts=256):
     return out
 
 
-def tail_workload(args, task_cfg, model, drafter, n_steps=4):
-    """Rollouts of rank 0's prompts (2-rank sharding) of the run's first RL steps, plain vs TLT, the
-    same prompts and keys (the bench's own), alternating on one machine. The bandit learns during
-    one unmeasured TLT pass first, as it would have during earlier RL steps."""
-    targs = args.targs
-    shards = []
-    for step in range(n_steps):
-        rows = train.step_rows(targs, task_cfg, step, 0, 2)[0]
-        shards.append((rows, [task.encode(p.prompt()) for p in rows]))
-    bandit = Bandit(targs.draft_ks)
-
-    def run(tlt, shard, seed):
-        rows, prompts = shard
-        out, st = rollout(model, drafter, prompts, task_cfg.max_response_len, generator=generator(model, seed),
-                          tlt=tlt, sd_threshold=targs.sd_threshold, bandit=bandit, eos_id=task.EOS_ID,
-                          sampler=targs.sampler, keys=[seed * 10_000 + i for i in range(len(prompts))])
-        reward = statistics.mean(task.reward(p.prompt(), task.decode(o.response)) for p, o in zip(rows, out))
-        return st, reward, [o.response for o in out]
-    for i, shard in enumerate(shards):  # bandit warm-up
-        run(True, shard, 100 + i)
-    plain, tlt = [], []
-    for r in range(args.repeats):
-        for i, shard in enumerate(shards):
-            plain.append(run(False, shard, 10 * r + i))
-            tlt.append(run(True, shard, 10 * r + i))
-    t_plain = statistics.median([sum(s.time for s, _, _ in plain[r * n_steps:(r + 1) * n_steps]) for r in range(args.repeats)])
-    t_tlt = statistics.median([sum(s.time for s, _, _ in tlt[r * n_steps:(r + 1) * n_steps]) for r in range(args.repeats)])
-    share = statistics.median(s.tail_share for s, _, _ in plain)
-    sd_row_steps = sum(s.sd_row_steps for s, _, _ in tlt)
-    accept = sum(s.sd_tokens for s, _, _ in tlt) / sd_row_steps if sd_row_steps else None
-    print(f"\nlong-tail rollouts (rank 0's shards of the default run's first {n_steps} steps, {len(shards[0][0])} rows each, "
-          f"sd threshold {targs.sd_threshold}): plain {t_plain:.2f}s, TLT {t_tlt:.2f}s, speedup {t_plain / t_tlt:.2f}x; "
-          f"TLT accept length {accept or 0:.2f}; tail share of the plain rollouts {100 * share:.0f}% (median; time after "
-          f"90% of the rows had finished)")
-    # lossless: the same prompts and keys give the same responses with "gumbel" (up to float32 near-ties),
-    # rewards equal in distribution with "rejection"
-    r_plain, r_tlt = statistics.mean(r for _, r, _ in plain), statistics.mean(r for _, r, _ in tlt)
-    n = sum(len(resp) for _, _, resp in plain)
-    same = sum(a == b for p, t in zip(plain, tlt) for a, b in zip(p[2], t[2]))
-    print(f"those rollouts ({n} samples each, sampler {targs.sampler}): mean reward plain {r_plain:.3f}, TLT {r_tlt:.3f}; "
-          f"{same} of {n} responses token-identical")
-    print("bandit's best k per batch size: " + ", ".join(f"{Bandit.bucket_sizes(b)}: {k}" for b, k in bandit.best().items()))
-    return {"steps": n_steps, "rows": len(shards[0][0]), "plain_time": t_plain, "tlt_time": t_tlt,
-            "speedup": t_plain / t_tlt, "accept_len": accept, "tail_share": share, "reward_plain": r_plain, "reward_tlt": r_tlt,
-            "identical_responses": same, "responses": n, "bandit_best": {str(k): v for k, v in bandit.best().items()}}
-
-
-def rollout_host_traffic(args, task_cfg, model, drafter):
-    """rollout.host_traffic of a rollout like train.py's: step 0's rows on one rank, speculating from 8 rows on."""
-    rows, keys, _ = train.step_rows(args.targs, task_cfg, 0, 0, 1)
-    return host_traffic(model, drafter, [task.encode(p.prompt()) for p in rows], task_cfg.max_response_len,
-                        eos_id=task.EOS_ID, generator=generator(model, 0), sd_threshold=8,
-                        bandit=Bandit(args.targs.draft_ks), sampler=args.sampler, keys=keys)
-
-
-def held_out_prompts(task_cfg, n):
-    """n prompts of the held-out evaluation set, always the same ones."""
-    problems = task.eval_set(task_cfg)
-    return [task.encode(p.prompt()) for p in random.Random(5).sample(problems, min(n, len(problems)))]
-
-
-def drafter_on(target, state):
-    """A drafter for `target` with the weights `state`, in eval mode."""
-    d = Drafter(target).to(target.wte.weight.device).eval()
-    d.load_state_dict(state)
-    return d
-
-
-@torch.no_grad()
-def drafter_vs_target(task_cfg, model, warm_drafter, run_dir, n_prompts=64, k=4, sampler="gumbel"):
-    """The controlled comparison: the target as a --tlt on run left it, decoded with k = 4 at
-    temperature 1.0 on held-out prompts, once with that run's drafter (trained on idle ranks)
-    and once with the warm-up drafter (what --drafter-updates off keeps); same prompts, same
-    random stream. Returns {name: accept length}."""
-    ck = torch.load(os.path.join(run_dir, "ckpt.pt"), map_location="cpu", weights_only=True)
-    target = copy.deepcopy(model)
-    target.load_state_dict(ck["model"])
-    adaptive, frozen = drafter_on(target, ck["drafter"]), drafter_on(target, warm_drafter.state_dict())
-    prompts = held_out_prompts(task_cfg, n_prompts)
-    out = {}
-    for name, d in (("adaptive", adaptive), ("frozen", frozen)):
-        _, st = speculative_generate(target.eval(), d, prompts, task_cfg.max_response_len, k=k, eos_id=task.EOS_ID, sampler=sampler,
-                                     generator=generator(target, 0))
-        out[name] = st["accept_len"]
-    return out
-
-
-def drift_bench(targs, task_cfg, model, drafter, sft_steps=300, sft_lr=2e-3, n_seqs=1024, online_steps=500,
-                n_prompts=128, seeds=(0, 1, 2)):
-    """Does online training recover acceptance on a target that moved away from the drafter?
-    Controlled: fine-tune a copy of the target a little on different data (reference traces with
-    problem sizes drawn uniformly, alpha = 0, instead of the tail-heavy default), roll it out on
-    the usual training prompts as an RL step would, train a copy of the warm-up drafter on those
-    samples with the idle ranks' train_step and --drafter-online-lr, and decode held-out prompts
-    with the moved target (k = 4, temperature 1.0, the same random streams) with each drafter."""
-    torch.manual_seed(0)
-    moved = copy.deepcopy(model).train()
-    opt = torch.optim.AdamW(moved.parameters(), lr=sft_lr, betas=(0.9, 0.95), weight_decay=0.0)
-    rng = random.Random(7)
-    batches = warmup.sft_batches(rng, dataclasses.replace(task_cfg, alpha=0.0), sft_steps, targs.warmup_tokens)
-    for batch in batches:
-        warmup.sft_step(moved, moved, opt, batch, moved.wte.weight.device)
-    moved.eval()
-    buffer, gen = DrafterBuffer(keep_steps=1), generator(model, 1)
-    for _ in range(0, n_seqs, 64):
-        prompts = [task.encode(task.sample_problem(rng, task_cfg).prompt()) for _ in range(64)]
-        results, _ = rollout(moved, None, prompts, task_cfg.max_response_len, eos_id=task.EOS_ID, generator=gen, tlt=False)
-        for s in results:
-            buffer.add(0, s.tokens, s.hidden, s.prompt_len)
-    frozen, adapted = drafter_on(moved, drafter.state_dict()), drafter_on(moved, drafter.state_dict()).train()
-    d_opt = make_optimizer(adapted, targs.drafter_online_lr)
-    for _ in range(online_steps):
-        train_step(adapted, d_opt, buffer, rng, batch_size=targs.drafter_batch, device=moved.wte.weight.device)
-    adapted.eval()
-    prompts = held_out_prompts(task_cfg, n_prompts)
-    out = {}
-    with torch.no_grad():
-        for name, t, d in (("before the move", model, drafter), ("moved, frozen drafter", moved, frozen),
-                           ("moved, adapted drafter", moved, adapted)):
-            out[name] = [speculative_generate(t, d, prompts, task_cfg.max_response_len, k=4, eos_id=task.EOS_ID, sampler=targs.sampler,
-                                              generator=generator(t, seed))[1]["accept_len"] for seed in seeds]
-            print(f"{name:24} accept length {statistics.mean(out[name]):.3f} (k = 4, {len(prompts)} held-out prompts; "
-                  f"{min(out[name]):.3f} to {max(out[name]):.3f} over {len(seeds)} random streams)", flush=True)
-    print(f"target fine-tuned {sft_steps} steps on uniform sizes at lr {sft_lr:g}; drafter trained {online_steps} "
-          f"steps at lr {targs.drafter_online_lr:g} on {len(buffer)} samples of the moved target")
-    return {"drift": out}
-
-
-E2E_VARIANTS = {  # the first six compare step times; the last two compare the drafters step by step at one k
-    "off": ["--tlt", "off"], "on": ["--tlt", "on"], "frozen": ["--tlt", "on", "--drafter-updates", "off"],
-    "ngram": ["--tlt", "on", "--drafter", "ngram"],  # TLT-Base: the model-free drafter
-    "sibling": ["--tlt", "on", "--drafter", "sibling"],  # model-free: the GRPO group's other responses
-    "sib+lrn": ["--tlt", "on", "--drafter", "sibling+learned"],  # learned until each row is its group's last
-    "on_k4": ["--tlt", "on", "--draft-ks", "4"], "frozen_k4": ["--tlt", "on", "--drafter-updates", "off", "--draft-ks", "4"]}
-
-
-def e2e_runs(args, root):
-    """One fresh train.py RL run per variant, from the shared warm-ups; -> {variant: its records}."""
-    records = {}
-    for name, flags in E2E_VARIANTS.items():
-        out = os.path.join(root, name)
-        os.makedirs(out, exist_ok=True)
-        for f in ("ckpt.pt", "metrics.jsonl"):  # a fresh RL run every time; the warm-ups are shared
-            if os.path.exists(os.path.join(out, f)):
-                os.remove(os.path.join(out, f))
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}", "train.py",
-               *args.train_flags, "--out-dir", out, "--warmup-dir", args.out_dir, "--rl-steps", str(args.e2e_steps),
-               "--eval-per-bucket", "0", "--timeline-every", "0", *flags]  # the bench's own flags win
-        print(f"$ {' '.join(cmd[2:])}", flush=True)
-        t0 = time.time()
-        subprocess.run(cmd, check=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.DEVNULL)
-        with open(os.path.join(out, "metrics.jsonl")) as f:
-            records[name] = [json.loads(line) for line in f]
-        print(f"  done in {time.time() - t0:.0f}s", flush=True)
-    return records
-
-
-def amdahl_bound(mean, names):
-    """What the rollout speedup allows (Amdahl's law): with a share f of --tlt off's step in the
-    rollout and TLT's rollout s times faster, the step is 1 / ((1 - f) + f / s) faster if nothing
-    else changes; what TLT's step spends outside its rollout (update, the slowest rank's wait,
-    the rest), against --tlt off's, is what moves the measurement away from that figure.
-    `mean(name, key)`: the mean of a run's records."""
-    share = mean("off", "rollout_time") / mean("off", "step_time")
-    s = mean("off", "rollout_time") / mean("on", "rollout_time")
-    outside = {}
-    for n in names:
-        update, wait = mean(n, "update_time"), mean(n, "slowest_wait")
-        outside[n] = {"update": update, "wait": wait, "other": mean(n, "step_time") - mean(n, "rollout_time") - update - wait}
-    return {"share": share, "rollout_speedup": s, "bound": 1 / ((1 - share) + share / s), "outside": outside}
-
-
-def e2e_bench(args, task_cfg, model, drafter):
-    root = os.path.join(args.out_dir, "bench_e2e")
-    records = e2e_runs(args, root)
-    timed = ("off", "on", "frozen", "ngram", "sibling", "sib+lrn")
-
-    def mean(name, key):  # step 0 is left out of means and medians: it pays for the first allocations
-        vals = [r[key] for r in records[name][1:] if r[key] is not None]
-        return sum(vals) / len(vals) if vals else None
-
-    def median(name, key):
-        return statistics.median(r[key] for r in records[name][1:])
-    step = {n: mean(n, "step_time") for n in timed}
-    print(f"\n{'':8} {'step s':>7} {'median':>7} {'rollout s':>9} {'draft s':>7} {'update s':>8} {'rollout %':>9} "
-          f"{'tail %':>6} {'accept len':>10} {'accept rate':>11} {'reward':>7}")
-    for n in timed:
-        print(f"{n:8} {step[n]:7.3f} {median(n, 'step_time'):7.3f} {mean(n, 'rollout_time'):9.3f} {mean(n, 'draft_time'):7.3f} "
-              f"{mean(n, 'update_time'):8.3f} {100 * mean(n, 'rollout_share'):8.0f}% {100 * median(n, 'tail_share'):5.0f}% "
-              f"{mean(n, 'accept_len') or 0:10.2f} {mean(n, 'accept_rate') or 0:11.3f} {mean(n, 'reward'):7.3f}")
-    print("(step s, rollout s, draft s, update s, rollout %, accept, reward: means over steps 1..; draft s: the slowest "
-          "rank's drafting; median: the median step; tail %: median tail share)")
-    by_pos = {n: by_position(records[n][1:]) for n in timed[1:] + ("on_k4", "frozen_k4")}
-    print("\ndrafts accepted by draft position, % (given the earlier ones were accepted), and the drafts decided in all:")
-    for n, (rates, drafted) in by_pos.items():
-        print(f"{n:9} {format_positions(rates)}   ({sum(drafted):,} drafts)")
-    # the runs generate the same tokens at every step, so step i of one run and step i of another are a pair
-    paired = {n: sorted(a["step_time"] / b["step_time"] for a, b in zip(records["off"][1:], records[n][1:])) for n in timed[1:]}
-    other = {n: sum(a["responses_digest"] != b["responses_digest"] for a, b in zip(records["off"], records[n])) for n in timed[1:]}
-    print(f"\nstep-time speedup over --tlt off, mean step: TLT {step['off'] / step['on']:.2f}x, TLT with a frozen drafter "
-          f"{step['off'] / step['frozen']:.2f}x, TLT-Base (n-gram drafter) {step['off'] / step['ngram']:.2f}x, sibling drafts "
-          f"{step['off'] / step['sibling']:.2f}x, learned then sibling drafts {step['off'] / step['sib+lrn']:.2f}x; TLT's "
-          f"rollout alone {mean('off', 'rollout_time') / mean('on', 'rollout_time'):.2f}x")
-    for n in timed[1:]:
-        print(f"  step by step, off / {n}: median {statistics.median(paired[n]):.2f}x, from {paired[n][0]:.2f}x to "
-              f"{paired[n][-1]:.2f}x; {other[n]} of {len(records[n])} steps generated other responses (sampler {args.sampler})")
-    print(f"--tlt off: rollout is {100 * median('off', 'rollout_time') / median('off', 'step_time'):.0f}% of the median step")
-    amdahl = amdahl_bound(mean, timed)
-    print(f"\nAmdahl: --tlt off spends {100 * amdahl['share']:.0f}% of a step in its rollout, and TLT's rollout is "
-          f"{amdahl['rollout_speedup']:.2f}x faster: if the rest of TLT's step cost what --tlt off's does, TLT's step would be "
-          f"{amdahl['bound']:.2f}x faster (measured {step['off'] / step['on']:.2f}x; at most {1 / (1 - amdahl['share']):.1f}x with "
-          f"an infinitely fast rollout). What each run spends outside its rollout, ms per step:")
-    print(f"{'':8} {'update':>7} {'wait':>7} {'other':>7}   (wait: the slowest rank, from its rollout's end to its update's start)")
-    for n in timed:
-        print(f"{n:8} " + " ".join(f"{1000 * amdahl['outside'][n][k]:7.1f}" for k in ("update", "wait", "other")))
-    print("\nThose runs' bandits pick their own k, and accepted drafts per drafted token fall as k grows, so the")
-    print("drafters are compared step by step in two more runs with k fixed at 4 (--draft-ks 4), same seeds:")
-    print("step  accept length at k = 4: adaptive  frozen   gap   drafter top-1: adaptive  frozen   reward: off    on")
-    for a, b, c, d in zip(records["on_k4"], records["frozen_k4"], records["off"], records["on"]):
-        print(f"{a['step']:4d}                          {a['accept_len'] or 0:5.3f}   {b['accept_len'] or 0:5.3f} "
-              f"{(a['accept_len'] or 0) - (b['accept_len'] or 0):+6.3f}                 {a['drafter_top1'] or 0:6.3f}  "
-              f"{b['drafter_top1'] or 0:6.3f}         {c['reward']:5.3f} {d['reward']:5.3f}")
-    final = drafter_vs_target(task_cfg, model, drafter, os.path.join(root, "on"), sampler=args.sampler)
-    print(f"\nthe target after the --tlt on run's {args.e2e_steps} steps, k = 4, temperature 1.0, {min(64, len(task.eval_set(task_cfg)))} "
-          f"held-out prompts: accept length {final['adaptive']:.3f} with the drafter trained on idle ranks, "
-          f"{final['frozen']:.3f} with the warm-up drafter")
-    series = lambda key, names: {n: [r[key] for r in records[n]] for n in names}  # noqa: E731
-    return {"e2e": {"final_accept_len": final, "off_step_time": step["off"], "on_step_time": step["on"],
-                    "frozen_step_time": step["frozen"], "ngram_step_time": step["ngram"], "speedup": step["off"] / step["on"],
-                    "frozen_speedup": step["off"] / step["frozen"], "ngram_speedup": step["off"] / step["ngram"],
-                    "step_time": step, "rollout_time": {n: mean(n, "rollout_time") for n in timed},
-                    "draft_time": {n: mean(n, "draft_time") for n in timed},
-                    "off_rollout_share": mean("off", "rollout_share"), "amdahl": amdahl,
-                    "median_paired_speedup": {n: statistics.median(p) for n, p in paired.items()},
-                    "tail_share": {n: median(n, "tail_share") for n in ("off", "on")}, "steps": args.e2e_steps,
-                    "nproc": args.nproc, "accept_len": series("accept_len", timed[1:] + ("on_k4", "frozen_k4")),
-                    "drafter_top1": series("drafter_top1", ("on_k4", "frozen_k4")),
-                    "accept_rate": series("accept_rate", timed[1:] + ("on_k4", "frozen_k4")),
-                    "accept_by_position": {n: {"rates": r, "drafted": d} for n, (r, d) in by_pos.items()},
-                    "reward": series("reward", ("off", "on")), "steps_with_other_responses": other, "sampler": args.sampler}}
-
-
-def drafters_bench(args, targs, task_cfg, model, drafter):
-    """The drafter a train.py run left in args.drafters/ckpt.pt against the warm-up drafter, on that
-    run's final target. The run must have started from this target warm-up and RL task; its drafter
-    may have had another warm-up, or none (a cold start), which is what the comparison is for."""
-    meta = torch.load(os.path.join(args.drafters, "ckpt.pt"), map_location="cpu", weights_only=True)["meta"]
-    want = {**warmup.model_meta(targs, model.config, config.task_config(targs, warmup=True)),
-            "rl_task": dataclasses.asdict(task_cfg)}
-    differ = [k for k in want if meta.get(k) != want[k]]
-    if differ:
-        raise SystemExit(f"error: the run in {args.drafters} started from another target warm-up or task than "
-                         f"{args.out_dir} ({', '.join(differ)} differ); pass that run's --out-dir and --train-args")
-    n = min(200, len(task.eval_set(task_cfg)))
-    result = drafter_vs_target(task_cfg, model, drafter, args.drafters, n_prompts=n, sampler=args.sampler)
-    print(f"the target in {args.drafters}/ckpt.pt, k = 4, temperature 1.0, {n} held-out prompts: accept length "
-          f"{result['adaptive']:.3f} with the run's drafter, {result['frozen']:.3f} with the warm-up drafter")
-    return {"drafters": result}
-
-
 def main(argv=None):
     args = parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.vocab:  # random weights: no checkpoints to load or make
+        device = torch.device("cuda" if wants_cuda(args.targs.device) else "cpu")
+        print(f"bench on {machine(device)}")
+        print(json.dumps({"vocab_noise": vocab_noise(device), "machine": machine(device)}))
+        return
     targs, task_cfg, model, drafter = load_models(args.targs)
     device = model.wte.weight.device
     print(f"bench on {machine(device)}, {targs.dtype}")
@@ -565,6 +372,7 @@ def main(argv=None):
             result = drafters_bench(args, targs, task_cfg, model, drafter)
         else:
             result = decode_bench(args, task_cfg, model, drafter)
+            result["vocab_noise"] = vocab_noise(device)
             result["host_traffic"] = rollout_host_traffic(args, task_cfg, model, drafter)
     print(json.dumps({**result, "dtype": targs.dtype, "machine": machine(device)}))
 

@@ -53,6 +53,7 @@ Test: python -m pytest tests/test_speculative.py
 """
 import functools
 import os
+from collections import defaultdict
 from dataclasses import asdict, dataclass, field
 from typing import NamedTuple
 
@@ -89,12 +90,14 @@ MASK32 = 0xFFFFFFFF
 
 def _mix32_(x):
     """A 32-bit integer hash (Wellons' "lowbias32"), in place, on an int64 tensor holding 32-bit
-    values. Every product stays below 2^63, so nothing relies on integer overflow."""
-    x ^= x >> 16
+    values. Every product stays below 2^63 in size, so nothing relies on integer overflow. The
+    shifts reuse one buffer: hashing holds two copies of x, and allocates once."""
+    s = torch.empty_like(x)
+    x ^= torch.bitwise_right_shift(x, 16, out=s)
     x.mul_(0x7FEB352D).bitwise_and_(MASK32)
-    x ^= x >> 15
-    x.mul_(0x7B935975).neg_().bitwise_and_(MASK32)  # times 0x846CA68B mod 2^32 (= 2^32 - 0x7B935975)
-    x ^= x >> 16
+    x ^= torch.bitwise_right_shift(x, 15, out=s)
+    x.mul_(-0x7B935975).bitwise_and_(MASK32)  # times 0x846CA68B mod 2^32, whose product could reach 2^64
+    x ^= torch.bitwise_right_shift(x, 16, out=s)
     return x
 
 
@@ -108,53 +111,51 @@ def gumbel_seeds(keys, positions):
     the "gumbel" sampler's noise: the position's hash, then the key's low 32 bits mixed in (one
     round of the 32-bit mixer), then its high 32 bits (a second round). So the whole 64-bit key
     reaches every seed and the position enters only through its hash: there is no shift structure.
-    (A 32-bit stream per row that steps by a constant per position gives two rows whose streams are
-    m steps apart the same noise m positions apart, and two rows in 65k the same stream.)"""
+    (32-bit streams stepping by a constant per position give rows m steps apart the same noise m
+    positions apart, and two rows in 65k the same stream.)"""
     seed = _mix32_(positions + 0x632BE5AB)  # (B, T) the position's hash
     seed = _mix32_(seed ^ (keys & MASK32)[:, None])  # round 1: the key's low half
     return _mix32_(seed ^ (keys >> 32)[:, None])  # round 2: its high half
 
 
-def gumbel_noise(seeds, vocab_size, lo=0, hi=None):
-    """seeds (B, T) from `gumbel_seeds` -> (B, T, hi - lo) float32 Gumbel(0, 1) noise for token ids
-    lo .. hi-1 (default: all): a pure function of (key, position, token id), the counter-based
-    generator of the "gumbel" sampler. Each seed is hashed with each token's own hash; the top 23
-    bits make a uniform in (0, 1), so the noise lies in [-2.8, 16.7] and a token less likely than
-    about 4e-9 times the most likely one is never drawn: float32 resolution, like torch.rand's."""
-    bits = _mix32_(seeds[..., None] ^ _token_hashes(vocab_size, seeds.device)[lo:hi])  # (B, T, hi - lo)
-    u = ((bits >> 9).float() + 0.5).mul_(2.0 ** -23)  # in (0, 1): never 0 or 1
+def gumbel_noise(seeds, vocab_size):
+    """seeds (...) from `gumbel_seeds` -> (..., V) float32 Gumbel(0, 1) noise for every token id: a
+    pure function of (key, position, token id), the counter-based generator of the "gumbel"
+    sampler. Each seed is hashed with each token's own hash; the top 23 bits make a uniform in
+    (0, 1), so the noise lies in [-2.8, 16.7] and a token less likely than about 4e-9 times the
+    most likely one is never drawn: float32 resolution, like torch.rand's. 19 kernels at any V."""
+    bits = seeds[..., None] ^ _token_hashes(vocab_size, seeds.device)  # (..., V)
+    _mix32_(bits)
+    u = bits.bitwise_right_shift_(9).float().add_(0.5).mul_(2.0 ** -23)  # in (0, 1): never 0 or 1
     return u.log_().neg_().log_().neg_()  # -log(-log(u))
 
 
-NOISE_CHUNK = 8192  # token ids per chunk: at most B * T * 8192 noise values (int64 while hashed) at once
+NOISE_ELEMENTS = defaultdict(lambda: 2 ** 24, cpu=2 ** 20)  # by device type: noise values one pass makes at most
 
 
-def gumbel_choose(logits, temperature, seeds, noise=None, chunk=NOISE_CHUNK):
+def gumbel_choose(logits, temperature, seeds, noise=None, max_elements=None):
     """The "gumbel" sampler's tokens: logits (B, T, V) of the tokens whose positions have `seeds`
     (B, T) -> (B, T), argmax(logits / T + gumbel_noise(seeds, V)), a sample of softmax(logits / T)
-    fixed by the noise; temperature 0 is plain argmax (no noise).
+    fixed by the noise; temperature 0 is plain argmax (no noise). In float32 whatever the logits'
+    dtype: bf16 would coarsen the noise, and the token would no longer be an exact sample.
 
     noise: that (B, T, V) noise, when the caller made it already (a speculative step makes it once
-    for its drafts and its verify pass; only where V <= chunk). Otherwise it is made here, chunk by
-    chunk over the vocabulary, with a running max across chunks, so a step never holds (B, T, V)
-    noise at once (0.7 GB in int64 at V = 150k, B = 64, T = 9); the same tokens: within a chunk and
-    across chunks the first maximum wins. In float32 whatever the logits' dtype: bf16 would coarsen
-    the noise, and the token would no longer be an exact sample."""
+    for its drafts and its verify pass, where it fits one pass). Otherwise it is made here for the
+    whole vocabulary at once: 21 kernels at any vocabulary size (8192-token chunks took 19 times as
+    many at 152k). Memory is bounded over rows instead: a pass makes the noise of max_elements
+    (row, token) pairs at most, more rows take more passes. A GPU's default bound is memory alone
+    (2^24, 336 MB: past 110 rows at a 152k vocabulary, whose kernels read millions of values each,
+    so launches cost little); a CPU's keeps a pass in its caches (2^20: 2x faster than 2^24 at a
+    152k vocabulary and batch 64). The same tokens in any case: argmax picks the first maximum."""
     if temperature == 0:
         return logits.argmax(-1)
-    V = logits.shape[-1]
-    best_val = best_idx = None
-    for lo in range(0, V, chunk):
-        hi = min(lo + chunk, V)
-        x = logits[..., lo:hi].float()
-        x = x if temperature == 1 else x / temperature
-        val, idx = (x + (gumbel_noise(seeds, V, lo, hi) if noise is None else noise)).max(-1)
-        if best_val is None:
-            best_val, best_idx = val, idx
-        else:
-            better = val > best_val  # strictly: on a tie the earlier chunk's token stays
-            best_val, best_idx = torch.where(better, val, best_val), torch.where(better, idx + lo, best_idx)
-    return best_idx
+    x = logits.float() if temperature == 1 else logits.float() / temperature
+    if noise is not None:
+        return (x + noise).argmax(-1)
+    x, s = x.flatten(0, -2), seeds.reshape(-1)  # (R, V), (R,): every position a row
+    rows = max(1, (max_elements or NOISE_ELEMENTS[x.device.type]) // x.shape[1])  # rows per pass
+    picks = [gumbel_noise(s[r:r + rows], x.shape[1]).add_(x[r:r + rows]).argmax(-1) for r in range(0, s.shape[0], rows)]
+    return (picks[0] if len(picks) == 1 else torch.cat(picks)).view(seeds.shape)
 
 
 def verify(draft_tokens, q, p, generator=None):
@@ -291,13 +292,12 @@ class RunningBatch:
         return self.row_id.shape[0]
 
     def _at(self, positions):
-        """This step picks tokens at positions (B, T): with "gumbel", keep their seeds and, where the
-        vocabulary fits one chunk, make their noise now, once for every choice the step makes there
-        (a speculative step's drafts and its verify pass)."""
+        """This step picks tokens at positions (B, T): with "gumbel", keep their seeds and, in a speculative
+        step whose noise fits one pass, make it now, once for all its choices (drafts, verify pass)."""
         self.step_seeds = self.noise = None
         if self.sampler == "gumbel" and self.temperature > 0:
             self.step_seeds = self.seeds.gather(1, positions)  # (B, T)
-            if self.target.config.vocab_size <= NOISE_CHUNK:
+            if positions.shape[1] > 1 and positions.numel() * self.target.config.vocab_size <= NOISE_ELEMENTS[positions.device.type]:
                 self.noise = gumbel_noise(self.step_seeds, self.target.config.vocab_size)  # (B, T, V)
 
     def _choose(self, logits, at=slice(None)):

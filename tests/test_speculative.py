@@ -702,24 +702,44 @@ def test_gumbel_speculative_is_token_identical_to_plain(greedy_setup, which, tem
     assert first + second == plain
 
 
-def test_gumbel_choice_in_chunks_equals_one_argmax_and_ignores_the_logits_dtype():
-    """gumbel_choose hashes the noise one vocabulary chunk at a time (bounded memory) and picks the
-    same tokens as one argmax over the whole noise, made there or given; bfloat16 logits give the
-    tokens of the same logits in float32 (the noise is added in float32, never coarsened to bf16)."""
+def test_gumbel_choice_in_row_passes_equals_one_argmax_and_ignores_the_logits_dtype():
+    """gumbel_choose makes the noise of a bounded number of rows per pass (bounded memory) and picks
+    the same tokens as one argmax over the whole noise, made there or given; bfloat16 logits give
+    the tokens of the same logits in float32 (the noise is added in float32, never coarsened to bf16)."""
     g = torch.Generator().manual_seed(0)
     B, T, V = 6, 3, 50
     logits = torch.randn(B, T, V, generator=g) * 2
     keys, pos = torch.arange(B) * 31 + 5, torch.arange(T).expand(B, T) + 7
     seeds = gumbel_seeds(keys, pos)
     whole = gumbel_argmax(logits, 1.0, gumbel_noise(seeds, V))
-    assert len(set(whole.flatten().tolist())) > 5  # varied tokens: a wrong chunk offset would show
-    for chunk in (7, 16, 50, 8192):
-        assert torch.equal(gumbel_choose(logits, 1.0, seeds, chunk=chunk), whole)
+    assert len(set(whole.flatten().tolist())) > 5  # varied tokens: a row given another's noise would show
+    for max_elements in (7, 50, 120, 350, 900, None):  # 1, 1, 2, 7 and 18 rows per pass, then the default
+        assert torch.equal(gumbel_choose(logits, 1.0, seeds, max_elements=max_elements), whole)
     assert torch.equal(gumbel_choose(logits, 1.0, seeds, noise=gumbel_noise(seeds, V)), whole)
     low = logits.bfloat16()
     exact = gumbel_argmax(low.float(), 0.7, gumbel_noise(seeds, V))
-    assert torch.equal(gumbel_choose(low, 0.7, seeds, chunk=16), exact)
+    assert torch.equal(gumbel_choose(low, 0.7, seeds, max_elements=100), exact)
     assert torch.equal(gumbel_choose(low, 0.7, seeds, noise=gumbel_noise(seeds, V)), exact)
+
+
+def test_a_gumbel_step_runs_the_same_ops_at_any_vocabulary_size():
+    """A plain step, a speculative step and a choice made apart run the same aten ops (bench.count_ops:
+    about the kernels a GPU launches) at a vocabulary of 1000 and of 40000: the noise is made over
+    the whole vocabulary at once, never in a loop over vocabulary chunks, and a speculative step
+    makes it once for its drafts and its verify pass at both sizes."""
+    from bench import count_ops
+    counts = {}
+    for V in (1000, 40000):
+        target = tiny(V, seed=0)
+        drafter = random_drafter(target, 1).float()
+        batch = RunningBatch(target, [[1, 2, 3], [4, 5]], 20, max_draft=3, sampler="gumbel", keys=[7, 8])
+        batch.compact()
+        logits = torch.randn(2, 4, V)
+        seeds = gumbel_seeds(torch.tensor([7, 8]), torch.arange(4).expand(2, 4))
+        counts[V] = [count_ops(batch.plain_step), count_ops(lambda: batch.speculative_step(drafter, 3)),
+                     count_ops(lambda: batch.speculative_step(drafter, 3)), count_ops(lambda: gumbel_choose(logits, 0.8, seeds))]
+    assert counts[1000] == counts[40000]
+    assert counts[1000][3] < 30  # the choice alone: one pass of about 20 ops
 
 
 def test_ngram_drafter_proposes_what_followed_the_last_match():
