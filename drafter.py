@@ -35,6 +35,10 @@ The buffer keeps (tokens, hidden states, prompt length) per sequence, tagged wit
 came from, for the last `keep_steps` steps and at most `keep_tokens` tokens (the oldest go first),
 hidden states in the run's dtype. `train_step` serves the warm-up and online training.
 
+bf16 (autocast): as in the target (model.py), only the matrix products and attention run in bf16;
+the residual stream that starts at `fuse`, the norms and the predicted state h~ stay float32, the
+same on a CPU as on a GPU, so drafting feeds back the same float32 state on both.
+
 Three more drafters close the file, each with the one method the speculative step calls,
 `propose(batch, k)`: `NgramDrafter` (TLT-Base: the row's own text), `SiblingDrafter` (the texts of
 the row's GRPO group) and `SiblingOrLearned` (the learned drafter until every running row is the
@@ -49,7 +53,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from model import KVCache, RotaryStack
+from model import KVCache, LayerNorm, RotaryStack
 
 HIDDEN_WEIGHT = 1.0
 CE_WEIGHT = 0.1
@@ -66,7 +70,7 @@ class Drafter(nn.Module):
         self.__dict__["target"] = target  # shared, frozen, and kept out of state_dict()/parameters()
         self.fuse = nn.Linear(2 * C, C, bias=False)
         self.stack = RotaryStack(self.config, n_layer=1)
-        self.norm = nn.LayerNorm(C, bias=False)
+        self.norm = LayerNorm(C)
         for p in self.parameters():
             if p.dim() == 2:
                 nn.init.normal_(p, mean=0.0, std=0.02)
@@ -74,8 +78,8 @@ class Drafter(nn.Module):
     def forward(self, hidden, next_tokens, cache=None):
         """hidden (B, T, C) = h_t, next_tokens (B, T) = x_{t+1} -> logits (B, T, V), h~_{t+1} (B, T, C)."""
         emb = F.embedding(next_tokens, self.target.wte.weight.detach())  # (B, T, C)
-        x = self.fuse(torch.cat([hidden, emb], dim=-1))
-        h_pred = self.norm(self.stack(x, cache))
+        x = self.fuse(torch.cat([hidden, emb], dim=-1))  # bf16 under autocast; the stack makes it float32
+        h_pred = self.norm(self.stack(x, cache))  # in the weights' dtype (float32) on every device
         return F.linear(h_pred, self.target.lm_head.weight.detach()), h_pred
 
     def propose(self, batch, k):

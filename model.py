@@ -37,11 +37,16 @@ are masked anyway, so a loose bound only wastes attention. Without it the forwar
 lengths to learn the window (a sync), which is fine outside a decoding loop.
 
 bf16: weights in float32 under torch.autocast (CPU or CUDA) is the supported way. Under autocast
-the linear layers run in bf16 and the residual stream, the norms' inputs and `hidden` stay
-float32; the rotary multiply is done in float32 (there is no bf16 complex type) and cast back,
-and the rotary table stays float32 even after model.bfloat16(). The KV cache is made in the
-autocast dtype (`new_cache`: half the memory, and what SDPA reads under autocast, so it casts
-nothing per layer) and the attention mask in that dtype too. SDPA's softmax accumulates in float32.
+the matrix products and attention run in bf16, and the residual stream, the norms and `hidden` stay
+in the weights' dtype (float32), by construction rather than by autocast's per-device op lists
+(CUDA's runs layer_norm in float32, the CPU's in its input's dtype): RotaryStack casts its input to
+the weights' dtype (the drafter's first layer, a linear one, hands it bf16), each residual add keeps
+it by type promotion (float32 + bf16 is float32 on every device), and `LayerNorm` runs with autocast
+off on that dtype. So the drafter's fed-back state is the same dtype on a CPU as on a GPU. The
+rotary multiply is done in float32 (there is no bf16 complex type) and cast back, and the rotary
+table stays float32 even after model.bfloat16(). The KV cache is made in the autocast dtype
+(`new_cache`: half the memory, and what SDPA reads under autocast, so it casts nothing per layer)
+and the attention mask in that dtype too. SDPA's softmax accumulates in float32.
 
 Test: python -m pytest tests/test_model.py
 """
@@ -136,6 +141,22 @@ def apply_rope(x, rot):
     return torch.view_as_real(torch.view_as_complex(x.to(wide).unflatten(-1, (-1, 2))) * rot).flatten(-2).to(x.dtype)
 
 
+class LayerNorm(nn.LayerNorm):
+    """LayerNorm without bias, in its weight's dtype whatever autocast does: on a float32 input it
+    gives float32 on every device (autocast's own rule differs: CUDA's computes it in float32, the
+    CPU's in the input's dtype). Turning autocast off costs a few microseconds, so only under it."""
+
+    def __init__(self, n_embd):
+        super().__init__(n_embd, bias=False)
+
+    def forward(self, x):
+        x = x.to(self.weight.dtype)  # a no-op on the residual stream, which is in this dtype already
+        if not torch.is_autocast_enabled(x.device.type):
+            return super().forward(x)
+        with torch.autocast(x.device.type, enabled=False):
+            return super().forward(x)
+
+
 class Attention(nn.Module):
     def __init__(self, config):
         super().__init__()
@@ -167,13 +188,15 @@ class Attention(nn.Module):
 class Block(nn.Module):
     def __init__(self, config):
         super().__init__()
-        self.norm1 = nn.LayerNorm(config.n_embd, bias=False)
+        self.norm1 = LayerNorm(config.n_embd)
         self.attn = Attention(config)
-        self.norm2 = nn.LayerNorm(config.n_embd, bias=False)
+        self.norm2 = LayerNorm(config.n_embd)
         self.fc = nn.Linear(config.n_embd, 4 * config.n_embd, bias=False)
         self.out = nn.Linear(4 * config.n_embd, config.n_embd, bias=False)
 
     def forward(self, x, rot, kv=None, where=None, mask=None, past=None):
+        # x, the residual stream, is in the weights' dtype; the branches come out of a linear layer, in
+        # bf16 under autocast, and each add promotes them to x's dtype, so the stream stays float32
         x = x + self.attn(self.norm1(x), rot, kv, where, mask, past)
         return x + self.out(F.gelu(self.fc(self.norm2(x)), approximate="tanh"))
 
@@ -211,6 +234,7 @@ class RotaryStack(nn.Module):
         chain: (a list per block of the earlier passes' keys and values, a bool mask over them),
         positions 0..T-1, for the drafter's chained training passes (drafter.chained_states)."""
         B, T, _ = x.shape
+        x = x.to(self.blocks[0].fc.weight.dtype)  # the residual stream in the weights' dtype (the module docstring)
         if cache is None:
             pos = torch.arange(T, device=x.device).expand(B, T)
             window, limit = T, self.config.block_size
@@ -247,7 +271,7 @@ class GPT(nn.Module):
         self.config = config
         self.wte = nn.Embedding(config.vocab_size, config.n_embd)
         self.stack = RotaryStack(config, config.n_layer)
-        self.norm = nn.LayerNorm(config.n_embd, bias=False)
+        self.norm = LayerNorm(config.n_embd)
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         self.lm_head.weight = self.wte.weight  # tied: the drafter shares both through the target
         self.apply(self._init_weights)
