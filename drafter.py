@@ -87,9 +87,13 @@ class Drafter(nn.Module):
     def forward(self, hidden, next_tokens, cache=None):
         """hidden (B, T, C) = h_t, next_tokens (B, T) = x_{t+1} -> logits (B, T, V), h~_{t+1} (B, T, C)."""
         emb = F.embedding(next_tokens, self.target.wte.weight.detach())  # (B, T, C)
-        x = self.fuse(torch.cat([hidden, emb], dim=-1))  # bf16 under autocast; the stack makes it float32
-        h_pred = self.norm(self.stack(x, cache))  # in the weights' dtype (float32) on every device
+        h_pred = self.norm(self.stack(self.fused(hidden, emb), cache))  # in the weights' dtype on every device
         return F.linear(h_pred, self.target.lm_head.weight.detach()), h_pred
+
+    def fused(self, hidden, emb):
+        """The start of the residual stream: fuse over (h_t, embedding of x_{t+1}), in the weights'
+        dtype. Under autocast the linear layer gives bf16, and the stream stays float32 (model.py)."""
+        return self.fuse(torch.cat([hidden, emb], dim=-1)).to(self.fuse.weight.dtype)
 
     def propose(self, batch, k):
         """What the speculative step asks of every drafter: k drafts per row of a
@@ -239,8 +243,7 @@ def chained_states(drafter, h_in, x_next, depth):
     past = [[] for _ in drafter.stack.blocks]  # every pass's keys and values, per block
     states, h_feed = [], h_in
     for d in range(depth):
-        x = drafter.fuse(torch.cat([h_feed, emb], dim=-1))
-        states.append(drafter.norm(drafter.stack(x, chain=(past, chain_mask(T, d, h_in.device)))))
+        states.append(drafter.norm(drafter.stack(drafter.fused(h_feed, emb), chain=(past, chain_mask(T, d, h_in.device)))))
         # the next pass sees, at position t, this pass's guess of h_t (made at t - 1)
         h_feed = torch.cat([h_in[:, :1], states[-1][:, :-1].detach()], dim=1)
     return states

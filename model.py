@@ -39,14 +39,15 @@ lengths to learn the window (a sync), which is fine outside a decoding loop.
 bf16: weights in float32 under torch.autocast (CPU or CUDA) is the supported way. Under autocast
 the matrix products and attention run in bf16, and the residual stream, the norms and `hidden` stay
 in the weights' dtype (float32), by construction rather than by autocast's per-device op lists
-(CUDA's runs layer_norm in float32, the CPU's in its input's dtype): RotaryStack casts its input to
-the weights' dtype (the drafter's first layer, a linear one, hands it bf16), each residual add keeps
-it by type promotion (float32 + bf16 is float32 on every device), and `LayerNorm` runs with autocast
-off on that dtype. So the drafter's fed-back state is the same dtype on a CPU as on a GPU. The
-rotary multiply is done in float32 (there is no bf16 complex type) and cast back, and the rotary
-table stays float32 even after model.bfloat16(). The KV cache is made in the autocast dtype
-(`new_cache`: half the memory, and what SDPA reads under autocast, so it casts nothing per layer)
-and the attention mask in that dtype too. SDPA's softmax accumulates in float32.
+(CUDA's runs layer_norm in float32, the CPU's in its input's dtype): the stream starts in the
+weights' dtype (the embedding's rows; the drafter casts its first layer's output, Drafter.fused),
+each residual add keeps it by type promotion (float32 + bf16 is float32 on every device), and
+`LayerNorm` runs with autocast off on that dtype. So a CPU and a GPU compute in the same dtypes,
+down to the state the drafter feeds back while drafting. The rotary multiply is done in float32
+(there is no bf16 complex type) and cast back, and the rotary table stays float32 even after
+model.bfloat16(). The KV cache is made in the autocast dtype (`new_cache`: half the memory, and
+what SDPA reads under autocast, so it casts nothing per layer) and the attention mask in that
+dtype too. SDPA's softmax accumulates in float32.
 
 Test: python -m pytest tests/test_model.py
 """
@@ -142,19 +143,23 @@ def apply_rope(x, rot):
 
 
 class LayerNorm(nn.LayerNorm):
-    """LayerNorm without bias, in its weight's dtype whatever autocast does: on a float32 input it
-    gives float32 on every device (autocast's own rule differs: CUDA's computes it in float32, the
-    CPU's in the input's dtype). Turning autocast off costs a few microseconds, so only under it."""
+    """LayerNorm without bias, computed in its weight's dtype whatever autocast does: float32 on every
+    device under autocast (whose own rule differs: CUDA's computes it in float32, the CPU's in the
+    input's dtype). Autocast is turned off around it by hand: `with torch.autocast(dev, enabled=False)`
+    does the same at about three times the cost (a few microseconds, 25 norms a forward)."""
 
     def __init__(self, n_embd):
         super().__init__(n_embd, bias=False)
 
     def forward(self, x):
-        x = x.to(self.weight.dtype)  # a no-op on the residual stream, which is in this dtype already
-        if not torch.is_autocast_enabled(x.device.type):
+        dev = x.device.type
+        if not torch.is_autocast_enabled(dev):
             return super().forward(x)
-        with torch.autocast(x.device.type, enabled=False):
-            return super().forward(x)
+        torch.set_autocast_enabled(dev, False)
+        try:  # the residual stream is in the weight's dtype already: the cast is for any other input
+            return super().forward(x.to(self.weight.dtype))
+        finally:
+            torch.set_autocast_enabled(dev, True)
 
 
 class Attention(nn.Module):
@@ -228,13 +233,12 @@ class RotaryStack(nn.Module):
         return self
 
     def forward(self, x, cache=None, chain=None):
-        """x (B, T, C) -> (B, T, C). With a cache, the attention window is cache.window, an upper
+        """x (B, T, C), the residual stream, in the weights' dtype (the module docstring) -> (B, T, C). With a cache, the attention window is cache.window, an upper
         bound on max(cache.lengths) + T that the caller knows on the host (keys past a row's own
         position are masked anyway), used once; without it the forward reads the lengths, a sync.
         chain: (a list per block of the earlier passes' keys and values, a bool mask over them),
         positions 0..T-1, for the drafter's chained training passes (drafter.chained_states)."""
         B, T, _ = x.shape
-        x = x.to(self.blocks[0].fc.weight.dtype)  # the residual stream in the weights' dtype (the module docstring)
         if cache is None:
             pos = torch.arange(T, device=x.device).expand(B, T)
             window, limit = T, self.config.block_size
