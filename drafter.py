@@ -243,7 +243,8 @@ def chained_states(drafter, h_in, x_next, depth):
     past = [[] for _ in drafter.stack.blocks]  # every pass's keys and values, per block
     states, h_feed = [], h_in
     for d in range(depth):
-        states.append(drafter.norm(drafter.stack(drafter.fused(h_feed, emb), chain=(past, chain_mask(T, d, h_in.device)))))
+        x = drafter.fused(h_feed, emb)
+        states.append(drafter.norm(drafter.stack(x, chain=(past, chain_mask(T, d, h_in.device)))))
         # the next pass sees, at position t, this pass's guess of h_t (made at t - 1)
         h_feed = torch.cat([h_in[:, :1], states[-1][:, :-1].detach()], dim=1)
     return states
@@ -439,9 +440,10 @@ class SiblingDrafter:
         texts, lens = batch.group_texts()  # (R, W), (R,)
         sib = batch.siblings[batch.row_id]  # (B, S) the row's siblings' texts, -1 padding
         if DEBUG:
-            check(k >= 1 and texts.shape[1] == W, f"k = {k} >= 1 and texts as wide as the rows")
+            check(k >= 1 and texts.shape[1] == W, f"k >= 1 (k = {k}) and texts as wide as the rows (1)")
             check((n >= 1) & (n <= W), "1 <= n_tokens <= W (1)")
-            check((sib >= -1) & (sib < texts.shape[0]) & (sib != batch.row_id[:, None]), "siblings are -1 or another row's text (2)")
+            check((sib >= -1) & (sib < texts.shape[0]) & (sib != batch.row_id[:, None]),
+                  "siblings are -1 or another row's text (2)")
             check(lens <= W, "texts hold at most W tokens (2)")
         cand = texts[sib.clamp(min=0)]  # (B, S, W)
         cand_len = torch.where(sib >= 0, lens[sib.clamp(min=0)], 0)  # (B, S); padding matches nothing
@@ -464,8 +466,8 @@ class SiblingDrafter:
         s, start = best // (W - 1), best % (W - 1) + 1  # (B,) the sibling, its first follower
         pos = torch.minimum(start[:, None] + torch.arange(k, device=dev), cand_len[rows, s][:, None] - 1).clamp_(min=0)  # (B, k)
         if DEBUG:
-            found = length > 0
-            check(~found | ((sib[rows, s] >= 0) & (pos < cand_len[rows, s][:, None]).all(1)), "drafts read a real sibling within its text (3)")
+            read = (sib[rows, s] >= 0) & (pos < cand_len[rows, s][:, None]).all(1)  # (B,)
+            check((length == 0) | read, "drafts read a real sibling within its text (3)")
             check(length <= torch.clamp(n, max=M), "a match is at most min(M, n_tokens) long (3)")
         drafts = cand[rows, s].gather(1, pos)  # past the sibling's end: its last token, most likely rejected
         last = batch.tokens.gather(1, n[:, None] - 1).expand(B, k)

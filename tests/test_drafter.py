@@ -595,7 +595,7 @@ def test_sibling_lookup_checks_its_invariants_in_debug_mode(monkeypatch, breakag
     lookup = drafter.SiblingDrafter(max_match=3).lookup
     monkeypatch.setattr(drafter, "DEBUG", True)
     lookup(sibling_batch(), 3)
-    with pytest.raises(AssertionError, match="k = 0"):
+    with pytest.raises(AssertionError, match=r"\(k = 0\)"):
         lookup(sibling_batch(), 0)
     batch = sibling_batch()
     breakage(batch)

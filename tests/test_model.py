@@ -430,7 +430,8 @@ def record_dtypes(*models):
                     lambda m, args, out, tag=tag: seen["residual"].add((tag + " out", out.dtype))))
             kind = "norm" if isinstance(mod, torch.nn.LayerNorm) else "linear" if isinstance(mod, torch.nn.Linear) else None
             if kind:
-                handles.append(mod.register_forward_hook(lambda m, args, out, tag=tag, kind=kind: seen[kind].add((tag, out.dtype))))
+                handles.append(mod.register_forward_hook(
+                    lambda m, args, out, tag=tag, kind=kind: seen[kind].add((tag, out.dtype))))
     return seen, lambda: [h.remove() for h in handles]
 
 
