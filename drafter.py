@@ -35,6 +35,10 @@ The buffer keeps (tokens, hidden states, prompt length) per sequence, tagged wit
 came from, for the last `keep_steps` steps and at most `keep_tokens` tokens (the oldest go first),
 hidden states in the run's dtype. `train_step` serves the warm-up and online training.
 
+bf16 (autocast): as in the target (model.py), only the matrix products and attention run in bf16;
+the residual stream that starts at `fuse`, the norms and the predicted state h~ stay float32, the
+same on a CPU as on a GPU, so drafting feeds back the same float32 state on both.
+
 Three more drafters close the file, each with the one method the speculative step calls,
 `propose(batch, k)`: `NgramDrafter` (TLT-Base: the row's own text), `SiblingDrafter` (the texts of
 the row's GRPO group, which RunningBatch keeps in a `GroupTexts`) and `SiblingOrLearned` (the learned
@@ -45,6 +49,7 @@ Test: python -m pytest tests/test_drafter.py
 import bisect
 import hashlib
 import math
+import os
 from collections import OrderedDict, deque
 
 import torch
@@ -53,13 +58,21 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from common import group_by_length
-from model import KVCache, RotaryStack
+from model import KVCache, LayerNorm, RotaryStack
 
 HIDDEN_WEIGHT = 1.0
 CE_WEIGHT = 0.1
 DRAFTER_BATCH = 8  # sequences per training step
 DEPTH = 3  # chained passes per training step (drafts of every depth then do about as well: RESULTS.md)
 IDLE_STEP_TOKENS = 256  # padded positions per idle-time step at most: the last rank waits at most one such step
+DEBUG = os.environ.get("TLT_DEBUG") == "1"  # check the invariants SiblingDrafter.lookup states (each check is a sync)
+
+
+def check(ok, what):
+    """An invariant check, made where `DEBUG` is on (callers test it first, so off it costs nothing):
+    ok, a bool or a bool tensor, must hold everywhere. Reading a tensor is a sync: debug runs only."""
+    if not bool(torch.as_tensor(ok).all()):
+        raise AssertionError(f"invariant broken: {what}")
 
 
 class Drafter(nn.Module):
@@ -70,7 +83,7 @@ class Drafter(nn.Module):
         self.__dict__["target"] = target  # shared, frozen, and kept out of state_dict()/parameters()
         self.fuse = nn.Linear(2 * C, C, bias=False)
         self.stack = RotaryStack(self.config, n_layer=1)
-        self.norm = nn.LayerNorm(C, bias=False)
+        self.norm = LayerNorm(C)
         for p in self.parameters():
             if p.dim() == 2:
                 nn.init.normal_(p, mean=0.0, std=0.02)
@@ -78,9 +91,13 @@ class Drafter(nn.Module):
     def forward(self, hidden, next_tokens, cache=None):
         """hidden (B, T, C) = h_t, next_tokens (B, T) = x_{t+1} -> logits (B, T, V), h~_{t+1} (B, T, C)."""
         emb = F.embedding(next_tokens, self.target.wte.weight.detach())  # (B, T, C)
-        x = self.fuse(torch.cat([hidden, emb], dim=-1))
-        h_pred = self.norm(self.stack(x, cache))
+        h_pred = self.norm(self.stack(self.fused(hidden, emb), cache))  # in the weights' dtype on every device
         return F.linear(h_pred, self.target.lm_head.weight.detach()), h_pred
+
+    def fused(self, hidden, emb):
+        """The start of the residual stream: fuse over (h_t, embedding of x_{t+1}), in the weights'
+        dtype. Under autocast the linear layer gives bf16, and the stream stays float32 (model.py)."""
+        return self.fuse(torch.cat([hidden, emb], dim=-1)).to(self.fuse.weight.dtype)
 
     def propose(self, batch, k):
         """What the speculative step asks of every drafter: k drafts per row of a
@@ -266,7 +283,7 @@ def chained_passes(drafter, h_in, x_next, depth):
     past = [[] for _ in drafter.stack.blocks]  # every pass's keys and values, per block
     h_feed = h_in
     for d in range(depth):
-        x = drafter.fuse(torch.cat([h_feed, emb], dim=-1))
+        x = drafter.fused(h_feed, emb)
         state = drafter.norm(drafter.stack(x, chain=(past, chain_mask(T, d, h_in.device))))
         yield state
         # the next pass sees, at position t, this pass's guess of h_t (made at t - 1)
@@ -502,31 +519,63 @@ class SiblingDrafter:
         return self.lookup(batch, k)[0], None
 
     def lookup(self, batch, k):
-        """-> drafts (B, k) and each row's match length (B,), 0 where no sibling matched."""
+        """-> drafts (B, k) and each row's match length (B,), 0 where no sibling matched.
+
+        Reads from the speculative.RunningBatch: tokens (B, W), of which row b holds its first
+        n_tokens[b]; row_id (B,), the rows' original ids; groups.siblings (B0, S) by original id, -1
+        padding; groups.now(...) -> texts (R, W) and their lengths (R,). It relies on these invariants, checked
+        when TLT_DEBUG=1 (see `check`):
+          1. k >= 1, and every running row holds 1 <= n_tokens <= W tokens (its last is read);
+          2. a sibling is -1 (padding, matches nothing) or another row's text, 0 <= s < R, and a text
+             holds at most W tokens;
+          3. nothing past a text's length is read, the row's own or a sibling's: the row's last M
+             tokens are read at n - M .. n - 1 (clamped at 0: copies of token 0, which capping a match
+             at n tokens discounts), a match counts only where a token follows it within the sibling's
+             text, and a draft past that text's end repeats its last token;
+          4. with n_tokens <= W (1) every distance |follow - n| is below 2W, the score of one matched
+             token, so the longest match wins and the closest breaks ties.
+        Out: drafts (B, k), from a sibling where the length is positive, else the row's last token."""
         M, dev = self.max_match, batch.tokens.device
+        B, W = batch.tokens.shape
+        n = batch.n_tokens  # (B,) the row's next position; its last token is the pending one
         texts, lens = batch.groups.now(batch.row_id, batch.tokens, batch.n_tokens)  # (R, W), (R,)
         sib = batch.groups.siblings[batch.row_id]  # (B, S) the row's siblings' texts, -1 padding
+        if DEBUG:
+            check(k >= 1 and texts.shape[1] == W, f"k >= 1 (k = {k}) and texts as wide as the rows (1)")
+            check((n >= 1) & (n <= W), "1 <= n_tokens <= W (1)")
+            check((sib >= -1) & (sib < texts.shape[0]) & (sib != batch.row_id[:, None]),
+                  "siblings are -1 or another row's text (2)")
+            check(lens <= W, "texts hold at most W tokens (2)")
         cand = texts[sib.clamp(min=0)]  # (B, S, W)
         cand_len = torch.where(sib >= 0, lens[sib.clamp(min=0)], 0)  # (B, S); padding matches nothing
-        B, S, W = cand.shape
-        n = batch.n_tokens  # (B,) the row's next position; its last token is the pending one
-        suffix = batch.tokens.gather(1, (n[:, None] - M + torch.arange(M, device=dev)).clamp(min=0))  # (B, M)
+        S = cand.shape[1]
+        at = (n[:, None] - M + torch.arange(M, device=dev)).clamp(min=0)  # (B, M)
+        if DEBUG:
+            check(at < n[:, None], "the row's tokens are read below n_tokens only (3)")
+        suffix = batch.tokens.gather(1, at)  # (B, M) the row's last M tokens
         padded = F.pad(cand, (M - 1, 0), value=-1)  # (B, S, M - 1 + W): -1 matches no token
         windows = padded.unfold(2, M, 1)[:, :, :W - 1]  # (B, S, W - 1, M): window j ends at j, is followed by j + 1
         same = (windows == suffix[:, None, None]).flip(-1).to(torch.uint8)
         run = same.cumprod(-1).sum(-1)  # (B, S, W - 1): how many of the row's last tokens end at position j
         follow = torch.arange(1, W, device=dev)  # (W - 1,) the position after window j
-        run = torch.where(follow < cand_len[..., None], run, 0)  # a token must follow, within the sibling
+        run = torch.where(follow < cand_len[..., None], run, 0)  # a token must follow, within the sibling (3)
         run = torch.minimum(run, n[:, None, None])  # a row shorter than M matches with its own tokens only
-        score = run * 2 * W - (follow - n[:, None, None]).abs()  # (B, S, W - 1): longest first, then closest
+        score = run * 2 * W - (follow - n[:, None, None]).abs()  # (B, S, W - 1): longest first, then closest (4)
         best = score.flatten(1).argmax(1)  # (B,)
         length = run.flatten(1).gather(1, best[:, None])[:, 0]  # (B,)
         rows = torch.arange(B, device=dev)
         s, start = best // (W - 1), best % (W - 1) + 1  # (B,) the sibling, its first follower
         pos = torch.minimum(start[:, None] + torch.arange(k, device=dev), cand_len[rows, s][:, None] - 1).clamp_(min=0)  # (B, k)
+        if DEBUG:
+            read = (sib[rows, s] >= 0) & (pos < cand_len[rows, s][:, None]).all(1)  # (B,)
+            check((length == 0) | read, "drafts read a real sibling within its text (3)")
+            check(length <= torch.clamp(n, max=M), "a match is at most min(M, n_tokens) long (3)")
         drafts = cand[rows, s].gather(1, pos)  # past the sibling's end: its last token, most likely rejected
         last = batch.tokens.gather(1, n[:, None] - 1).expand(B, k)
-        return torch.where(length[:, None] > 0, drafts, last), length
+        drafts = torch.where(length[:, None] > 0, drafts, last)
+        if DEBUG:
+            check(drafts.shape == (B, k) and length.shape == (B,), f"drafts {tuple(drafts.shape)} are (B, k) = ({B}, {k})")
+        return drafts, length
 
 
 class SiblingOrLearned:

@@ -592,16 +592,14 @@ def test_depth_one_loss_is_teacher_forcing_and_deeper_passes_count_their_chains(
     assert applied and loss > 0
 
 
-def test_sibling_drafter_takes_the_longest_match_then_the_closest_from_siblings_only():
-    """SiblingDrafter.lookup on a hand-made batch (M = 3): a row drafts from its own group's texts
-    only, a running sibling up to where it is, the longest match first and among equal ones the
-    place closest to the row's own position; no match proposes the last token again."""
+def sibling_batch():
+    """A hand-made batch for SiblingDrafter.lookup (W = 13): texts 0, 1 running, 2 their finished
+    sibling, 3 another group's, 4 running alone; running rows 0, 1 and 4."""
     from types import SimpleNamespace
-    from drafter import SiblingDrafter
     W = 13
     texts = torch.zeros(5, W, dtype=torch.long)
     rows = {0: [1, 2, 3, 4, 5], 1: [1, 2, 3, 4, 5, 6, 7], 2: [8, 3, 4, 5, 9, 9, 6, 7, 1, 5, 6, 7, 2],
-            3: [7, 7, 3, 1, 1], 4: [7, 7, 3]}  # 0, 1 running; 2 their finished sibling; 3 another group's; 4 alone
+            3: [7, 7, 3, 1, 1], 4: [7, 7, 3]}
     for i, t in rows.items():
         texts[i, :len(t)] = torch.tensor(t)
     lens = torch.tensor([len(rows[i]) for i in range(5)])
@@ -609,9 +607,17 @@ def test_sibling_drafter_takes_the_longest_match_then_the_closest_from_siblings_
     tokens = texts[running].clone()
     tokens[1, 7:] = 99  # what a running sibling holds past its length is never read
     texts[1, 7:] = 99
-    groups = SimpleNamespace(siblings=torch.tensor([[1, 2], [0, 2], [-1, -1], [-1, -1], [-1, -1]]),
-                             now=lambda *_: (texts, lens))
-    batch = SimpleNamespace(tokens=tokens, n_tokens=lens[running], row_id=torch.tensor(running), groups=groups)
+    groups = SimpleNamespace(siblings=torch.tensor([[1, 2], [0, 2], [-1, -1], [-1, -1], [-1, -1]]), texts=texts, lens=lens)
+    groups.now = lambda *_: (groups.texts, groups.lens)
+    return SimpleNamespace(tokens=tokens, n_tokens=lens[running], row_id=torch.tensor(running), groups=groups)
+
+
+def test_sibling_drafter_takes_the_longest_match_then_the_closest_from_siblings_only():
+    """SiblingDrafter.lookup on a hand-made batch (M = 3): a row drafts from its own group's texts
+    only, a running sibling up to where it is, the longest match first and among equal ones the
+    place closest to the row's own position; no match proposes the last token again."""
+    from drafter import SiblingDrafter
+    batch = sibling_batch()
     drafts, length = SiblingDrafter(max_match=3).lookup(batch, 3)
     # row 0 ends "3 4 5": in row 1 followed by 6 at its own position 5, in text 2 by 9 at 4: the closer
     assert drafts[0].tolist() == [6, 7, 7] and length[0] == 3  # then row 1's last token, not what lies past it
@@ -620,6 +626,33 @@ def test_sibling_drafter_takes_the_longest_match_then_the_closest_from_siblings_
     # row 4 has no sibling: text 3 (another group's) would match "7 7 3", but is never read
     assert drafts[2].tolist() == [3, 3, 3] and length[2] == 0
     assert SiblingDrafter(max_match=3).propose(batch, 3)[1] is None  # deterministic proposals: a one-hot q
+
+
+@pytest.mark.parametrize("breakage, what", [
+    (lambda b: b.groups.siblings[0].copy_(torch.tensor([0, 2])), "another row's text"),  # row 0 its own sibling
+    (lambda b: b.groups.siblings[1].copy_(torch.tensor([0, 5])), "another row's text"),  # past the texts
+    (lambda b: b.n_tokens.__setitem__(2, 0), "1 <= n_tokens <= W"),  # an empty row
+    (lambda b: b.n_tokens.__setitem__(0, 14), "1 <= n_tokens <= W"),  # past the row's width
+    (lambda b: b.groups.lens.__setitem__(2, 14), "at most W tokens"),  # a text longer than its row
+])
+def test_sibling_lookup_checks_its_invariants_in_debug_mode(monkeypatch, breakage, what):
+    """With the debug switch on (TLT_DEBUG=1, drafter.DEBUG) a batch that breaks one of the
+    invariants SiblingDrafter.lookup states raises, naming it; the intact batch passes, and with the
+    switch off a row that is its own sibling goes unnoticed (it would draft from its own text)."""
+    import drafter
+    lookup = drafter.SiblingDrafter(max_match=3).lookup
+    monkeypatch.setattr(drafter, "DEBUG", True)
+    lookup(sibling_batch(), 3)
+    with pytest.raises(AssertionError, match=r"\(k = 0\)"):
+        lookup(sibling_batch(), 0)
+    batch = sibling_batch()
+    breakage(batch)
+    with pytest.raises(AssertionError, match=what):
+        lookup(batch, 3)
+    monkeypatch.setattr(drafter, "DEBUG", False)
+    batch = sibling_batch()
+    batch.groups.siblings[0, 0] = 0
+    lookup(batch, 3)
 
 
 def test_warmup_ends_at_its_third_stall_and_keeps_its_best(target, buffers, monkeypatch, capsys):

@@ -412,3 +412,63 @@ def test_bf16_plain_and_speculative_generate_run():
     assert all(0 <= t < V for o in sd for t in o)
     assert [o[0] for o in sd] == [o[0] for o in plain]
     assert 1 <= st["accept_len"] <= 4 and st["sd_row_steps"] > 0
+
+
+def record_dtypes(*models):
+    """Forward hooks on every block (the residual stream going in and out), norm and linear layer
+    of `models`: -> a dict {kind: set of (name, dtype) seen}, and a function that removes them."""
+    from model import Block, LayerNorm
+    seen = {"residual": set(), "norm": set(), "linear": set()}
+    handles = []
+    for i, model in enumerate(models):
+        for name, mod in model.named_modules():
+            tag = f"{i}.{name}"
+            if isinstance(mod, Block):
+                handles.append(mod.register_forward_pre_hook(
+                    lambda m, args, tag=tag: seen["residual"].add((tag + " in", args[0].dtype))))
+                handles.append(mod.register_forward_hook(
+                    lambda m, args, out, tag=tag: seen["residual"].add((tag + " out", out.dtype))))
+            kind = "norm" if isinstance(mod, torch.nn.LayerNorm) else "linear" if isinstance(mod, torch.nn.Linear) else None
+            if kind:
+                handles.append(mod.register_forward_hook(
+                    lambda m, args, out, tag=tag, kind=kind: seen[kind].add((tag, out.dtype))))
+    return seen, lambda: [h.remove() for h in handles]
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="no GPU"))])
+def test_bf16_autocast_runs_the_matmuls_in_bf16_and_keeps_residuals_and_norms_float32(device):
+    """One bf16 recipe on every device: under autocast every linear layer of the target and of the
+    drafter gives bf16 (autocast is on), while the residual stream into and out of every block, every
+    norm and both hidden states returned are float32, through a plain forward, a cached one, the
+    drafter's cached forward (the state it feeds back while drafting) and its chained training passes.
+    A norm given bf16 still gives float32 (on a CPU autocast would keep bf16; on CUDA float32)."""
+    from conftest import randomize
+    from drafter import Drafter, chained_states
+    from model import LayerNorm
+    torch.manual_seed(13)
+    m = randomize(GPT(tiny_config()), 13, 0.5).to(device)
+    d = randomize(Drafter(m), 14, 0.3).to(device)
+    gen = torch.Generator().manual_seed(13)
+    idx = rand_ids(gen, 2, 6).to(device)
+    seen, remove = record_dtypes(m, d)
+    with torch.autocast(device, dtype=torch.bfloat16, cache_enabled=False):
+        logits, hidden = m(idx)
+        cache = m.new_cache(2, 16)
+        m(idx[:, :4], cache)
+        dcache = d.new_cache(2, 16, dtype=cache.kv.dtype)
+        d_logits, h = d(hidden[:, :3], idx[:, 1:4], dcache)
+        d_logits, h = d(h[:, -1:], idx[:, 4:5], dcache)  # its own state fed back, as in drafting
+        states = chained_states(d, hidden[:, :5], idx[:, 1:], depth=2)
+        states[-1].float().sum().backward()
+        normed = LayerNorm(C).to(device)(torch.randn(2, C, device=device).bfloat16())
+    remove()
+    assert logits.dtype == d_logits.dtype == torch.bfloat16
+    assert hidden.dtype == h.dtype == normed.dtype == torch.float32 and {s.dtype for s in states} == {torch.float32}
+    assert {dt for _, dt in seen["linear"]} == {torch.bfloat16}, seen["linear"]
+    for kind in ("residual", "norm"):
+        assert {dt for _, dt in seen[kind]} == {torch.float32}, sorted((n, str(dt)) for n, dt in seen[kind])
+    # every layer was seen: the target's and the drafter's blocks, norms and linear layers
+    assert {n for n, _ in seen["residual"]} >= {"1.stack.blocks.0 in", "0.stack.blocks.1 out"}
+    assert {n for n, _ in seen["norm"]} >= {"0.norm", "1.norm", "1.stack.blocks.0.norm2"}
+    assert {n for n, _ in seen["linear"]} >= {"0.lm_head", "1.fuse", "0.stack.blocks.0.attn.qkv"}

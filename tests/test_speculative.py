@@ -825,7 +825,9 @@ def test_steps_read_nothing_from_the_device(greedy_setup, sampler, temperature, 
     size everything from the host's bounds: no read, no copy from the host. compact() reads the
     device once (which rows finished) and copies nothing, also when rows finish and live rows move
     into their slots (its index tensors are made on the device). rollout.HostTraffic says what counts."""
+    import drafter as drafter_module
     monkeypatch.setattr(speculative, "DEBUG", False)  # TLT_DEBUG's checks read the device on purpose
+    monkeypatch.setattr(drafter_module, "DEBUG", False)
     target, drafter, pool, _, eos = greedy_setup
     gen = RunningBatch(target, pool * 2, N_NEW, temperature=temperature, eos_id=eos, sampler=sampler, max_draft=4,
                        generator=torch.Generator().manual_seed(3), keys=list(range(2 * len(pool))))

@@ -214,6 +214,20 @@ def test_bf16_warmups_and_rl_steps_on_one_and_two_ranks(tmp_path):
             assert meta["dtype"] == "bfloat16", name
 
 
+def test_dtype_flag_turns_bf16_autocast_on_and_float32_leaves_it_off():
+    """What every forward of a run goes through (config.autocast): with --dtype bfloat16 a linear
+    layer's output is bf16 while the final hidden state stays float32; with float32 both are float32.
+    The end-to-end run above only sees the flag copied into its meta, so this is what catches a
+    bf16 run silently computing in float32."""
+    from model import GPT, GPTConfig
+    model = GPT(GPTConfig(vocab_size=train.task.VOCAB_SIZE, block_size=40, n_layer=1, n_head=2, n_embd=16))
+    idx = torch.zeros(1, 3, dtype=torch.long)
+    for flags, want in (([], torch.float32), (["--dtype", "bfloat16"], torch.bfloat16)):
+        with torch.no_grad(), config.autocast(config.parse_args(TINY + flags), torch.device("cpu")):
+            logits, hidden = model(idx)
+        assert logits.dtype == want and hidden.dtype == torch.float32, flags
+
+
 def test_dtype_keys_the_warmups_and_float32_keeps_the_old_meta():
     """A bf16 warm-up is another warm-up: its meta differs. float32 adds no key, so warm-ups cached
     before --dtype existed are still used."""
