@@ -120,7 +120,7 @@ def rollout(target, drafter, prompts, max_new_tokens, *, temperature=1.0, eos_id
     (timeline segments relative to the call; the tail share: see `tail_share`).
     sampler and keys: see speculative.RunningBatch; with "gumbel", the tokens do not depend on
     tlt, the threshold or the bandit's choices (up to float32 rounding: see speculative.py).
-    progress, when given, is called after every decoding step (common.beat: this rank
+    progress, when given, is called after every decoding step (liveness.beat: this rank
     is slow, not dead)."""
     device = target.wte.weight.device
     stats = RolloutStats()

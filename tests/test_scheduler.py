@@ -1,6 +1,6 @@
 """Idle-rank drafter training across gloo processes: skewed loads, preemption by the last rank,
 identical drafters after the sync, no hang for 1, 2 or 4 ranks or a rank without prompts. Slow is
-not dead (common.Liveness), in every wait where ranks arrive far apart: slow ranks are waited for,
+not dead (liveness.Liveness), in every wait where ranks arrive far apart: slow ranks are waited for,
 hung or killed ones fail the others with a message naming them. Successive groups on one store
 agree on fresh prefixes."""
 import json
@@ -178,7 +178,7 @@ def _late_work(fault, progress):
 
 def _idle(rank, world, fault):
     """The idle barrier: the last rank rolls out late, the others train (or wait) meanwhile."""
-    from common import Liveness, beat
+    from liveness import Liveness, beat
     target, drafter = _models()
     if rank == world - 1:
         _late_work(fault, beat)  # beat: what rollout() is given as progress
@@ -186,8 +186,8 @@ def _idle(rank, world, fault):
 
 
 def _wait(rank, world, fault):
-    """common.wait_for_all, the wait before every collective that ranks may reach far apart."""
-    from common import beat, wait_for_all
+    """liveness.wait_for_all, the wait before every collective that ranks may reach far apart."""
+    from liveness import beat, wait_for_all
     if rank == world - 1:
         _late_work(fault, beat)
     wait_for_all()
@@ -214,9 +214,9 @@ def _drafter_warmup(rank, world, fault):
 
 
 def _checkpoint(rank, world, fault, path):
-    """common.save_on_rank0: rank 0's write is slow (the file system), or rank 0 stops in it."""
+    """checkpoint.save_on_rank0: rank 0's write is slow (the file system), or rank 0 stops in it."""
     import signal
-    import common
+    import checkpoint
     if rank == 0:
         real = torch.save
 
@@ -226,7 +226,7 @@ def _checkpoint(rank, world, fault, path):
             time.sleep(3 * LIVENESS_S)  # one long call that cannot beat from inside
             return real(*a, **kw)
         torch.save = late_save
-    common.save_on_rank0({"w": torch.ones(3)}, path)
+    checkpoint.save_on_rank0({"w": torch.ones(3)}, path)
     if not os.path.exists(path):
         raise RuntimeError("save_on_rank0 returned before rank 0 had written the file")
 
@@ -238,7 +238,7 @@ def _liveness_worker(rank, world, port, scenario, fault, extra, q):
     """One rank of a scenario, with a Liveness on a store that the test hosts (as torchrun's agent
     does, so a stopped rank does not take the store with it). Reports (rank, outcome, message, seconds)."""
     import datetime
-    from common import Liveness
+    from liveness import Liveness
     torch.set_num_threads(1)
     make_optimizer(_models()[1])  # the first call imports for seconds on a loaded machine: not part of the test
     store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=30))
@@ -335,19 +335,19 @@ def test_three_ranks_one_hung_all_others_fail_naming_it():
 def _group_worker(rank, port, delay, q):
     """One rank of a 2-rank torchrun group: compute_init with the environment torchrun sets (the
     store hosted by its agent, here the test), and a restart count that does not change."""
-    import common
+    import distributed
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port), TORCHELASTIC_USE_AGENT_STORE="True", TORCHELASTIC_RESTART_COUNT="0",
                       OMP_NUM_THREADS="1")
     torch.set_num_threads(1)
-    agreed, real = [], common.agree_prefix
+    agreed, real = [], distributed.agree_prefix
 
     def spy(*a, **kw):
         agreed.append(real(*a, **kw))
         return agreed[-1]
-    common.agree_prefix = spy
+    distributed.agree_prefix = spy
     time.sleep(delay)
-    common.compute_init("cpu")
+    distributed.compute_init("cpu")
     t = torch.full((1,), float(rank + 1))
     dist.all_reduce(t)
     q.put((rank, agreed[0], t.item()))
