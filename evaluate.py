@@ -36,7 +36,7 @@ def evaluate(model, problems, rank=0, world_size=1, drafter=None, temperature=0.
         idx = mine[i:i + batch_size]
         prompts = [task.encode(problems[j].prompt()) for j in idx]
         max_new = task_cfg.response_len(max(problems[j].size for j in idx), task_cfg.max_passes)
-        how = dict(temperature=temperature, eos_id=task.EOS_ID, generator=gen, sampler=sampler,
+        how = dict(temperature=temperature, eos_id=task.EOS_ID, generator=gen, sampler=sampler, progress=beat,
                    keys=[derive_seed(seed, j, 0, task.Seed.EVAL_KEYS) for j in idx])
         if drafter is None:
             outs, _ = autoregressive_generate(model, prompts, max_new, **how)
@@ -44,8 +44,7 @@ def evaluate(model, problems, rank=0, world_size=1, drafter=None, temperature=0.
             outs, _ = speculative_generate(model, drafter, prompts, max_new, k=k, **how)
         for j, o in zip(idx, outs):
             outputs[j] = o
-        beat()  # the shards' lengths differ, so the ranks finish far apart: waited for by liveness
-    wait_for_all()
+    wait_for_all()  # the shards' lengths differ, so the ranks finish far apart: each beat at every decoding step
     for part in gather_ranks(outputs):  # each rank filled its own indices
         outputs = [o if o is not None else p for o, p in zip(outputs, part)]
     rewards = [task.reward(p.prompt(), task.decode(o)) for p, o in zip(problems, outputs)]

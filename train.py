@@ -37,7 +37,7 @@ from evaluate import evaluate_both, format_accuracy
 from checkpoint import load_on_rank0, save_on_rank0
 from common import OneLineParser, check_out_dir, derive_seed, machine, on_off, sync
 from distributed import COLLECTIVE_TIMEOUT_S, all_sum, compute_init, print0
-from liveness import Liveness
+from liveness import IO_DEADLINE_S, Liveness
 from rollout import ARMS, Bandit, rollout
 from scheduler import gather_ranks, idle_train, render_timeline, start_drafter_sync
 from speculative import SAMPLERS
@@ -150,10 +150,13 @@ def parse_args(argv=None):
     p.add_argument("--eval-samples", type=int, default=8, help="samples per held-out problem for the sampled accuracy")
     p.add_argument("--timeline-every", type=int, default=10, help="print the per-rank timeline every N steps (0: never)")
     p.add_argument("--ckpt-every", type=int, default=10, help="write the RL checkpoint every N steps")
+    p.add_argument("--io-deadline", type=float, default=IO_DEADLINE_S, help="seconds rank 0 may spend in one checkpoint "
+                   "read or write (or a rank in its first CUDA step) before the others fail, naming it (default: "
+                   "TLT_IO_DEADLINE or 1800)")
     args = p.parse_args(argv)
     positive = ("warmup_steps", "warmup_tokens", "warmup_lr", "drafter_warmup_seqs", "drafter_batch", "drafter_depth", "drafter_idle_tokens",
                 "drafter_keep", "drafter_keep_tokens", "drafter_lr", "drafter_cold_lr", "drafter_online_lr", "prompts_per_step", "group_size", "rl_epochs", "rl_lr",
-                "clip_eps", "update_tokens", "ckpt_every", "eval_samples")
+                "clip_eps", "update_tokens", "ckpt_every", "eval_samples", "io_deadline")
     non_negative = ("rl_steps", "drafter_warmup_steps", "careful_bonus", "kl_coef", "temperature", "sd_threshold", "timeline_every", "eval_per_bucket")
     for names, ok, what in ((positive, lambda v: v > 0, "positive"), (non_negative, lambda v: v >= 0, "non-negative")):
         for name in names:
@@ -205,7 +208,7 @@ def main(argv=None):
     check_out_dir(args.warmup_dir)
     task_cfg = task_config(args)
     ddp, rank, local_rank, world_size, device, store = compute_init(args.device)
-    liveness = Liveness(store, rank, world_size, COLLECTIVE_TIMEOUT_S) if ddp else None
+    liveness = Liveness(store, rank, world_size, COLLECTIVE_TIMEOUT_S, io_deadline_s=args.io_deadline) if ddp else None
     try:
         run(args, task_cfg, ddp, rank, world_size, device, liveness)
         if ddp:
