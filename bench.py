@@ -47,8 +47,7 @@ import task
 import train
 import warmup
 from drafter import Drafter, DrafterBuffer, SiblingDrafter, make_optimizer, train_step
-from common import OneLineParser, check_out_dir, machine, sync
-from distributed import wants_cuda
+from common import OneLineParser, check_out_dir, machine, sync, wants_cuda
 from rollout import Bandit, rollout
 from speculative import SAMPLERS, autoregressive_generate, speculative_generate
 

@@ -7,7 +7,8 @@ reader learning TLT may skip this file (and distributed.py, liveness.py, checkpo
     derive_seed                            one random stream per purpose, rank and step (the purposes: task.Seed)
     sync, Stopwatch, add_segment, machine  timing: the clock must see a GPU's queued work; timelines; the hardware
     group_by_length                        length-grouped batches for long-tailed data
-    OneLineParser, on_off, check_out_dir   command lines: one clear error line
+    OneLineParser, on_off, check_out_dir,  command lines: one clear error line; --device
+    wants_cuda
 
 Test: python -m pytest tests/test_train.py   (a run uses every one of them)
 """
@@ -110,6 +111,11 @@ class OneLineParser(argparse.ArgumentParser):
 
     def error(self, message):
         self.exit(2, f"error: {message} (see --help)\n")
+
+
+def wants_cuda(device_arg):
+    """--device auto|cpu|cuda -> whether to run on CUDA."""
+    return torch.cuda.is_available() if device_arg == "auto" else device_arg == "cuda"
 
 
 def check_out_dir(out_dir):

@@ -23,14 +23,11 @@ import torch
 import torch.distributed as dist
 from torch.distributed.rendezvous import rendezvous
 
+from common import wants_cuda
+
 # seconds: how long a rank may go without a sign of progress while its peers wait for it (Liveness:
 # they then fail, naming it), and how long a collective that the ranks reach together may take
 COLLECTIVE_TIMEOUT_S = int(os.environ.get("TLT_COLLECTIVE_TIMEOUT", 120))
-
-
-def wants_cuda(device_arg):
-    """--device auto|cpu|cuda -> whether to run on CUDA."""
-    return torch.cuda.is_available() if device_arg == "auto" else device_arg == "cuda"
 
 
 def compute_init(device_arg="auto"):
