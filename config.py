@@ -14,6 +14,7 @@ import torch
 
 import task
 from common import OneLineParser, on_off
+from liveness import IO_DEADLINE_S
 from drafter import DEPTH, DRAFTER_BATCH, DRAFTERS, IDLE_STEP_TOKENS
 from model import GPTConfig
 from rollout import ARMS
@@ -156,6 +157,9 @@ def logging_flags(p):
     p.add_argument("--eval-samples", type=int, default=8, help="samples per held-out problem for the sampled accuracy")
     p.add_argument("--timeline-every", type=int, default=10, help="print the per-rank timeline every N steps (0: never)")
     p.add_argument("--ckpt-every", type=int, default=10, help="write the RL checkpoint every N steps")
+    p.add_argument("--io-deadline", type=float, default=IO_DEADLINE_S, help="seconds rank 0 may spend in one checkpoint "
+                   "read or write (or a rank in its first CUDA step) before the others fail, naming it (default: "
+                   "TLT_IO_DEADLINE or 1800)")
 
 
 def check_args(p, args):
@@ -163,7 +167,7 @@ def check_args(p, args):
     as argparse's own are. --draft-ks becomes a tuple of ints here."""
     positive = ("warmup_steps", "warmup_tokens", "warmup_lr", "drafter_warmup_seqs", "drafter_batch", "drafter_depth", "drafter_idle_tokens",
                 "drafter_keep", "drafter_keep_tokens", "drafter_lr", "drafter_cold_lr", "drafter_online_lr", "prompts_per_step", "group_size", "rl_epochs", "rl_lr",
-                "clip_eps", "update_tokens", "ckpt_every", "eval_samples")
+                "clip_eps", "update_tokens", "ckpt_every", "eval_samples", "io_deadline")
     non_negative = ("rl_steps", "drafter_warmup_steps", "careful_bonus", "kl_coef", "temperature", "sd_threshold", "timeline_every", "eval_per_bucket")
     for names, ok, what in ((positive, lambda v: v > 0, "positive"), (non_negative, lambda v: v >= 0, "non-negative")):
         for name in names:

@@ -14,7 +14,9 @@ Test: python -m pytest tests/test_train.py   (a run prints both checks)
 import torch
 
 import task
-from common import Seed, beat, derive_seed, print0, wait_for_all
+from common import derive_seed
+from distributed import print0
+from liveness import beat, wait_for_all
 from scheduler import gather_ranks
 from speculative import autoregressive_generate, speculative_generate
 
@@ -27,23 +29,22 @@ def evaluate(model, problems, rank=0, world_size=1, drafter=None, temperature=0.
     must give exactly the same tokens. At temperature > 0 problem j's key is derived from (seed, j),
     so with sampler "gumbel" the tokens do not depend on the ranks or on the drafter; with
     "rejection" the sampling is seeded per rank. k: the draft length of speculative decoding."""
-    gen = torch.Generator(device=model.wte.weight.device).manual_seed(derive_seed(seed, rank, 0, Seed.EVAL))
+    gen = torch.Generator(device=model.wte.weight.device).manual_seed(derive_seed(seed, rank, 0, task.Seed.EVAL))
     mine = list(range(rank, len(problems), world_size))
     outputs = [None] * len(problems)
     for i in range(0, len(mine), batch_size):
         idx = mine[i:i + batch_size]
         prompts = [task.encode(problems[j].prompt()) for j in idx]
         max_new = task_cfg.response_len(max(problems[j].size for j in idx), task_cfg.max_passes)
-        how = dict(temperature=temperature, eos_id=task.EOS_ID, generator=gen, sampler=sampler,
-                   keys=[derive_seed(seed, j, 0, Seed.EVAL_KEYS) for j in idx])
+        how = dict(temperature=temperature, eos_id=task.EOS_ID, generator=gen, sampler=sampler, progress=beat,
+                   keys=[derive_seed(seed, j, 0, task.Seed.EVAL_KEYS) for j in idx])
         if drafter is None:
             outs, _ = autoregressive_generate(model, prompts, max_new, **how)
         else:
             outs, _ = speculative_generate(model, drafter, prompts, max_new, k=k, **how)
         for j, o in zip(idx, outs):
             outputs[j] = o
-        beat()  # the shards' lengths differ, so the ranks finish far apart: waited for by liveness
-    wait_for_all()
+    wait_for_all()  # the shards' lengths differ, so the ranks finish far apart: each beat at every decoding step
     for part in gather_ranks(outputs):  # each rank filled its own indices
         outputs = [o if o is not None else p for o, p in zip(outputs, part)]
     rewards = [task.reward(p.prompt(), task.decode(o)) for p, o in zip(problems, outputs)]

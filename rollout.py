@@ -128,7 +128,7 @@ def rollout(target, drafter, prompts, max_new_tokens, *, temperature=1.0, eos_id
     (timeline segments relative to the call; the tail share: see `tail_share`).
     sampler and keys: see speculative.RunningBatch; with "gumbel", the tokens do not depend on
     tlt, the threshold or the bandit's choices (up to float32 rounding: see speculative.py).
-    progress, when given, is called after the prefill and after every decoding step (common.beat:
+    progress, when given, is called after the prefill and after every decoding step (liveness.beat:
     this rank is slow, not dead).
 
     One read of the device per step, compact's (which rows finished): it waits for everything queued

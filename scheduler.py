@@ -24,7 +24,7 @@ whose result is averaged again). A checkpoint holds rank 0's optimizer state, an
 every rank starts from it; the drafter buffer is not saved and refills from the next steps.
 
 Slow is not dead: a rank's rollout may run for minutes on a real model, so the barrier does not
-time out; `common.Liveness` tells a slow rank (still beating) from a dead or hung one (silent), and the
+time out; `liveness.Liveness` tells a slow rank (still beating) from a dead or hung one (silent), and the
 waiting ranks fail, naming the rank, once a peer has been silent for TLT_COLLECTIVE_TIMEOUT seconds.
 
 A single process has no idle time and therefore never trains the drafter online; that is the
@@ -40,7 +40,9 @@ import torch
 import torch.distributed as dist
 from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
-from common import add_segment, multi_rank, until_all_arrive
+from common import add_segment
+from distributed import multi_rank
+from liveness import until_all_arrive
 from drafter import DEPTH, DRAFTER_BATCH, IDLE_STEP_TOKENS, train_step
 
 TIMELINE_CHARS = {"plain": "#", "spec": "S", "train": "t", "wait": "."}
@@ -65,7 +67,7 @@ def idle_train(drafter, optimizer, buffer, rng, *, chores=(), enabled=True, batc
     arrives stops within one chore, one piece of stored rows or one piece of a drafter step, each of
     at most `step_tokens` padded positions (up to batch_size sequences), a few milliseconds here;
     `metrics.jsonl`'s `slowest_wait` shows what the slowest rank paid for it.
-    The barrier's grace period, liveness and errors: common.until_all_arrive."""
+    The barrier's grace period, liveness and errors: liveness.until_all_arrive."""
     t0 = time.perf_counter()
     chores = deque(chores)
     if not multi_rank():

@@ -570,23 +570,25 @@ class DecodeStats:
 
 @torch.no_grad()
 def autoregressive_generate(target, prompts, max_new_tokens, *, temperature=1.0, eos_id=None, generator=None,
-                            sampler="rejection", keys=None):
+                            sampler="rejection", keys=None, progress=None):
     """Plain decoding, one token per row per target pass; finished rows leave the batch.
-    sampler and keys: see RunningBatch."""
+    sampler and keys: see RunningBatch; progress: see speculative_generate."""
     batch = RunningBatch(target, prompts, max_new_tokens, temperature=temperature, eos_id=eos_id, generator=generator,
                      sampler=sampler, keys=keys)
     stats = DecodeStats()
     while batch.compact() > 0:
         stats.add_step(batch.plain_step())
+        if progress:
+            progress()
     return batch.outputs(), stats.as_dict()
 
 
 @torch.no_grad()
 def speculative_generate(target, drafter, prompts, max_new_tokens, *, k=4, temperature=1.0, eos_id=None,
-                         generator=None, sampler="rejection", keys=None, siblings=None):
-    """Speculative decoding with a fixed k for every row and every step. With sampler "gumbel"
-    and the same keys (or the same generator seed) it emits exactly autoregressive_generate's tokens.
-    siblings: per prompt, responses of its group that finished earlier (see RunningBatch._group)."""
+                         generator=None, sampler="rejection", keys=None, siblings=None, progress=None):
+    """Speculative decoding with a fixed k for every row and every step. With sampler "gumbel" and the same keys (or the
+    same generator seed) it emits exactly autoregressive_generate's tokens. siblings: per prompt, responses of its group
+    that finished earlier (see RunningBatch._group). progress: called after every step (liveness.beat: slow, not dead)."""
     if k < 1:
         raise ValueError(f"k must be >= 1, got {k}")
     batch = RunningBatch(target, prompts, max_new_tokens, temperature=temperature, eos_id=eos_id,
@@ -596,4 +598,6 @@ def speculative_generate(target, drafter, prompts, max_new_tokens, *, k=4, tempe
         n_emitted, n_acc = batch.speculative_step(drafter, k)
         stats.add_step(n_emitted)
         stats.add_speculative(n_emitted, n_acc, k)
+        if progress:
+            progress()
     return batch.outputs(), stats.as_dict()

@@ -45,6 +45,7 @@ distribution there; the large ones are practically never seen in training.
 
 Test: python -m pytest tests/test_task.py
 """
+import enum
 import random
 import re
 from dataclasses import dataclass
@@ -245,3 +246,21 @@ def training_example(problem, cfg=None, rng=None):
     response = problem.response() if cfg is None else reference_response(problem, cfg, rng)
     p, r = encode(problem.prompt()), encode(response) + [EOS_ID]
     return p + r, len(p)
+
+
+class Seed(enum.IntEnum):
+    """What a derived seed is for (common.derive_seed(seed, rank or row, step, Seed.X)): each purpose of
+    a run its own random stream; the numbers only keep them apart, so they are listed in one place.
+    They live here because every part of a run that draws random numbers (the warm-ups, the RL steps,
+    evaluation) imports this file, and most of what they draw is this task's data."""
+    TARGET_DATA = 1        # the target warm-up's reference traces
+    DRAFTER_DATA = 2       # the drafter warm-up's prompts and batches
+    DRAFTER_SAMPLES = 3    # the target's samples the drafter warms up on
+    INIT = 4               # initial weights, the same on every rank
+    BANDIT = 5             # the bandit's exploration
+    RL_PROMPTS = 6         # each RL step's prompts, the same on every rank
+    ROLLOUT = 7            # rollout sampling with --sampler rejection
+    DRAFTER_TRAINING = 8   # idle-rank drafter batches
+    EVAL = 9               # evaluation sampling with --sampler rejection
+    ROLLOUT_KEYS = 10      # each rollout row's key with --sampler gumbel
+    EVAL_KEYS = 11         # each evaluation row's key with --sampler gumbel

@@ -28,8 +28,10 @@ from torch.nn.parallel import DistributedDataParallel
 
 import rl
 import task
-from common import (COLLECTIVE_TIMEOUT_S, Liveness, Seed, all_sum, check_out_dir, compute_init, derive_seed, load_on_rank0,
-                    machine, print0, save_on_rank0, sync)
+from checkpoint import load_on_rank0, save_on_rank0
+from common import check_out_dir, derive_seed, machine, sync
+from distributed import COLLECTIVE_TIMEOUT_S, all_sum, compute_init, print0
+from liveness import Liveness
 from config import autocast, parse_args, task_config
 from drafter import LEARNED, DrafterBuffer, agreement_chores, make_optimizer, proposer
 from evaluate import evaluate_both, format_accuracy
@@ -54,7 +56,7 @@ def main(argv=None):
     check_out_dir(args.warmup_dir)
     task_cfg = task_config(args)
     ddp, rank, local_rank, world_size, device, store = compute_init(args.device)
-    liveness = Liveness(store, rank, world_size, COLLECTIVE_TIMEOUT_S) if ddp else None
+    liveness = Liveness(store, rank, world_size, COLLECTIVE_TIMEOUT_S, io_deadline_s=args.io_deadline) if ddp else None
     try:
         run(args, task_cfg, ddp, rank, world_size, device, liveness)
         if ddp:
@@ -84,7 +86,7 @@ def run(args, task_cfg, ddp, rank, world_size, device, liveness=None):
     net = DistributedDataParallel(model, forward_sync_buffers=False) if ddp else model  # the rotary tables never change
     opt = torch.optim.AdamW(model.parameters(), lr=args.rl_lr, betas=(0.9, 0.95), weight_decay=0.0)
     d_opt = make_optimizer(drafter, args.drafter_online_lr)
-    bandit = Bandit(args.draft_ks, seed=derive_seed(args.rl_seed, rank, 0, Seed.BANDIT))
+    bandit = Bandit(args.draft_ks, seed=derive_seed(args.rl_seed, rank, 0, task.Seed.BANDIT))
     buffer = DrafterBuffer(keep_steps=args.drafter_keep, keep_tokens=args.drafter_keep_tokens, dtype=getattr(torch, args.dtype))
     ckpt_path = os.path.join(args.out_dir, "ckpt.pt")
     metrics_path = os.path.join(args.out_dir, "metrics.jsonl")
@@ -147,7 +149,7 @@ def resume(ckpt_path, meta, model, drafter, opt, d_opt, bandit, rank):
 
 def rl_prompts(args, task_cfg, step):
     """The step's prompts, the same on every rank and for any number of ranks."""
-    prng = random.Random(derive_seed(args.rl_seed, 0, step, Seed.RL_PROMPTS))
+    prng = random.Random(derive_seed(args.rl_seed, 0, step, task.Seed.RL_PROMPTS))
     return [task.sample_problem(prng, task_cfg) for _ in range(args.prompts_per_step)]
 
 
@@ -162,7 +164,7 @@ def step_rows(args, task_cfg, step, rank, world_size):
     n_rows = len(problems) * args.group_size
     mine = slice(rank * n_rows // world_size, (rank + 1) * n_rows // world_size)
     rows = [problems[i // args.group_size] for i in range(n_rows)][mine]
-    keys = [derive_seed(args.rl_seed, step, i, Seed.ROLLOUT_KEYS) for i in range(n_rows)][mine]
+    keys = [derive_seed(args.rl_seed, step, i, task.Seed.ROLLOUT_KEYS) for i in range(n_rows)][mine]
     return rows, keys, n_rows
 
 
@@ -174,7 +176,7 @@ def rl_step(step, args, task_cfg, model, net, drafter, opt, d_opt, bandit, buffe
     # 1. this rank's rows of the step's global batch, each with its key
     rows, keys, _ = step_rows(args, task_cfg, step, rank, world_size)
     # 2. roll out: plain steps while the running batch is large, speculative ones in the tail; score
-    gen = torch.Generator(device=device).manual_seed(derive_seed(args.rl_seed, rank, step, Seed.ROLLOUT))
+    gen = torch.Generator(device=device).manual_seed(derive_seed(args.rl_seed, rank, step, task.Seed.ROLLOUT))
     samples, st = rollout(model, proposer(args.drafter, drafter),
                           [task.encode(p.prompt()) for p in rows], task_cfg.max_response_len,
                           temperature=args.temperature, eos_id=task.EOS_ID, generator=gen, tlt=args.tlt,
@@ -195,7 +197,7 @@ def rl_step(step, args, task_cfg, model, net, drafter, opt, d_opt, bandit, buffe
     d_lr, d_depth = drafter_schedule(args, step, health)
     for g in d_opt.param_groups:
         g["lr"] = d_lr
-    drng = random.Random(derive_seed(args.rl_seed, rank, step, Seed.DRAFTER_TRAINING))
+    drng = random.Random(derive_seed(args.rl_seed, rank, step, task.Seed.DRAFTER_TRAINING))
     t_idle = time.perf_counter() - t0
     d_steps, d_skipped, idle, idle_segs = idle_train(
         drafter, d_opt, buffer, drng, chores=agreement_chores(drafter, samples, top1, args.drafter_idle_tokens, device) if learned else (),

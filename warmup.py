@@ -41,8 +41,10 @@ import task
 from drafter import Drafter, DrafterBuffer, chain_figures, expected_accepted, make_optimizer, pairs, train_step
 from model import GPT, GPTConfig
 from rollout import ARMS, rollout
-from common import (Seed, beat, beating, derive_seed, group_by_length, load_on_rank0, multi_rank, print0, save_on_rank0,
-                    wait_for_all)
+from checkpoint import load_on_rank0, save_on_rank0
+from common import derive_seed, group_by_length
+from distributed import multi_rank, print0
+from liveness import beat, beating, wait_for_all
 
 
 # -----------------------------------------------------------------------------
@@ -106,7 +108,7 @@ def warmup_target(model, args, warmup_cfg, ddp, rank, world_size, device):
     model.train()
     net = DDP(model, forward_sync_buffers=False) if ddp else model  # the rotary tables never change
     opt = torch.optim.AdamW(model.parameters(), lr=args.warmup_lr, betas=(0.9, 0.95), weight_decay=0.1)
-    rng = random.Random(derive_seed(args.seed, rank, 0, Seed.TARGET_DATA))
+    rng = random.Random(derive_seed(args.seed, rank, 0, task.Seed.TARGET_DATA))
     budget = max(1, args.warmup_tokens // world_size)
     t0, tokens_seen, batches = time.time(), 0, []
     for step in range(args.warmup_steps):
@@ -143,8 +145,8 @@ def sample_drafter_data(model, args, task_cfg, rank, world_size, device):
     """The target's samples of RL prompts with their hidden states: this rank's share of
     --drafter-warmup-seqs to train on and of HELD_OUT_SEQS to score on. Each rank beats while it
     samples (the ranks' lengths differ), and the first collective after waits by liveness."""
-    rng = random.Random(derive_seed(args.drafter_seed, rank, 0, Seed.DRAFTER_DATA))
-    gen = torch.Generator(device=device).manual_seed(derive_seed(args.drafter_seed, rank, 0, Seed.DRAFTER_SAMPLES))
+    rng = random.Random(derive_seed(args.drafter_seed, rank, 0, task.Seed.DRAFTER_DATA))
+    gen = torch.Generator(device=device).manual_seed(derive_seed(args.drafter_seed, rank, 0, task.Seed.DRAFTER_SAMPLES))
     dtype = getattr(torch, args.dtype)
     train, held = DrafterBuffer(keep_steps=1, dtype=dtype), DrafterBuffer(keep_steps=1, dtype=dtype)  # no token bound
     n_held = len(range(rank, HELD_OUT_SEQS, world_size))
@@ -270,15 +272,15 @@ def prepare_models(args, task_cfg, warmup_cfg, ddp, rank, world_size, device):
     task, warmup_cfg the target warm-up's (the same task, starting with more small problems)."""
     config = GPTConfig(vocab_size=task.VOCAB_SIZE, block_size=args.block_size, n_layer=args.n_layer,
                        n_head=args.n_head, n_embd=args.n_embd)
-    torch.manual_seed(derive_seed(args.seed, 0, 0, Seed.INIT))  # same initial weights on every rank
+    torch.manual_seed(derive_seed(args.seed, 0, 0, task.Seed.INIT))  # same initial weights on every rank
     model = GPT(config).to(device)
-    torch.manual_seed(derive_seed(args.drafter_seed, 0, 0, Seed.INIT))  # the drafter's own seed
+    torch.manual_seed(derive_seed(args.drafter_seed, 0, 0, task.Seed.INIT))  # the drafter's own seed
     drafter = Drafter(model).to(device)
     print0(f"target: {model.num_params():,} parameters; drafter: {sum(p.numel() for p in drafter.parameters()):,} "
            f"(+ the target's embedding and head, shared); {config}")
     # a first CUDA step (kernels loaded on first use, library handles) can take long, each rank at
     # its own pace: take it here, outside any collective; the next one (load_on_rank0) waits by liveness
-    with beating():
+    with beating("in its first forward and backward pass"):
         model(torch.zeros(1, 1, dtype=torch.long, device=device))[0].sum().backward()
     model.zero_grad(set_to_none=True)
     path = os.path.join(args.warmup_dir, "target_warmup.pt")

@@ -1,11 +1,14 @@
 """Idle-rank drafter training across gloo processes: skewed loads, preemption by the last rank,
 identical drafters after the sync, no hang for 1, 2 or 4 ranks or a rank without prompts. Slow is
-not dead (common.Liveness), in every wait where ranks arrive far apart: slow ranks are waited for,
-hung or killed ones fail the others with a message naming them. Successive groups on one store
-agree on fresh prefixes."""
+not dead (liveness.Liveness), in every wait where ranks arrive far apart (the idle barrier, the
+drafter warm-up, evaluation, rank 0's checkpoint I/O and broadcasts): slow ranks are waited for,
+hung or killed ones, or rank 0 past its I/O deadline, fail the others with a message naming them; a
+barrier without Liveness keeps its own timeout. Successive groups on one store agree on fresh
+prefixes, a dead group's stale hello notwithstanding."""
 import json
 import os
 import random
+import signal
 import socket
 import time
 
@@ -246,7 +249,7 @@ def _late_work(fault, progress):
 
 def _idle(rank, world, fault):
     """The idle barrier: the last rank rolls out late, the others train (or wait) meanwhile."""
-    from common import Liveness, beat
+    from liveness import Liveness, beat
     target, drafter = _models()
     if rank == world - 1:
         _late_work(fault, beat)  # beat: what rollout() is given as progress
@@ -254,8 +257,8 @@ def _idle(rank, world, fault):
 
 
 def _wait(rank, world, fault):
-    """common.wait_for_all, the wait before every collective that ranks may reach far apart."""
-    from common import beat, wait_for_all
+    """liveness.wait_for_all, the wait before every collective that ranks may reach far apart."""
+    from liveness import beat, wait_for_all
     if rank == world - 1:
         _late_work(fault, beat)
     wait_for_all()
@@ -282,9 +285,8 @@ def _drafter_warmup(rank, world, fault):
 
 
 def _checkpoint(rank, world, fault, path):
-    """common.save_on_rank0: rank 0's write is slow (the file system), or rank 0 stops in it."""
-    import signal
-    import common
+    """checkpoint.save_on_rank0: rank 0's write is slow (the file system), or rank 0 stops in it."""
+    import checkpoint
     if rank == 0:
         real = torch.save
 
@@ -294,28 +296,74 @@ def _checkpoint(rank, world, fault, path):
             time.sleep(3 * LIVENESS_S)  # one long call that cannot beat from inside
             return real(*a, **kw)
         torch.save = late_save
-    common.save_on_rank0({"w": torch.ones(3)}, path)
+    checkpoint.save_on_rank0({"w": torch.ones(3)}, path)
     if not os.path.exists(path):
         raise RuntimeError("save_on_rank0 returned before rank 0 had written the file")
 
 
-SCENARIOS = {"idle": _idle, "wait": _wait, "drafter_warmup": _drafter_warmup, "checkpoint": _checkpoint}
+SHORT_S = 2.0  # the newer tests' limit (Liveness and collective timeout): they wait 3 x SHORT_S at most
 
 
-def _liveness_worker(rank, world, port, scenario, fault, extra, q):
+def _evaluate(rank, world, fault):
+    """evaluate.evaluate: the last rank's shard is one generate call of 18 decoding steps that take
+    3 x SHORT_S in all; the other rank's is quick, so it waits for it in wait_for_all."""
+    import evaluate
+    import task
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=task.VOCAB_SIZE, block_size=32, n_layer=1, n_head=2, n_embd=16)).eval()
+    cfg = task.TaskConfig(max_n=3, max_passes=1)
+    problems = [task.sample_problem(random.Random(i), cfg, size=3) for i in range(world)]
+    if rank == world - 1:
+        real, steps = model.forward, cfg.response_len(3, 1)
+
+        def slow_forward(*a, **kw):
+            time.sleep(3 * SHORT_S / steps)
+            return real(*a, **kw)
+        model.forward = slow_forward
+    evaluate.evaluate(model, problems, rank, world, task_cfg=cfg)
+
+
+class _SlowToPickle:
+    """Rank 0's object for from_rank0: pickling it takes 3 x SHORT_S ("slow"; a big checkpoint) or
+    stops the process ("hung"); it arrives as a string."""
+
+    def __init__(self, fault):
+        self.fault = fault
+
+    def __reduce__(self):
+        if self.fault == "hung":
+            os.kill(os.getpid(), signal.SIGSTOP)
+        time.sleep(3 * SHORT_S)
+        return str, ("rank 0's answer",)
+
+
+def _broadcast(rank, world, fault):
+    """liveness.from_rank0: rank 0's object takes longer to broadcast than the collective timeout."""
+    from liveness import from_rank0
+    got = from_rank0(_SlowToPickle(fault) if rank == 0 else None)
+    if rank > 0 and got != "rank 0's answer":
+        raise RuntimeError(f"from_rank0 gave {got!r}")
+
+
+SCENARIOS = {"idle": _idle, "wait": _wait, "drafter_warmup": _drafter_warmup, "checkpoint": _checkpoint,
+             "evaluate": _evaluate, "broadcast": _broadcast}
+
+
+def _liveness_worker(rank, world, port, scenario, fault, extra, q, limit_s, io_deadline_s):
     """One rank of a scenario, with a Liveness on a store that the test hosts (as torchrun's agent
-    does, so a stopped rank does not take the store with it). Reports (rank, outcome, message, seconds)."""
+    does, so a stopped rank does not take the store with it). Reports (rank, outcome, message, seconds).
+    limit_s: both the Liveness timeout and the default group's collective timeout (TLT_COLLECTIVE_TIMEOUT)."""
     import datetime
-    from common import Liveness
+    from liveness import Liveness
     torch.set_num_threads(1)
     make_optimizer(_models()[1])  # the first call imports for seconds on a loaded machine: not part of the test
     store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=30))
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=LIVENESS_S))
-    Liveness(store, rank, world, LIVENESS_S, every_s=0.2)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=limit_s))
+    Liveness(store, rank, world, limit_s, every_s=0.2, io_deadline_s=io_deadline_s)
     t0 = time.time()
     try:
         SCENARIOS[scenario](rank, world, fault, *extra)
-        dist.all_reduce(torch.ones(1))  # the default group, 3 s timeout: the ranks reached it together
+        dist.all_reduce(torch.ones(1))  # the default group, limit_s timeout: the ranks reached it together
         q.put((rank, "returned", "", time.time() - t0))
         code = 0
     except Exception as e:
@@ -329,15 +377,15 @@ def _liveness_worker(rank, world, port, scenario, fault, extra, q):
     os._exit(code)
 
 
-def _liveness_run(scenario, fault, world=2, watch=(0, 1), extra=()):
+def _liveness_run(scenario, fault, world=2, watch=(0, 1), extra=(), limit_s=LIVENESS_S, io_deadline_s=1800):
     """Run a scenario on `world` processes; wait for the ranks in `watch`, then kill the others.
     -> ({rank: (outcome, message, seconds)}, exit codes)."""
     import queue
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     store = dist.TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False)
-    procs = [ctx.Process(target=_liveness_worker, args=(r, world, store.port, scenario, fault, extra, q))
-             for r in range(world)]
+    procs = [ctx.Process(target=_liveness_worker, args=(r, world, store.port, scenario, fault, extra, q, limit_s,
+                                                        io_deadline_s)) for r in range(world)]
     for p in procs:
         p.start()
     deadline = time.time() + 60
@@ -386,6 +434,83 @@ def test_rank_0_stopped_in_its_checkpoint_write_fails_the_others_naming_it(tmp_p
     assert "rank 0 has made no progress" in message and waited < 2 * LIVENESS_S + 2
 
 
+@pytest.mark.parametrize("scenario", ["evaluate", "broadcast"])
+def test_slow_past_the_collective_timeout_is_waited_for(scenario):
+    """An evaluation shard that is one long generate call (it beats every decoding step, not once per
+    call), and a from_rank0 whose broadcast outlasts the collective timeout (it runs under liveness,
+    not in the default group): the waiting rank waits past SHORT_S, and both return."""
+    outcomes, codes = _liveness_run(scenario, "slow", limit_s=SHORT_S)
+    assert codes == [0, 0], outcomes
+    outcome, _, waited = outcomes[1 if scenario == "broadcast" else 0]
+    assert outcome == "returned" and waited > 2 * SHORT_S
+
+
+def test_rank_0_stopped_in_a_broadcast_fails_the_others_naming_it():
+    outcomes, codes = _liveness_run("broadcast", "hung", watch=(1,), limit_s=SHORT_S)
+    outcome, message, _ = outcomes.get(1, ("hung", "", None))  # no outcome: rank 1 was still waiting when killed
+    assert outcome == "RuntimeError" and codes[1] != 0
+    assert "rank 0 has made no progress" in message and "pickling" in message, message
+
+
+def test_rank_0_io_past_its_deadline_fails_the_others_naming_it(tmp_path):
+    """beating vouches for rank 0's checkpoint write for --io-deadline seconds (here 1), no longer: a
+    write that outlasts it (3 x LIVENESS_S here; a hung file system in life) fails the waiting rank,
+    whose message names rank 0, what it was doing and the flag to raise if the write was only slow."""
+    outcomes, codes = _liveness_run("checkpoint", "slow", watch=(1,), extra=(str(tmp_path / "ckpt.pt"),),
+                                    limit_s=SHORT_S, io_deadline_s=1.0)
+    outcome, message, _ = outcomes[1]
+    assert outcome == "RuntimeError" and codes[1] != 0, outcomes
+    assert "rank 0 has made no progress" in message and "writing" in message and "--io-deadline" in message, message
+
+
+def _plain_barrier_worker(rank, port, late_s, timeout_s, q):
+    """Ranks joined without Liveness, with a collective timeout of 1 s; rank 1 reaches the barrier
+    late_s late. Rank 0 reports (outcome, message, seconds)."""
+    import datetime
+    from liveness import until_all_arrive
+    torch.set_num_threads(1)
+    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=30))
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=2, timeout=datetime.timedelta(seconds=1))
+    if rank == 1:
+        time.sleep(late_s)
+    t0 = time.time()
+    try:
+        for _ in until_all_arrive(timeout_s=timeout_s):
+            time.sleep(0.01)
+        dist.all_reduce(torch.ones(1))  # and the default group works on
+        outcome = ("returned", "")
+    except RuntimeError as e:
+        outcome = ("RuntimeError", str(e))
+    if rank == 0:
+        q.put((*outcome, time.time() - t0))
+        q.close()
+        q.join_thread()
+    os._exit(0)
+
+
+@pytest.mark.parametrize("late_s,timeout_s", [(3.0, 6.0), (30.0, 3.0)])
+def test_a_barrier_without_liveness_is_judged_by_its_timeout_s(late_s, timeout_s):
+    """Without a Liveness the idle barrier waits timeout_s, not the default group's collective
+    timeout (1 s here): a rank 3 s late within a 6 s timeout_s is waited for; one that never comes
+    fails the other at timeout_s, with the barrier's message rather than gloo's."""
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    store = dist.TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False)
+    procs = [ctx.Process(target=_plain_barrier_worker, args=(r, store.port, late_s, timeout_s, q)) for r in range(2)]
+    for p in procs:
+        p.start()
+    procs[0].join(timeout=60)
+    for p in procs:
+        p.kill()
+        p.join()
+    outcome, message, waited = q.get(timeout=5)
+    if late_s < timeout_s:
+        assert outcome == "returned", message
+    else:
+        assert outcome == "RuntimeError" and "barrier not completed after" in message, message
+        assert timeout_s <= waited < timeout_s + 5
+
+
 def test_three_ranks_one_hung_all_others_fail_naming_it():
     """Rank 0 watches every rank, the others watch rank 0 only (reads that grow as W, not W^2); rank 0
     names the silent rank 2, and rank 1, which never reads rank 2's counter, fails with rank 0's verdict."""
@@ -403,19 +528,19 @@ def test_three_ranks_one_hung_all_others_fail_naming_it():
 def _group_worker(rank, port, delay, q):
     """One rank of a 2-rank torchrun group: compute_init with the environment torchrun sets (the
     store hosted by its agent, here the test), and a restart count that does not change."""
-    import common
+    import distributed
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port), TORCHELASTIC_USE_AGENT_STORE="True", TORCHELASTIC_RESTART_COUNT="0",
                       OMP_NUM_THREADS="1")
     torch.set_num_threads(1)
-    agreed, real = [], common.agree_prefix
+    agreed, real = [], distributed.agree_prefix
 
     def spy(*a, **kw):
         agreed.append(real(*a, **kw))
         return agreed[-1]
-    common.agree_prefix = spy
+    distributed.agree_prefix = spy
     time.sleep(delay)
-    common.compute_init("cpu")
+    distributed.compute_init("cpu")
     t = torch.full((1,), float(rank + 1))
     dist.all_reduce(t)
     q.put((rank, agreed[0], t.item()))
@@ -424,20 +549,27 @@ def _group_worker(rank, port, delay, q):
     os._exit(0)
 
 
-def test_successive_groups_on_one_store_agree_on_fresh_prefixes():
-    """A second group on the store of a first (an elastic restart that keeps the restart count:
-    nodes joined or left) must not read the first group's keys: rank 1 comes first and finds them
-    all, rank 0 comes 1.5 s later. Each group agrees on one prefix, a new one, and works."""
+def _successive_groups(store, delays_per_group):
+    """One 2-rank group after another on `store`, rank r of each starting delays[r] seconds late.
+    -> per group {rank: (prefix, all-reduced total)}."""
     ctx = mp.get_context("spawn")
-    store = dist.TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False)
     groups = []
-    for delays in ((0.0, 0.0), (1.5, 0.0)):
+    for delays in delays_per_group:
         q = ctx.Queue()
         _start_and_join(ctx, _group_worker, [(r, store.port, delays[r], q) for r in range(2)], "a group hung")
         groups.append(dict((rank, (prefix, total)) for rank, prefix, total in (q.get(timeout=5) for _ in range(2))))
     for g in groups:
         assert g[0][0] == g[1][0]  # one prefix per group
         assert g[0][1] == g[1][1] == 3.0  # and the group works
+    return groups
+
+
+def test_successive_groups_on_one_store_agree_on_fresh_prefixes():
+    """A second group on the store of a first (an elastic restart that keeps the restart count:
+    nodes joined or left) must not read the first group's keys: rank 1 comes first and finds them
+    all, rank 0 comes 1.5 s later. Each group agrees on one prefix, a new one, and works."""
+    store = dist.TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False)
+    groups = _successive_groups(store, ((0.0, 0.0), (1.5, 0.0)))
     assert groups[0][0][0] != groups[1][0][0]
 
 
@@ -464,3 +596,17 @@ def test_the_idle_ranks_train_the_drafter_as_hard_as_its_health_asks():
     quarter = 1e-2 / 20 + (1e-2 - 1e-2 / 20) * (1 + math.cos(math.pi / 4)) / 2  # a quarter of the way: a cosine, not a line
     assert drafter_schedule(cold, 1, None) == (pytest.approx(quarter), 1)
     assert drafter_schedule(cold, 4, None) == (pytest.approx(1e-2 / 20), 1)
+
+
+def test_a_dead_groups_hello_is_answered_then_replaced_by_the_live_ranks():
+    """Rank 0 of the second group comes first and finds the first group's rank 1 hello (a dead
+    nonce) in the store: it answers it, harmlessly; 3 s later the live rank 1 replaces it with its
+    own nonce mid-handshake, and rank 0 must answer that one too (answering each rank's first hello
+    only would leave the live rank 1 waiting). The group agrees on a fresh prefix and works."""
+    store = dist.TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False)
+    first = _successive_groups(store, ((0.0, 0.0),))[0]
+    dead_nonce = store.get("tlt/hello/1").decode()
+    second = _successive_groups(store, ((0.0, 3.0),))[0]
+    assert second[0][0] != first[0][0]
+    assert store.get("tlt/hello/1").decode() != dead_nonce  # the live rank's hello replaced the dead one
+    assert f"tlt/{store.get(f'tlt/welcome/{dead_nonce}').decode()}/" == second[0][0]  # which rank 0 had answered

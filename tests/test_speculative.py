@@ -857,3 +857,15 @@ def test_steps_read_nothing_from_the_device(greedy_setup, sampler, temperature, 
         target(torch.zeros(2, 3, dtype=torch.long), cache)
         cache.lengths[[0, 1]]
     assert counter.segments == [[("read", "_local_scalar_dense"), ("copy", "lift_fresh")]]
+
+
+def test_generate_functions_report_progress_every_decoding_step(greedy_setup):
+    """progress (liveness.beat in evaluation) is called after every decoding step, not once per
+    call: a call longer than the liveness timeout must not look like a silent rank."""
+    target, drafter, pool, _, eos = greedy_setup
+    for generate in (lambda **kw: autoregressive_generate(target, pool[:3], N_NEW, temperature=0, eos_id=eos, **kw),
+                     lambda **kw: speculative_generate(target, drafter, pool[:3], N_NEW, k=2, temperature=0, eos_id=eos, **kw)):
+        calls = []
+        out, stats = generate(progress=lambda: calls.append(1))
+        assert len(calls) == stats["steps"] > 1
+        assert generate()[0] == out  # and it changes nothing

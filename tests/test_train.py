@@ -13,7 +13,7 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-import common  # noqa: E402
+import checkpoint  # noqa: E402
 import config  # noqa: E402
 import train  # noqa: E402
 import warmup  # noqa: E402
@@ -289,12 +289,12 @@ def test_non_finite_update_is_skipped_and_never_saved(tmp_path):
     loss, _, skipped = train.rl.grpo_update(model, model, opt, seqs, plens, torch.tensor([1.0, -1.0]), **how)
     assert not skipped and not all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
     path = tmp_path / "x.pt"
-    common.save_atomic({"model": model.state_dict()}, str(path))
+    checkpoint.save_atomic({"model": model.state_dict()}, str(path))
     good = digest(path)
     with torch.no_grad():
         next(model.parameters())[0, 0] = float("nan")
     with pytest.raises(RuntimeError, match="not finite"):
-        common.save_atomic({"model": model.state_dict()}, str(path))
+        checkpoint.save_atomic({"model": model.state_dict()}, str(path))
     assert digest(path) == good
 
 

@@ -1,0 +1,129 @@
+"""Distributed start: torchrun or a single process on the same code path, and the helpers every rank uses.
+
+A reader learning TLT may skip this file: it is plumbing, nothing in it knows about models or the technique.
+
+    COLLECTIVE_TIMEOUT_S   how long a collective that the ranks reach together may take (TLT_COLLECTIVE_TIMEOUT)
+    compute_init           joins the process group under torchrun (NCCL or gloo), else rank 0 of 1; returns its store
+    agree_prefix           a restarted group never reads a dead group's keys in the rendezvous store
+    multi_rank, all_sum    more than one rank?; per-step figures summed over ranks
+    print0                 print on rank 0 only
+
+Waits where ranks arrive far apart (slow is not dead) are liveness.py's; checkpoints are checkpoint.py's.
+
+Test: python -m pytest tests/test_scheduler.py -k groups   (successive groups on one store, a stale hello)
+"""
+import datetime
+import os
+import socket
+import time
+import uuid
+import warnings
+
+import torch
+import torch.distributed as dist
+from torch.distributed.rendezvous import rendezvous
+
+from common import wants_cuda
+
+# seconds: how long a rank may go without a sign of progress while its peers wait for it (Liveness:
+# they then fail, naming it), and how long a collective that the ranks reach together may take
+COLLECTIVE_TIMEOUT_S = int(os.environ.get("TLT_COLLECTIVE_TIMEOUT", 120))
+
+
+def compute_init(device_arg="auto"):
+    """-> (ddp, rank, local_rank, world_size, device, store). Under torchrun (RANK set) this joins
+    the process group: NCCL when every rank has a GPU of its own, else gloo (which also reduces CUDA
+    tensors, so it serves ranks that share GPUs); `store` is the rendezvous store (the idle
+    barrier's liveness check uses it). Without torchrun it is rank 0 of 1, same code path, store None."""
+    ddp = "RANK" in os.environ
+    rank = int(os.environ.get("RANK", 0))
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    world_size = int(os.environ.get("WORLD_SIZE", 1))
+    store = None
+    use_cuda = wants_cuda(device_arg)
+    if use_cuda and not torch.cuda.is_available():
+        raise SystemExit("error: --device cuda but CUDA is not available")
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    n_gpus = torch.cuda.device_count() if use_cuda else 0
+    device = torch.device(f"cuda:{local_rank % n_gpus}" if use_cuda else "cpu")
+    if use_cuda:  # more ranks than GPUs: they share them round-robin
+        torch.cuda.set_device(device)
+    else:  # ranks sharing a CPU: split the cores (unless OMP_NUM_THREADS says how many), or they fight over them
+        cores = os.cpu_count() or 1
+        if "OMP_NUM_THREADS" not in os.environ:  # torchrun sets it to 1 when it starts several ranks
+            torch.set_num_threads(max(1, cores // local_world))
+        if local_world > cores and rank == 0:
+            warnings.warn(f"{local_world} ranks share {cores} CPU cores: steps will be slow and timings noisy")
+    if ddp:
+        timeout = datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S)
+        store, _, _ = next(rendezvous("env://", rank, world_size, timeout=timeout))
+        store = dist.PrefixStore(agree_prefix(store, rank, world_size), store)  # this group's keys only
+        # NCCL needs a GPU of its own per rank. Whether the GPUs are distinct is a fact about the
+        # machines, not about the GPUs one rank sees (a scheduler may show each rank only its own):
+        # every rank posts its (host, GPU uuid) and all compare
+        nccl = False
+        if use_cuda:
+            store.set(f"gpu/{rank}", f"{socket.gethostname()}/{torch.cuda.get_device_properties(device).uuid}")
+            owners = {store.get(f"gpu/{r}") for r in range(world_size)}  # get() waits for the key
+            nccl = len(owners) == world_size
+            if not nccl and rank == 0:
+                warnings.warn(f"{world_size} ranks share {len(owners)} GPU(s): collectives go through gloo, not NCCL")
+        dist.init_process_group("nccl" if nccl else "gloo", store=store, rank=rank, world_size=world_size,
+                                timeout=timeout, device_id=device if nccl else None)
+    return ddp, rank, local_rank, world_size, device, store
+
+
+def agree_prefix(store, rank, world_size, poll_s=0.05):
+    """A store prefix that every rank of this group agrees on and that no earlier group used.
+
+    After an elastic agent restarts the workers, the store still holds the dead group's keys (its
+    ranks' addresses, their liveness counters); a new group that read them would dial dead ranks.
+    TORCHELASTIC_RESTART_COUNT cannot name the group: the agent does not bump it when it restarts
+    the workers for nodes joining or leaving, and a node that joins counts its own restarts. So rank
+    0 draws a fresh token and hands it to each rank by a handshake that stale keys cannot fool:
+
+        rank r > 0:  posts a fresh nonce at hello/r, waits for welcome/<nonce>, confirms at <token>/here/r
+        rank 0:      answers every nonce it finds at hello/r, until each rank has confirmed under the token
+
+    Only the live rank r knows its nonce, so only the live rank 0 can answer it; rank 0 may answer a
+    dead rank's stale nonce too, which is harmless, and stops only on a confirmation under its own
+    fresh token. Each waits at most COLLECTIVE_TIMEOUT_S (the rendezvous timeout) for the other."""
+    if rank > 0:
+        nonce = uuid.uuid4().hex
+        store.set(f"tlt/hello/{rank}", nonce)
+        token = store.get(f"tlt/welcome/{nonce}").decode()  # get() waits for the key
+        store.set(f"tlt/{token}/here/{rank}", "")
+        return f"tlt/{token}/"
+    token, answered, waiting = uuid.uuid4().hex, {}, set(range(1, world_size))
+    deadline = time.monotonic() + COLLECTIVE_TIMEOUT_S
+    while waiting:
+        for r in sorted(waiting):
+            hello = store.get(f"tlt/hello/{r}")  # get() waits for the key
+            if hello != answered.get(r):  # not answered yet: the live rank's nonce, or a dead one's
+                store.set(f"tlt/welcome/{hello.decode()}", token)
+                answered[r] = hello
+            elif store.check([f"tlt/{token}/here/{r}"]):
+                waiting.discard(r)
+        if waiting and time.monotonic() > deadline:
+            raise RuntimeError(f"rank(s) {sorted(waiting)} did not join within {COLLECTIVE_TIMEOUT_S}s (TLT_COLLECTIVE_TIMEOUT)")
+        time.sleep(poll_s if waiting else 0)
+    return f"tlt/{token}/"
+
+
+def all_sum(values, device):
+    """{name: number} -> the same names, each summed over ranks."""
+    t = torch.tensor(list(values.values()), dtype=torch.float64, device=device)
+    if dist.is_initialized():
+        dist.all_reduce(t)
+    return dict(zip(values, t.tolist()))
+
+
+def multi_rank():
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def print0(*a, **kw):
+    """print on rank 0 only (the RANK that torchrun sets; a single process is rank 0)."""
+    if int(os.environ.get("RANK", 0)) == 0:
+        print(*a, **kw, flush=True)
+

@@ -1,0 +1,235 @@
+"""Slow is not dead: the waits of ranks that arrive far apart, judged by progress, not by a fixed time.
+
+A reader learning TLT may skip this file: it is plumbing. It keeps a multi-rank run going through
+long-tail rollouts, uneven evaluation shards and rank 0's checkpoint I/O, and fails it fast, naming
+the rank, when one is dead or hung.
+
+    Liveness          every rank beats in the rendezvous store while it works; a waiting rank watches the counters
+    until_all_arrive  a barrier that yields while it waits (idle ranks train the drafter meanwhile)
+    wait_for_all      the same, asleep: before a collective that ranks may reach far apart
+    beat, beating     signs of progress: from a loop, or from a background thread for one long call, up to a deadline
+    from_rank0        rank 0's object on every rank (decisions taken once), its broadcast waited for by liveness
+
+Test: python -m pytest tests/test_scheduler.py   (the "slow is not dead" section)
+"""
+import contextlib
+import datetime
+import math
+import os
+import pickle
+import threading
+import time
+
+import torch
+import torch.distributed as dist
+from torch.distributed.distributed_c10d import _get_default_group, _set_pg_timeout
+
+from distributed import COLLECTIVE_TIMEOUT_S, multi_rank
+
+# seconds: the longest that `beating` vouches for one call that cannot beat from inside (rank 0's
+# checkpoint I/O, a first CUDA step); past it the call counts as hung (train.py's --io-deadline)
+IO_DEADLINE_S = float(os.environ.get("TLT_IO_DEADLINE", 1800))
+
+
+class Liveness:
+    """Tells a slow rank from a dead one. A long-tail rollout, an evaluation shard, a checkpoint
+    written by rank 0 can take minutes on a real model, so a rank that waits for the others must not
+    give up after a fixed time; it gives up when a peer stops making progress. Every rank bumps its
+    own counter in the rendezvous store while it works (`beat`: each decoding step, each idle step;
+    at most once every `every_s`), and a waiting rank reads counters (`check`, as often) and raises,
+    naming the rank, when one has not moved for `timeout_s` seconds by the waiting rank's own clock.
+
+    Reads that do not grow as W^2: rank 0 watches every peer, the others watch rank 0 alone. When
+    rank 0 finds a silent peer it posts its verdict in the store before it fails, and the others fail
+    with the same message at their next check (or at once, when rank 0's exit breaks the barrier), so
+    every rank's log names the silent rank. A silent rank 0 is caught by all the others.
+
+    The waits (`until_all_arrive`, `from_rank0`'s broadcast) run in a process group of their own with
+    a timeout of days, since liveness is judged here; every other collective keeps the short timeout
+    of the default group, as ranks reach those together, right after such a wait. A killed rank
+    closes its connections and fails the wait at once; a hung one (stopped, deadlocked) stops beating.
+    io_deadline_s: how long `beating` beats for one call (see there).
+
+    A process has one rendezvous store, so one Liveness: the last one made is `Liveness.current`,
+    which `wait_for_all`, `beat`, `beating` and `from_rank0` use, so that no file has to pass it around."""
+
+    current = None
+
+    def __init__(self, store, rank, world_size, timeout_s, every_s=1.0, io_deadline_s=IO_DEADLINE_S):
+        self.store, self.rank, self.world_size = store, rank, world_size
+        self.timeout_s, self.every_s, self.io_deadline_s = timeout_s, every_s, io_deadline_s
+        self.group = dist.new_group(backend="gloo", timeout=datetime.timedelta(days=7))  # collective: every rank
+        self._last_beat = self._last_check = -math.inf
+        self._seen = {}  # watched rank -> (its counter, when this rank saw it change)
+        Liveness.current = self
+
+    def beat(self):
+        now = time.monotonic()
+        if now - self._last_beat >= self.every_s:
+            self.store.add(f"alive/{self.rank}", 1)
+            self._last_beat = now
+
+    def start_wait(self):
+        """A new wait: a peer's silence is counted from now (between waits nobody needs to beat)."""
+        self._seen, self._last_check = {}, -math.inf
+
+    def verdict(self):
+        """Rank 0's message about a silent rank, once it has found one; else None."""
+        return self.store.get("verdict").decode() if self.store.check(["verdict"]) else None
+
+    def post_doing(self, what):
+        """What this rank is busy with ("" once done): the ranks that fail on its silence say it."""
+        self.store.set(f"doing/{self.rank}", what)
+
+    def check(self):
+        now = time.monotonic()
+        if now - self._last_check < self.every_s:
+            return
+        self._last_check = now
+        verdict = self.verdict() if self.rank > 0 else None
+        if verdict:
+            raise RuntimeError(verdict)
+        for r in range(1, self.world_size) if self.rank == 0 else [0]:
+            count = self.store.add(f"alive/{r}", 0)  # adding 0 reads the counter
+            if r not in self._seen or self._seen[r][0] != count:
+                self._seen[r] = (count, now)
+            elif now - self._seen[r][1] > self.timeout_s:
+                doing = self.store.get(f"doing/{r}").decode() if self.store.check([f"doing/{r}"]) else ""
+                message = (f"rank {r} has made no progress for {now - self._seen[r][1]:.0f}s (limit {self.timeout_s:.0f}s, "
+                           f"TLT_COLLECTIVE_TIMEOUT): it is dead or hung{f'; it was {doing}' if doing else ''}")
+                if self.rank == 0:
+                    self.store.set("verdict", f"{message} (found by rank 0)")
+                raise RuntimeError(message)
+
+
+def _while_pending(work, liveness, timeout_s):
+    """Yield while the async collective `work` runs: with a Liveness, beat and check every turn;
+    without one, fail after timeout_s. A broken collective (a peer killed) raises with rank 0's
+    verdict if it has one."""
+    t0 = time.perf_counter()
+    if liveness:
+        liveness.start_wait()
+    while not work.is_completed():
+        if liveness:
+            liveness.beat()
+            liveness.check()
+        elif time.perf_counter() - t0 > timeout_s:  # a peer died or hangs: fail loudly, don't wait forever
+            raise RuntimeError(f"barrier not completed after {timeout_s:.0f}s: a rank is dead or stuck")
+        yield work.is_completed
+    try:
+        work.wait()  # surfaces an error if the collective failed
+    except RuntimeError as e:  # a peer closed its connections: it crashed, was killed, or rank 0 failed on a silent one
+        verdict = liveness.verdict() if liveness else None
+        raise RuntimeError(verdict or f"a barrier failed: a peer is gone (torchrun's summary names the rank that "
+                                      f"failed first; its log says why): {e}") from e
+
+
+def _barrier(liveness, timeout_s):
+    """An async barrier: in the Liveness's own group; without one, in the default group with its
+    timeout raised past timeout_s for this one barrier, so that timeout_s judges it and not the
+    collective timeout. torch's barrier takes no timeout of its own; gloo reads the group's when it
+    queues the op, so it is set around the call and put back."""
+    if liveness:
+        return dist.barrier(group=liveness.group, async_op=True)
+    collective_timeout = _get_default_group()._get_backend(torch.device("cpu")).options._timeout
+    _set_pg_timeout(datetime.timedelta(seconds=timeout_s + 5))  # + 5: the poll's clearer message comes first
+    try:
+        return dist.barrier(async_op=True)
+    finally:
+        _set_pg_timeout(collective_timeout)
+
+
+def until_all_arrive(liveness=None, grace_s=0.0, timeout_s=COLLECTIVE_TIMEOUT_S):
+    """Wait until every rank has got here, however long that takes while they make progress; yields
+    once per turn while some have not, so that the caller can use the time (the idle barrier trains
+    the drafter, `wait_for_all` sleeps); what it yields, called, says whether they all have now,
+    for a turn that can stop midway. A single process returns at once.
+
+    With a Liveness (`liveness`, else `Liveness.current`) this rank beats and checks every turn, and
+    fails once a watched rank has been silent for its timeout; without one (ranks joined without the
+    rendezvous store, on gloo), after timeout_s. grace_s: first wait this long without a turn, so that
+    the last rank to arrive, which sees the barrier complete within moments, starts nothing that the
+    others would wait for."""
+    if not multi_rank():
+        return
+    liveness = liveness or Liveness.current
+    work = _barrier(liveness, timeout_s)
+    t0 = time.perf_counter()
+    while not work.is_completed() and time.perf_counter() - t0 < grace_s:
+        time.sleep(0.0005)
+    yield from _while_pending(work, liveness, timeout_s - (time.perf_counter() - t0))
+
+
+def wait_for_all():
+    """Block until every rank is here, judged by liveness. Call it before a collective that ranks may
+    reach far apart (after sampling, an evaluation shard, rank 0's checkpoint I/O): the collective
+    itself then starts with every rank present, and its fixed timeout only bounds its own work."""
+    for _ in until_all_arrive():
+        time.sleep(0.001)
+
+
+def beat():
+    """A sign of progress from this rank (nothing without a Liveness): `progress=beat` for long loops."""
+    if Liveness.current:
+        Liveness.current.beat()
+
+
+@contextlib.contextmanager
+def beating(what="in one long call"):
+    """Beat from a background thread while the block runs, for at most the Liveness's io_deadline_s
+    (--io-deadline): for one long call that cannot beat from inside (rank 0's torch.save or torch.load
+    of a big checkpoint, a first CUDA step). Within the deadline a rank that hangs inside the block
+    still looks alive; past it, it falls silent and the waiting ranks fail, naming it and, from what
+    it posted, `what` it was doing and the deadline: a hung file system or driver ends the run, and a
+    save that is only slower than the deadline is a flag to raise, not a hang. A rank that dies or is
+    stopped stops beating at once, its thread with it. Wraps only calls that end, never a loop that
+    waits on others."""
+    live, stop = Liveness.current, threading.Event()
+    if live is None:
+        yield
+        return
+    live.post_doing(f"{what}, beaten for at most {live.io_deadline_s:g}s (--io-deadline, TLT_IO_DEADLINE: "
+                    f"raise it if that call is only slow)")
+    deadline = time.monotonic() + live.io_deadline_s
+
+    def keep_beating():
+        while not stop.wait(live.every_s / 2) and time.monotonic() < deadline:
+            live.beat()
+    thread = threading.Thread(target=keep_beating, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
+        live.post_doing("")
+
+
+def from_rank0(obj):
+    """Rank 0's `obj` on every rank. Decisions that must agree (load or warm up, resume) are taken
+    once, on rank 0, and followed by all: a file that one rank sees and another does not (no shared
+    filesystem, a copy still being written) cannot send the ranks down different paths.
+
+    Rank 0 may come late (it read a checkpoint): the ranks first wait for it by liveness. The object
+    can be a whole checkpoint, whose pickling and sending may outlast TLT_COLLECTIVE_TIMEOUT, so with
+    a Liveness the broadcast runs in the waits' group too, every rank beating and watching (rank 0
+    from a thread while it pickles): slow fails nobody, a dead or hung peer is still caught."""
+    if not multi_rank():
+        return obj
+    wait_for_all()
+    live = Liveness.current
+    if live is None:  # ranks joined without the rendezvous store: the default group and its timeout
+        box = [obj]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+    rank0 = dist.get_rank() == 0
+    if rank0:
+        with beating("pickling the object it broadcasts (from_rank0)"):
+            data = bytearray(pickle.dumps(obj))
+    size = torch.tensor([len(data) if rank0 else 0])
+    for _ in _while_pending(dist.broadcast(size, 0, group=live.group, async_op=True), live, math.inf):
+        time.sleep(0.001)
+    buf = torch.frombuffer(data, dtype=torch.uint8) if rank0 else torch.empty(int(size), dtype=torch.uint8)
+    for _ in _while_pending(dist.broadcast(buf, 0, group=live.group, async_op=True), live, math.inf):
+        time.sleep(0.001)
+    return obj if rank0 else pickle.loads(buf.numpy().tobytes())
