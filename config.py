@@ -14,11 +14,21 @@ import torch
 
 import task
 from common import OneLineParser, on_off
+from drafter import DEPTH, DRAFTER_BATCH, IDLE_STEP_TOKENS, NgramDrafter, SiblingDrafter, SiblingOrLearned
 from liveness import IO_DEADLINE_S
-from drafter import DEPTH, DRAFTER_BATCH, DRAFTERS, IDLE_STEP_TOKENS
 from model import GPTConfig
 from rollout import ARMS
 from speculative import SAMPLERS
+
+
+DRAFTERS = ("learned", "ngram", "sibling", "sibling+learned")  # --drafter: what drafts in the tail
+LEARNED = ("learned", "sibling+learned")  # the drafters whose learned part idle ranks train
+
+
+def proposer(name, drafter):
+    """What drafts for --drafter `name`; `drafter` is the learned one."""
+    return {"learned": lambda: drafter, "ngram": NgramDrafter, "sibling": SiblingDrafter,
+            "sibling+learned": lambda: SiblingOrLearned(drafter)}[name]()
 
 
 def task_config(args, warmup=False):

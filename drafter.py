@@ -597,16 +597,3 @@ class SiblingOrLearned:
 
 def make_optimizer(drafter, lr=3e-3):
     return torch.optim.AdamW(drafter.parameters(), lr=lr, weight_decay=0.0, betas=(0.9, 0.95))
-
-
-# -----------------------------------------------------------------------------
-# what drafts in the tail, by --drafter name
-
-DRAFTERS = ("learned", "ngram", "sibling", "sibling+learned")  # --drafter: what drafts in the tail
-LEARNED = ("learned", "sibling+learned")  # the drafters whose learned part idle ranks train
-
-
-def proposer(name, drafter):
-    """What drafts for --drafter `name`; `drafter` is the learned one."""
-    return {"learned": lambda: drafter, "ngram": NgramDrafter, "sibling": SiblingDrafter,
-            "sibling+learned": lambda: SiblingOrLearned(drafter)}[name]()

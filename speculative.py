@@ -17,8 +17,8 @@ The pieces, in the order one speculative step uses them:
    - "gumbel", `verify_gumbel`: exact-token sampling. Every row has a 64-bit key, and the token at
      position t is argmax(logits_t / T + g(key, t)), where g is a vector of Gumbel(0, 1) noise,
      one value per token id, computed from (key, t, token id) by a counter-based hash
-     (`gumbel_seeds` per (key, t), made once per batch for every position; `gumbel_noise` per token). By the Gumbel-max trick that argmax is a sample of softmax(logits_t / T),
-     so each token's marginal is exactly the target's. The noise depends on where a token is,
+     (`gumbel_seeds` per (key, t); `gumbel_noise` per token). By the Gumbel-max trick that argmax
+     is a sample of softmax(logits_t / T). The noise depends on where a token is,
      not on how it was computed, so plain decoding, a speculative step, a different batch order
      or another rank all pick the same token from the same logits. The drafter drafts with the
      same noise on its own logits; a draft is accepted iff it equals the target's noisy argmax at
@@ -26,21 +26,18 @@ The pieces, in the order one speculative step uses them:
      The emitted sequence is the one plain decoding would have sampled, token for token: exactly
      so in float64; in float32 a pass of k + 1 tokens may round differently from one-token passes
      and flip a near-tie, which evaluate.py counts at the end of every run.
-     The price: a draft is accepted only if both argmaxes agree, which happens with probability
-     somewhat below sum_x min(p(x), q(x)), the rate rejection sampling achieves (the maximal
-     coupling of p and q; the Gumbel coupling is close but not maximal).
+     The price: a draft is accepted only if both argmaxes agree, a little less often than the
+     sum_x min(p(x), q(x)) of rejection sampling (the maximal coupling; Gumbel's is close).
 5. Ragged acceptance: every row keeps its own number of tokens. Rolling back is assigning the
    cache lengths; no row waits for the slowest, no row is cut to the minimum.
 
-The library functions (and rollout.py) default to "rejection", the textbook rule, which the drafter
-warm-up's sampling also uses; train.py, evaluate.py and bench.py pass "gumbel".
+The library functions default to "rejection", the textbook rule; train.py and bench.py pass "gumbel".
 
 `RunningBatch` holds the running batch (tokens, target hidden states, both caches); its
 `plain_step` and `speculative_step` are the two kinds of step, and `compact` drops finished rows
 from every tensor and cache. `autoregressive_generate` and `speculative_generate` each use one
-kind of step throughout; rollout.py mixes the two kinds of step by batch size. `DecodeStats`
-counts what they did (tokens, speculative row-steps, drafts proposed and accepted); the generate
-functions return it as a dict, the interface their callers and tests rely on.
+kind of step throughout; rollout.py mixes them by batch size. `DecodeStats` counts what they did
+(tokens, speculative row-steps, drafts proposed and accepted), returned as a dict.
 
 Host-device traffic (reads marked "sync:", a stall of a GPU's queue; copies from host lists). A
 step makes none: every size it needs is a bound the host keeps (`RunningBatch.longest`, `unread`),

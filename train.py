@@ -32,8 +32,8 @@ from checkpoint import load_on_rank0, save_on_rank0
 from common import check_out_dir, derive_seed, machine, sync
 from distributed import COLLECTIVE_TIMEOUT_S, all_sum, compute_init, print0
 from liveness import Liveness
-from config import autocast, parse_args, task_config
-from drafter import LEARNED, DrafterBuffer, agreement_chores, make_optimizer, proposer
+from config import LEARNED, autocast, parse_args, proposer, task_config
+from drafter import DrafterBuffer, agreement_chores, make_optimizer
 from evaluate import evaluate_both, format_accuracy
 from rollout import Bandit, by_position, format_positions, position_counts, rollout
 from scheduler import add_health, drafter_health, drafter_schedule, gather_ranks, idle_train, render_timeline, start_drafter_sync
