@@ -195,7 +195,7 @@ def tail_share(batch_sizes, step_times, total_time, n_rows, done_frac=0.9):
 
 def position_counts(stats, k_max):
     """A rollout's drafts decided and accepted at each draft position 1..k_max, as {name: count}
-    (common.all_sum's form; DecodeStats has the meaning)."""
+    (distributed.all_sum's form; DecodeStats has the meaning)."""
     pad = lambda v: v + [0] * (k_max - len(v))  # noqa: E731
     return {**{f"drafted_at{i}": v for i, v in enumerate(pad(stats.drafted_at))},
             **{f"accepted_at{i}": v for i, v in enumerate(pad(stats.accepted_at))}}

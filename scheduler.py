@@ -5,15 +5,17 @@ very different times. A rank that is done enters an asynchronous barrier and, wh
 completed, trains the drafter on its local buffer one short step at a time:
 
     work = dist.barrier(async_op=True)       # completes when the LAST rank arrives
-    while not work.is_completed():           # the only preemption point
-        drafter train_step(...)
+    while not work.is_completed():           # preemption: between turns, and inside a step
+        drafter train_step(..., preempted=work.is_completed)
 
 So idle time becomes drafter training with torch.distributed alone: no scheduler process, no
 RPC. Preemption comes from the last rank finishing its rollout, never from the trainer's own
-progress. A step must be short, since the slowest rank waits at most one step for the others.
-Whatever else the drafter needs from the step (its health figure on the fresh rows) is done in
-the same loop, before training; the last rank to arrive does none of it, so between its rollout
-and its update there is only what the update needs.
+progress. A turn must be short, since the slowest rank waits for the others' turns in flight: a
+step asks the barrier between its pieces (each chained pass, the backward) and is abandoned there.
+Whatever else the drafter needs from the step (its health figure on the fresh rows, storing the
+staged rows on the host) is done in the same loop, in pieces of at most --drafter-idle-tokens
+positions, before training; the last rank to arrive does none of it, so between its rollout and
+its update there is only what the update needs.
 
 Then every rank must hold the same drafter again: parameters are averaged, weighted by each
 rank's number of local steps (a rank that trained 0 steps contributes nothing; if nobody trained,
