@@ -9,6 +9,7 @@ reader learning TLT may skip this file (and distributed.py, liveness.py, checkpo
     group_by_length                        length-grouped batches for long-tailed data
     OneLineParser, on_off, check_out_dir,  command lines: one clear error line; --device
     wants_cuda
+    DEBUG, check                           TLT_DEBUG=1: the invariants the running batch and the sibling lookup state
 
 Test: python -m pytest tests/test_train.py   (a run uses every one of them)
 """
@@ -19,6 +20,16 @@ import platform
 import time
 
 import torch
+
+DEBUG = os.environ.get("TLT_DEBUG") == "1"  # check the invariants speculative.RunningBatch and drafter.SiblingDrafter state
+
+
+def check(ok, what):
+    """An invariant check, made where `DEBUG` is on (callers test `common.DEBUG` first, so off it
+    costs nothing): ok, a bool or a bool tensor, must hold everywhere. Reading a tensor is a sync:
+    debug runs only."""
+    if not bool(torch.as_tensor(ok).all()):
+        raise AssertionError(f"invariant broken: {what}")
 
 
 def derive_seed(*parts):

@@ -49,7 +49,6 @@ Test: python -m pytest tests/test_drafter.py
 import bisect
 import hashlib
 import math
-import os
 from collections import OrderedDict, deque
 
 import torch
@@ -57,22 +56,15 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from common import group_by_length
+import common
+from common import check, group_by_length
 from model import KVCache, LayerNorm, RotaryStack
 
 HIDDEN_WEIGHT = 1.0
 CE_WEIGHT = 0.1
 DRAFTER_BATCH = 8  # sequences per training step
 DEPTH = 3  # chained passes per training step (drafts of every depth then do about as well: RESULTS.md)
-IDLE_STEP_TOKENS = 256  # padded positions per idle-time step at most: the last rank waits at most one such step
-DEBUG = os.environ.get("TLT_DEBUG") == "1"  # check the invariants SiblingDrafter.lookup states (each check is a sync)
-
-
-def check(ok, what):
-    """An invariant check, made where `DEBUG` is on (callers test it first, so off it costs nothing):
-    ok, a bool or a bool tensor, must hold everywhere. Reading a tensor is a sync: debug runs only."""
-    if not bool(torch.as_tensor(ok).all()):
-        raise AssertionError(f"invariant broken: {what}")
+IDLE_STEP_TOKENS = 256  # padded positions per idle-time step at most: the last rank waits for a piece of one such step
 
 
 class Drafter(nn.Module):
@@ -182,26 +174,20 @@ class DrafterBuffer:
         return done
 
     def _bound(self, step):
-        """Drop the oldest sequences, stored before staged, while one is older than the last
-        keep_steps steps or the held tokens exceed keep_tokens (always keeping the newest)."""
+        """Drop the oldest sequences, stored ones first (they are older than the staged), while one
+        is older than the last keep_steps steps or the held tokens exceed keep_tokens, always
+        keeping the newest."""
         self.newest = max(self.newest, step)
-        while self.stored or self.staged:
-            if self.stored:  # the oldest sequence: stored ones are older than staged ones
-                serial = next(iter(self.stored))
-                old_step, n = self.stored[serial][0], self.stored[serial][1].shape[0]
-            else:
-                old_step, n = self.staged[0][0], self.staged[0][1].tokens.shape[0]
-            too_old = old_step <= self.newest - self.keep_steps
-            too_many = self.keep_tokens is not None and self.held_tokens() > self.keep_tokens and len(self.stored) + len(self.staged) > 1
-            if not (too_old or too_many):
-                return
-            if self.stored:
-                del self.stored[serial]
-                del self.by_len[bisect.bisect_left(self.by_len, (n, serial))]
-                self.stored_tokens -= n
-            else:
-                self.staged.popleft()
-                self.staged_tokens -= n
+
+        def too_much(oldest_step):
+            return oldest_step <= self.newest - self.keep_steps or (
+                self.keep_tokens is not None and self.held_tokens() > self.keep_tokens and len(self.stored) + len(self.staged) > 1)
+        while self.stored and too_much(next(iter(self.stored.values()))[0]):
+            serial, (_, tokens, _, _) = self.stored.popitem(last=False)
+            del self.by_len[bisect.bisect_left(self.by_len, (tokens.shape[0], serial))]
+            self.stored_tokens -= tokens.shape[0]
+        while not self.stored and self.staged and too_much(self.staged[0][0]):
+            self.staged_tokens -= self.staged.popleft()[1].tokens.shape[0]
 
     def __len__(self):
         return len(self.stored)
@@ -540,7 +526,7 @@ class SiblingDrafter:
         n = batch.n_tokens  # (B,) the row's next position; its last token is the pending one
         texts, lens = batch.groups.now(batch.row_id, batch.tokens, batch.n_tokens)  # (R, W), (R,)
         sib = batch.groups.siblings[batch.row_id]  # (B, S) the row's siblings' texts, -1 padding
-        if DEBUG:
+        if common.DEBUG:
             check(k >= 1 and texts.shape[1] == W, f"k >= 1 (k = {k}) and texts as wide as the rows (1)")
             check((n >= 1) & (n <= W), "1 <= n_tokens <= W (1)")
             check((sib >= -1) & (sib < texts.shape[0]) & (sib != batch.row_id[:, None]),
@@ -550,7 +536,7 @@ class SiblingDrafter:
         cand_len = torch.where(sib >= 0, lens[sib.clamp(min=0)], 0)  # (B, S); padding matches nothing
         S = cand.shape[1]
         at = (n[:, None] - M + torch.arange(M, device=dev)).clamp(min=0)  # (B, M)
-        if DEBUG:
+        if common.DEBUG:
             check(at < n[:, None], "the row's tokens are read below n_tokens only (3)")
         suffix = batch.tokens.gather(1, at)  # (B, M) the row's last M tokens
         padded = F.pad(cand, (M - 1, 0), value=-1)  # (B, S, M - 1 + W): -1 matches no token
@@ -566,14 +552,14 @@ class SiblingDrafter:
         rows = torch.arange(B, device=dev)
         s, start = best // (W - 1), best % (W - 1) + 1  # (B,) the sibling, its first follower
         pos = torch.minimum(start[:, None] + torch.arange(k, device=dev), cand_len[rows, s][:, None] - 1).clamp_(min=0)  # (B, k)
-        if DEBUG:
+        if common.DEBUG:
             read = (sib[rows, s] >= 0) & (pos < cand_len[rows, s][:, None]).all(1)  # (B,)
             check((length == 0) | read, "drafts read a real sibling within its text (3)")
             check(length <= torch.clamp(n, max=M), "a match is at most min(M, n_tokens) long (3)")
         drafts = cand[rows, s].gather(1, pos)  # past the sibling's end: its last token, most likely rejected
         last = batch.tokens.gather(1, n[:, None] - 1).expand(B, k)
         drafts = torch.where(length[:, None] > 0, drafts, last)
-        if DEBUG:
+        if common.DEBUG:
             check(drafts.shape == (B, k) and length.shape == (B,), f"drafts {tuple(drafts.shape)} are (B, k) = ({B}, {k})")
         return drafts, length
 

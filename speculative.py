@@ -49,7 +49,6 @@ host lists; the responses are read once, at the end (`results`). rollout.HostTra
 Test: python -m pytest tests/test_speculative.py
 """
 import functools
-import os
 from collections import defaultdict
 from dataclasses import asdict, dataclass, field
 from typing import NamedTuple
@@ -57,10 +56,10 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from common import Stopwatch
+import common
+from common import Stopwatch, check
 from drafter import GroupTexts
 
-DEBUG = os.environ.get("TLT_DEBUG") == "1"  # check RunningBatch's invariants (`_check`) at every step: slow
 
 
 def probs(logits, temperature):
@@ -266,7 +265,7 @@ class RunningBatch:
         self._append(first)
         self.longest = longest + 1
         self.groups = GroupTexts(group, siblings, prompts, width, dev)  # what model-free drafters read
-        if DEBUG:
+        if common.DEBUG:
             self._check()
 
     def _check(self):
@@ -276,13 +275,11 @@ class RunningBatch:
         3. n_tokens - 1 - dcache.lengths <= unread: the drafter's catch-up reaches every unread state;
         4. the host's `running` is the device's row_id: results go to the right rows."""
         n = self.n_tokens
-        for ok, what in ((torch.equal(self.cache.lengths, n - 1), "the target cache holds n_tokens - 1 positions"),
-                         (not n.numel() or int(n.max()) <= self.longest <= self.cap, "longest bounds every row"),
-                         (self.dcache is None or bool((n - 1 - self.dcache.lengths <= self.unread).all()),
-                          "unread bounds the drafter's unread states"),
-                         (self.row_id.tolist() == self.running, "the host's rows are the device's")):
-            if not ok:
-                raise AssertionError(f"RunningBatch invariant broken: {what}")
+        check(torch.equal(self.cache.lengths, n - 1), "the target cache holds n_tokens - 1 positions")
+        check(not n.numel() or int(n.max()) <= self.longest <= self.cap, "longest bounds every row")
+        check(self.dcache is None or bool((n - 1 - self.dcache.lengths <= self.unread).all()),
+              "unread bounds the drafter's unread states")
+        check(self.row_id.tolist() == self.running, "the host's rows are the device's")
 
     @property
     def batch_size(self):
@@ -329,7 +326,7 @@ class RunningBatch:
     @torch.no_grad()
     def plain_step(self):
         """One token for every running row. Returns the number of tokens emitted per row."""
-        if DEBUG:
+        if common.DEBUG:
             self._check()
         L = self.n_tokens - 1  # (B,) target cache length; tokens[L] is pending
         self.cache.window = self.longest  # the longest row after the append: the forward reads nothing
@@ -383,7 +380,7 @@ class RunningBatch:
         `drafter`: anything with propose(batch, k) -> (drafts (B, k), q (B, k, V) or None, None
         meaning deterministic proposals, a one-hot q): drafter.Drafter (whose proposal is `draft`)
         or drafter.NgramDrafter. Returns (tokens emitted per row, drafts accepted per row)."""
-        if DEBUG:
+        if common.DEBUG:
             self._check()
         V = self.target.config.vocab_size
         L = self.n_tokens - 1  # (B,) target cache length; tokens[L] is pending
@@ -430,7 +427,7 @@ class RunningBatch:
         self.longest, n = max((n_tokens[b] for b in live), default=0), len(live)
         if n == B:  # none finished
             return B
-        if DEBUG:  # every slot's tokens and first keys, to check that each row's keys move with its tokens
+        if common.DEBUG:  # every slot's tokens and first keys, to check that each row's keys move with its tokens
             before = self.tokens.clone(), self.cache.k[0, :, 0, :, 0].clone()  # (B, width), (B, max_len)
         for b in (b for b in range(B) if done[b]):  # a result; its response is read with the others' (`results`)
             row = self.running[b]
@@ -456,9 +453,9 @@ class RunningBatch:
         for cache in (self.cache, self.dcache):
             if cache is not None:
                 cache.keep(n, slots, rows)
-        if DEBUG and not (torch.equal(self.tokens, before[0][keep]) and torch.equal(self.cache.k[0, :, 0, :, 0], before[1][keep])):
-            raise AssertionError("RunningBatch invariant broken: compaction moves every row's cache keys with its tokens")
-        if DEBUG:
+        if common.DEBUG:
+            check(torch.equal(self.tokens, before[0][keep]) and torch.equal(self.cache.k[0, :, 0, :, 0], before[1][keep]),
+                  "compaction moves every row's cache keys with its tokens")
             self._check()
         return self.batch_size
 

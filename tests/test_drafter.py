@@ -636,12 +636,13 @@ def test_sibling_drafter_takes_the_longest_match_then_the_closest_from_siblings_
     (lambda b: b.groups.lens.__setitem__(2, 14), "at most W tokens"),  # a text longer than its row
 ])
 def test_sibling_lookup_checks_its_invariants_in_debug_mode(monkeypatch, breakage, what):
-    """With the debug switch on (TLT_DEBUG=1, drafter.DEBUG) a batch that breaks one of the
+    """With the debug switch on (TLT_DEBUG=1, common.DEBUG) a batch that breaks one of the
     invariants SiblingDrafter.lookup states raises, naming it; the intact batch passes, and with the
     switch off a row that is its own sibling goes unnoticed (it would draft from its own text)."""
+    import common
     import drafter
     lookup = drafter.SiblingDrafter(max_match=3).lookup
-    monkeypatch.setattr(drafter, "DEBUG", True)
+    monkeypatch.setattr(common, "DEBUG", True)
     lookup(sibling_batch(), 3)
     with pytest.raises(AssertionError, match=r"\(k = 0\)"):
         lookup(sibling_batch(), 0)
@@ -649,7 +650,7 @@ def test_sibling_lookup_checks_its_invariants_in_debug_mode(monkeypatch, breakag
     breakage(batch)
     with pytest.raises(AssertionError, match=what):
         lookup(batch, 3)
-    monkeypatch.setattr(drafter, "DEBUG", False)
+    monkeypatch.setattr(common, "DEBUG", False)
     batch = sibling_batch()
     batch.groups.siblings[0, 0] = 0
     lookup(batch, 3)

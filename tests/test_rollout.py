@@ -6,7 +6,7 @@ import statistics
 import pytest
 import torch
 
-import speculative
+import common
 from drafter import Drafter
 from model import GPT, GPTConfig
 from rollout import ARMS, Bandit, HostTraffic, rollout, tail_share
@@ -90,7 +90,7 @@ def test_a_rollout_reads_once_per_step_and_copies_nothing_in_its_loop(sampler, m
     step, compaction and the bandit's clock included, one read (which rows finished) and no copy from
     the host; the prefill reads nothing and copies a few host lists; the end reads three times (the
     last compact, the stats, the responses). The bandit is scored with every step's tokens, which that one read brings."""
-    monkeypatch.setattr(speculative, "DEBUG", False)  # TLT_DEBUG's checks read the device on purpose
+    monkeypatch.setattr(common, "DEBUG", False)  # TLT_DEBUG's checks read the device on purpose
     target, drafter = tiny_models(3)
     ps = [p for p in prompts(6, seed=8) for _ in range(4)]  # 6 GRPO groups of 4
     scored = []

@@ -25,6 +25,7 @@ import random
 import pytest
 import torch
 
+import common
 import speculative
 from drafter import Drafter, DrafterBuffer, make_optimizer, train_step
 from conftest import randomize
@@ -344,10 +345,10 @@ def test_compact_moves_marked_rows_to_results():
 
 
 def test_debug_checks_catch_a_broken_invariant(greedy_setup, monkeypatch):
-    """With speculative.DEBUG on (TLT_DEBUG=1), a whole run passes RunningBatch's checks, and each
+    """With common.DEBUG on (TLT_DEBUG=1), a whole run passes RunningBatch's checks, and each
     invariant that the steps rely on, broken by hand, stops the next step (or the compaction)."""
     from model import KVCache
-    monkeypatch.setattr(speculative, "DEBUG", True)
+    monkeypatch.setattr(common, "DEBUG", True)
     target, drafter, pool, free, eos = greedy_setup
     assert speculative_generate(target, drafter, pool, N_NEW, k=3, temperature=0)[0] == free  # no false alarm
     breaks = {"n_tokens - 1 positions": lambda g: setattr(g.cache, "lengths", g.cache.lengths + 1),
@@ -825,9 +826,7 @@ def test_steps_read_nothing_from_the_device(greedy_setup, sampler, temperature, 
     size everything from the host's bounds: no read, no copy from the host. compact() reads the
     device once (which rows finished) and copies nothing, also when rows finish and live rows move
     into their slots (its index tensors are made on the device). rollout.HostTraffic says what counts."""
-    import drafter as drafter_module
-    monkeypatch.setattr(speculative, "DEBUG", False)  # TLT_DEBUG's checks read the device on purpose
-    monkeypatch.setattr(drafter_module, "DEBUG", False)
+    monkeypatch.setattr(common, "DEBUG", False)  # TLT_DEBUG's checks read the device on purpose
     target, drafter, pool, _, eos = greedy_setup
     gen = RunningBatch(target, pool * 2, N_NEW, temperature=temperature, eos_id=eos, sampler=sampler, max_draft=4,
                        generator=torch.Generator().manual_seed(3), keys=list(range(2 * len(pool))))
