@@ -26,7 +26,7 @@ Exact tokens at a real vocabulary (`vocab_noise`, also alone with --vocab, which
 a plain decoding step of a random-weight GPT of the default target shape with GPT-2's and Qwen2's
 vocabularies, sampling by the "gumbel" sampler or by torch.multinomial, with the aten ops each runs.
 It ends with the host-device traffic of one rollout like train.py's (32 rows, speculating from 8 on):
-reads and copies per decoding step as a GPU would pay them (rollout.host_traffic, any device).
+reads and copies per decoding step as a GPU would pay them (instrument.host_traffic, any device).
 
 --e2e, --drift and --drafters run the comparisons of bench_e2e.py, which says what each measures.
 """
@@ -43,13 +43,14 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import config
 import task
-import train
 import warmup
 from bench_e2e import drafters_bench, drift_bench, e2e_bench, tail_workload
-from drafter import SiblingDrafter
 from common import OneLineParser, check_out_dir, machine, sync, wants_cuda
 from model import GPT, GPTConfig
-from rollout import Bandit, count_syncs, host_traffic
+from model_free import SiblingDrafter
+from instrument import count_syncs, host_traffic
+from rl import step_rows
+from rollout import Bandit
 from speculative import (NOISE_ELEMENTS, SAMPLERS, autoregressive_generate, gumbel_choose, gumbel_seeds,
                          speculative_generate)
 
@@ -205,21 +206,21 @@ def vocab_noise(device, vocabs=(50_257, 151_936), batches=(1, 64), repeats=5, sh
 
 
 def rollout_host_traffic(args, task_cfg, model, drafter):
-    """rollout.host_traffic of a rollout like train.py's: step 0's rows on one rank, speculating from 8 rows on."""
-    rows, keys, _ = train.step_rows(args.targs, task_cfg, 0, 0, 1)
+    """instrument.host_traffic of a rollout like train.py's: step 0's rows on one rank, speculating from 8 rows on."""
+    rows, keys, _ = step_rows(args.targs, task_cfg, 0, 0, 1)
     return host_traffic(model, drafter, [task.encode(p.prompt()) for p in rows], task_cfg.max_response_len,
                         eos_id=task.EOS_ID, generator=generator(model, 0), sd_threshold=8,
                         bandit=Bandit(args.targs.draft_ks), sampler=args.sampler, keys=keys)
 
 
-def decode_row(args, model, drafter, prompts, sampler, siblings=None):
-    """Plain decoding and speculative decoding at every k of args.ks on `prompts` (with their groups'
-    finished `siblings`, for a drafter that reads them), interleaved; -> the table row for this batch size."""
+def decode_row(args, model, drafter, prompts, sampler):
+    """Plain decoding and speculative decoding at every k of args.ks on `prompts`, interleaved;
+    -> the table row for this batch size."""
     gen = generator(model, 0)
     runs = {0: lambda: autoregressive_generate(model, prompts, args.max_new, generator=gen, sampler=sampler)}
     for k in args.ks:
         runs[k] = lambda k=k: speculative_generate(model, drafter, prompts, args.max_new, k=k, generator=gen,
-                                                   sampler=sampler, siblings=siblings)
+                                                   sampler=sampler)
     times, outs = interleaved(runs, args.repeats, model.wte.weight.device)
     ar = sum(len(o) for o in outs[0][0]) / times[0]
     per_k = {k: (sum(len(o) for o in outs[k][0]) / times[k], outs[k][1]["accept_len"]) for k in args.ks}
@@ -269,11 +270,13 @@ def decode_bench(args, task_cfg, model, drafter):
 
 
 def decode_table(args, model, drafter, pool, siblings=None):
-    """decode_row for every batch size of args.batches, printed as it goes."""
+    """decode_row for every batch size of args.batches, printed as it goes. With `siblings` (per
+    prompt of the pool, its group's finished responses) it drafts with a SiblingDrafter of them."""
     rows = []
     print(f"{'batch':>5} {'plain tok/s':>11} " + " ".join(f"{'k=' + str(k):>13}" for k in args.ks) + f" {'best':>6} {'speedup':>7}")
     for B in args.batches:
-        rows.append(decode_row(args, model, drafter, pool[:B], args.sampler, siblings and siblings[:B]))
+        at_b = SiblingDrafter(finished=siblings[:B]) if siblings else drafter
+        rows.append(decode_row(args, model, at_b, pool[:B], args.sampler))
         r = rows[-1]
         cells = " ".join(f"{v['tok_s']:7.0f} ({v['accept_len']:.2f})" for v in r["per_k"].values())
         print(f"{B:5d} {r['ar_tok_s']:11.0f} {cells} {r['best_k']:6d} {r['speedup']:6.2f}x", flush=True)
@@ -291,7 +294,7 @@ def sibling_table(args, task_cfg, model, pool, learned_rows, group=8):
     siblings = [done[i * (group - 1):(i + 1) * (group - 1)] for i in range(n)]
     print(f"\nsibling drafts (SiblingDrafter), each row the last of a group of {group} whose {group - 1} other responses "
           f"have finished, {args.max_new} tokens per row:")
-    rows = decode_table(args, model, SiblingDrafter(), pool, siblings)
+    rows = decode_table(args, model, None, pool, siblings)
     print("best speedup per batch size, learned drafter / sibling drafts: " + ", ".join(
         f"{a['batch']}: {a['speedup']:.2f}x / {b['speedup']:.2f}x" for a, b in zip(learned_rows, rows)))
     return rows

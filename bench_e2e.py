@@ -36,10 +36,11 @@ import torch
 
 import config
 import task
-import train
 import warmup
 from drafter import Drafter, DrafterBuffer, make_optimizer, train_step
-from rollout import Bandit, by_position, format_positions, rollout
+from report import by_position, format_positions
+from rl import step_rows
+from rollout import Bandit, rollout
 from speculative import speculative_generate
 
 
@@ -54,14 +55,14 @@ def tail_workload(args, task_cfg, model, drafter, n_steps=4):
     targs = args.targs
     shards = []
     for step in range(n_steps):
-        rows = train.step_rows(targs, task_cfg, step, 0, 2)[0]
+        rows = step_rows(targs, task_cfg, step, 0, 2)[0]
         shards.append((rows, [task.encode(p.prompt()) for p in rows]))
     bandit = Bandit(targs.draft_ks)
 
     def run(tlt, shard, seed):
         rows, prompts = shard
-        out, st = rollout(model, drafter, prompts, task_cfg.max_response_len, generator=generator(model, seed),
-                          tlt=tlt, sd_threshold=targs.sd_threshold, bandit=bandit, eos_id=task.EOS_ID,
+        out, st = rollout(model, drafter if tlt else None, prompts, task_cfg.max_response_len,
+                          generator=generator(model, seed), sd_threshold=targs.sd_threshold, bandit=bandit, eos_id=task.EOS_ID,
                           sampler=targs.sampler, keys=[seed * 10_000 + i for i in range(len(prompts))])
         reward = statistics.mean(task.reward(p.prompt(), task.decode(o.response)) for p, o in zip(rows, out))
         return st, reward, [o.response for o in out]
@@ -145,13 +146,13 @@ def drift_bench(targs, task_cfg, model, drafter, sft_steps=300, sft_lr=2e-3, n_s
     buffer, gen = DrafterBuffer(keep_steps=1), generator(model, 1)
     for _ in range(0, n_seqs, 64):
         prompts = [task.encode(task.sample_problem(rng, task_cfg).prompt()) for _ in range(64)]
-        results, _ = rollout(moved, None, prompts, task_cfg.max_response_len, eos_id=task.EOS_ID, generator=gen, tlt=False)
+        results, _ = rollout(moved, None, prompts, task_cfg.max_response_len, eos_id=task.EOS_ID, generator=gen)
         for s in results:
             buffer.add(0, s.tokens, s.hidden, s.prompt_len)
     frozen, adapted = drafter_on(moved, drafter.state_dict()), drafter_on(moved, drafter.state_dict()).train()
     d_opt = make_optimizer(adapted, targs.drafter_online_lr)
     for _ in range(online_steps):
-        train_step(adapted, d_opt, buffer, rng, batch_size=targs.drafter_batch, device=moved.wte.weight.device)
+        train_step(adapted, d_opt, buffer.sample(targs.drafter_batch, rng, moved.wte.weight.device))
     adapted.eval()
     prompts = held_out_prompts(task_cfg, n_prompts)
     out = {}

@@ -14,21 +14,11 @@ import torch
 
 import task
 from common import OneLineParser, on_off
-from drafter import DEPTH, DRAFTER_BATCH, IDLE_STEP_TOKENS, NgramDrafter, SiblingDrafter, SiblingOrLearned
 from liveness import IO_DEADLINE_S
 from model import GPTConfig
-from rollout import ARMS
-from speculative import SAMPLERS
-
 
 DRAFTERS = ("learned", "ngram", "sibling", "sibling+learned")  # --drafter: what drafts in the tail
-LEARNED = ("learned", "sibling+learned")  # the drafters whose learned part idle ranks train
-
-
-def proposer(name, drafter):
-    """What drafts for --drafter `name`; `drafter` is the learned one."""
-    return {"learned": lambda: drafter, "ngram": NgramDrafter, "sibling": SiblingDrafter,
-            "sibling+learned": lambda: SiblingOrLearned(drafter)}[name]()
+SAMPLERS = ("gumbel", "rejection")  # --sampler: speculative.py's two exact rules
 
 
 def task_config(args, warmup=False):
@@ -122,10 +112,10 @@ def drafter_flags(p):
     p.add_argument("--drafter-cold-lr", type=float, default=4e-3, help="a cold start's drafter learning rate on idle ranks: "
                    "it decays on a cosine from this to a twentieth of it over the RL steps")
     p.add_argument("--drafter-online-lr", type=float, default=5e-5, help="drafter learning rate on idle ranks during RL")
-    p.add_argument("--drafter-batch", type=int, default=DRAFTER_BATCH, help="sequences per drafter training step")
-    p.add_argument("--drafter-depth", type=int, default=DEPTH, help="chained passes per drafter training step: the drafter "
+    p.add_argument("--drafter-batch", type=int, default=8, help="sequences per drafter training step")
+    p.add_argument("--drafter-depth", type=int, default=3, help="chained passes per drafter training step: the drafter "
                    "trains on its own predictions this many drafts deep (1: teacher forcing alone)")
-    p.add_argument("--drafter-idle-tokens", type=int, default=IDLE_STEP_TOKENS, help="padded positions per drafter step on "
+    p.add_argument("--drafter-idle-tokens", type=int, default=256, help="padded positions per drafter step on "
                    "idle ranks at most (fewer sequences when they are long): how long the last rank can wait for one")
     p.add_argument("--drafter-keep", type=int, default=32, help="RL steps of hidden states the drafter buffer keeps")
     p.add_argument("--drafter-keep-tokens", type=int, default=1_000_000, help="and at most this many tokens, the oldest "
@@ -157,7 +147,7 @@ def tlt_flags(p):
                    "lookup in the row's GRPO siblings; or the learned drafter until every running row is the last of its group, "
                    "then the siblings")
     p.add_argument("--sd-threshold", type=int, default=64, help="speculative steps only when the running batch is at most this")
-    p.add_argument("--draft-ks", default=",".join(map(str, ARMS)), help="draft lengths the bandit picks from (0: a plain "
+    p.add_argument("--draft-ks", default="0,1,2,3,4,6,8", help="draft lengths the bandit picks from (0: a plain "
                    "step); one value fixes k, e.g. to compare two drafters at the same k")
 
 

@@ -6,6 +6,7 @@ A reader learning TLT may skip this file: it is plumbing, nothing in it knows ab
     compute_init           joins the process group under torchrun (NCCL or gloo), else rank 0 of 1; returns its store
     agree_prefix           a restarted group never reads a dead group's keys in the rendezvous store
     multi_rank, all_sum    more than one rank?; per-step figures summed over ranks
+    gather_ranks           every rank's record, on every rank
     print0                 print on rank 0 only
 
 Waits where ranks arrive far apart (slow is not dead) are liveness.py's; checkpoints are checkpoint.py's.
@@ -116,6 +117,15 @@ def all_sum(values, device):
     if dist.is_initialized():
         dist.all_reduce(t)
     return dict(zip(values, t.tolist()))
+
+
+def gather_ranks(record):
+    """All ranks' records (any picklable object), in rank order, on every rank."""
+    if not multi_rank():
+        return [record]
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, record)
+    return out
 
 
 def multi_rank():

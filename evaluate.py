@@ -14,10 +14,9 @@ Test: python -m pytest tests/test_train.py   (a run prints both checks)
 import torch
 
 import task
-from common import derive_seed
-from distributed import print0
+from distributed import gather_ranks, print0
+from instrument import progress_hook
 from liveness import beat, wait_for_all
-from scheduler import gather_ranks
 from speculative import autoregressive_generate, speculative_generate
 
 
@@ -29,15 +28,15 @@ def evaluate(model, problems, rank=0, world_size=1, drafter=None, temperature=0.
     must give exactly the same tokens. At temperature > 0 problem j's key is derived from (seed, j),
     so with sampler "gumbel" the tokens do not depend on the ranks or on the drafter; with
     "rejection" the sampling is seeded per rank. k: the draft length of speculative decoding."""
-    gen = torch.Generator(device=model.wte.weight.device).manual_seed(derive_seed(seed, rank, 0, task.Seed.EVAL))
+    gen = torch.Generator(device=model.wte.weight.device).manual_seed(task.derive_seed(seed, rank, 0, task.Seed.EVAL))
     mine = list(range(rank, len(problems), world_size))
     outputs = [None] * len(problems)
     for i in range(0, len(mine), batch_size):
         idx = mine[i:i + batch_size]
         prompts = [task.encode(problems[j].prompt()) for j in idx]
         max_new = task_cfg.response_len(max(problems[j].size for j in idx), task_cfg.max_passes)
-        how = dict(temperature=temperature, eos_id=task.EOS_ID, generator=gen, sampler=sampler, progress=beat,
-                   keys=[derive_seed(seed, j, 0, task.Seed.EVAL_KEYS) for j in idx])
+        how = dict(temperature=temperature, eos_id=task.EOS_ID, generator=gen, sampler=sampler, progress=progress_hook(beat),
+                   keys=[task.derive_seed(seed, j, 0, task.Seed.EVAL_KEYS) for j in idx])
         if drafter is None:
             outs, _ = autoregressive_generate(model, prompts, max_new, **how)
         else:

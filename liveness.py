@@ -102,26 +102,43 @@ class Liveness:
                 raise RuntimeError(message)
 
 
-def _while_pending(work, liveness, timeout_s):
-    """Yield while the async collective `work` runs: with a Liveness, beat and check every turn;
-    without one, fail after timeout_s. A broken collective (a peer killed) raises with rank 0's
-    verdict if it has one."""
-    t0 = time.perf_counter()
-    if liveness:
-        liveness.start_wait()
-    while not work.is_completed():
+class Watched:
+    """An async collective's work, judged by liveness: `is_completed()` beats and checks on every
+    call (with a Liveness), or fails after timeout_s (without one); `wait()` surfaces a failed
+    collective with rank 0's verdict if it has one. scheduler.idle_train polls it as it would
+    dist.barrier(async_op=True)'s work."""
+
+    def __init__(self, work, liveness, timeout_s):
+        self.work, self.liveness, self.timeout_s = work, liveness, timeout_s
+        self.t0 = time.perf_counter()
         if liveness:
-            liveness.beat()
-            liveness.check()
-        elif time.perf_counter() - t0 > timeout_s:  # a peer died or hangs: fail loudly, don't wait forever
-            raise RuntimeError(f"barrier not completed after {timeout_s:.0f}s: a rank is dead or stuck")
-        yield work.is_completed
-    try:
-        work.wait()  # surfaces an error if the collective failed
-    except RuntimeError as e:  # a peer closed its connections: it crashed, was killed, or rank 0 failed on a silent one
-        verdict = liveness.verdict() if liveness else None
-        raise RuntimeError(verdict or f"a barrier failed: a peer is gone (torchrun's summary names the rank that "
-                                      f"failed first; its log says why): {e}") from e
+            liveness.start_wait()
+
+    def is_completed(self):
+        if self.work.is_completed():
+            return True
+        if self.liveness:
+            self.liveness.beat()
+            self.liveness.check()
+        elif time.perf_counter() - self.t0 > self.timeout_s:  # dead or stuck: fail, don't wait forever
+            raise RuntimeError(f"barrier not completed after {self.timeout_s:.0f}s: a rank is dead or stuck")
+        return False
+
+    def wait(self):
+        try:
+            self.work.wait()
+        except RuntimeError as e:  # a peer closed its connections: crashed, killed, or failed on a silent one
+            verdict = self.liveness.verdict() if self.liveness else None
+            raise RuntimeError(verdict or f"a barrier failed: a peer is gone (torchrun's summary names the rank that "
+                                          f"failed first; its log says why): {e}") from e
+
+
+def watched_barrier(liveness=None, timeout_s=COLLECTIVE_TIMEOUT_S):
+    """An async barrier judged by liveness (`Watched`): what train.py gives the idle loop. With a
+    Liveness (`liveness`, else `Liveness.current`) in its own group; without one, in the default
+    group, failing after timeout_s."""
+    liveness = liveness or Liveness.current
+    return Watched(_barrier(liveness, timeout_s), liveness, timeout_s)
 
 
 def _barrier(liveness, timeout_s):
@@ -152,12 +169,13 @@ def until_all_arrive(liveness=None, grace_s=0.0, timeout_s=COLLECTIVE_TIMEOUT_S)
     others would wait for."""
     if not multi_rank():
         return
-    liveness = liveness or Liveness.current
-    work = _barrier(liveness, timeout_s)
     t0 = time.perf_counter()
-    while not work.is_completed() and time.perf_counter() - t0 < grace_s:
+    work = watched_barrier(liveness, timeout_s)
+    while not work.work.is_completed() and time.perf_counter() - t0 < grace_s:
         time.sleep(0.0005)
-    yield from _while_pending(work, liveness, timeout_s - (time.perf_counter() - t0))
+    while not work.is_completed():
+        yield work.work.is_completed
+    work.wait()
 
 
 def wait_for_all():
@@ -205,6 +223,12 @@ def beating(what="in one long call"):
         live.post_doing("")
 
 
+def _wait_watched(work):
+    while not work.is_completed():
+        time.sleep(0.001)
+    work.wait()
+
+
 def from_rank0(obj):
     """Rank 0's `obj` on every rank. Decisions that must agree (load or warm up, resume) are taken
     once, on rank 0, and followed by all: a file that one rank sees and another does not (no shared
@@ -227,9 +251,7 @@ def from_rank0(obj):
         with beating("pickling the object it broadcasts (from_rank0)"):
             data = bytearray(pickle.dumps(obj))
     size = torch.tensor([len(data) if rank0 else 0])
-    for _ in _while_pending(dist.broadcast(size, 0, group=live.group, async_op=True), live, math.inf):
-        time.sleep(0.001)
+    _wait_watched(Watched(dist.broadcast(size, 0, group=live.group, async_op=True), live, math.inf))
     buf = torch.frombuffer(data, dtype=torch.uint8) if rank0 else torch.empty(int(size), dtype=torch.uint8)
-    for _ in _while_pending(dist.broadcast(buf, 0, group=live.group, async_op=True), live, math.inf):
-        time.sleep(0.001)
+    _wait_watched(Watched(dist.broadcast(buf, 0, group=live.group, async_op=True), live, math.inf))
     return obj if rank0 else pickle.loads(buf.numpy().tobytes())

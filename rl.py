@@ -1,43 +1,58 @@
-"""GRPO: group-normalised advantages and the clipped policy-gradient loss.
+"""GRPO: group-normalised advantages, the clipped policy-gradient loss, and the update.
 
-For each prompt the rollout draws G responses (a group). A response's advantage is its reward
-minus the group's mean, divided by the group's standard deviation; a group whose rewards are all
-equal carries no signal and gets advantage 0 (not a division by zero). The loss is PPO's clipped
-surrogate on per-token importance ratios, averaged over every response token of the global batch
-(the token-level mean: long responses are not down-weighted per token), all ranks together: each
-rank scales its summed loss by W / N with N the all-reduced token count (`global_mean_scale`), so
-the update is the same on 1, 2 or 8 ranks.
+Each prompt is sampled G times (a group); a response's advantage is its reward minus the group's
+mean, over the group's std (0 when all are equal: no signal). The loss is PPO's clipped surrogate
+on per-token ratios, a mean over the response tokens of all ranks together, with log-probs at the
+rollout's temperature T, log softmax(z / T), so that the policy that sampled is the one trained:
 
     ratio_t = exp(logp_t - logp_old_t)
     loss    = -mean_t min(ratio_t * A, clip(ratio_t, 1 - eps, 1 + eps) * A)   [+ beta * KL_t]
 
-With one optimizer step per rollout (the default) logp_old equals logp detached, the ratio is 1
-and the loss is plain REINFORCE with a group baseline; clipping matters once the same rollout is
-reused for several epochs (--rl-epochs). KL to a frozen reference is off by default (beta = 0):
-our reward is exact and cannot be hacked, and a reference copy would cost one more forward pass per update,
-which on a CPU is time taken from the rollouts this project is about. When on, it is the k3
-estimator exp(ref - logp) - (ref - logp) - 1, which is non-negative and unbiased.
+One optimizer step per rollout (the default) makes the ratio 1: REINFORCE with a group baseline.
+KL to a frozen reference (the k3 estimator) is off by default: the exact reward cannot be hacked.
 
 Test: python -m pytest tests/test_rl.py
 """
+import random
 from contextlib import nullcontext
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.nn.parallel import DistributedDataParallel
 
-from common import group_by_length
+import task
+
+
+# ------------------------------------------------------------------------ the step's global batch
+def rl_prompts(args, task_cfg, step):
+    """The step's prompts, the same on every rank and for any number of ranks."""
+    prng = random.Random(task.derive_seed(args.rl_seed, 0, step, task.Seed.RL_PROMPTS))
+    return [task.sample_problem(prng, task_cfg) for _ in range(args.prompts_per_step)]
+
+
+def step_rows(args, task_cfg, step, rank, world_size):
+    """This rank's rows of the global batch (prompts x G samples), their keys, and the global row
+    count. Rows are dealt in contiguous slices (a group may span ranks); a row's key depends on its
+    global place, not on the rank layout, so --sampler gumbel gives the same tokens on any ranks."""
+    problems = rl_prompts(args, task_cfg, step)
+    n_rows = len(problems) * args.group_size
+    mine = range(rank * n_rows // world_size, (rank + 1) * n_rows // world_size)
+    rows = [problems[i // args.group_size] for i in mine]
+    keys = [task.derive_seed(args.rl_seed, step, i, task.Seed.ROLLOUT_KEYS) for i in mine]
+    return rows, keys, n_rows
 
 
 def group_advantages(rewards, group_size, eps=1e-6):
-    """rewards (N,) in groups of `group_size` consecutive rows -> advantages (N,)."""
+    """rewards (N,) in groups of `group_size` consecutive rows -> advantages (N,). The divisor is
+    the population (not sample) std, a choice: the advantages are sqrt(G / (G - 1)) times those
+    of TRL's sample std (1.069 at G = 8)."""
     if rewards.numel() % group_size:
         raise ValueError(f"{rewards.numel()} rewards do not split into groups of {group_size}")
     r = rewards.float().view(-1, group_size)  # (groups, G)
     std = r.std(dim=1, keepdim=True, unbiased=False)
     adv = (r - r.mean(dim=1, keepdim=True)) / (std + eps)
-    return torch.where(std > eps, adv, torch.zeros_like(adv)).view(-1)  # all-equal group: no signal
+    return torch.where(std > eps, adv, torch.zeros_like(adv)).view(-1)  # all equal: no signal
 
 
 def collate(sequences, prompt_lens, pad_id, device="cpu"):
@@ -52,21 +67,24 @@ def collate(sequences, prompt_lens, pad_id, device="cpu"):
     return tokens.to(device), mask.to(device)
 
 
-def token_logprobs(model, tokens):
-    """log p(tokens[:, t+1] | tokens[:, :t+1]) for every t: (B, T-1)."""
+def token_logprobs(model, tokens, temperature=1.0):
+    """log p(tokens[:, t+1] | tokens[:, :t+1]) under softmax(logits / temperature), the
+    distribution the rollout sampled from, for every t: (B, T-1)."""
+    if not temperature > 0:
+        raise ValueError(f"log-probs need a temperature > 0 (0 is greedy), got {temperature}")
     logits, _ = model(tokens[:, :-1])  # (B, T-1, V)
-    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # bf16 autocast -> fp32 softmax
+    # bf16 autocast -> fp32 softmax; dividing by 1.0 changes no bit
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32)) / temperature
     return torch.gather(F.log_softmax(logits, dim=-1), 2, tokens[:, 1:, None]).squeeze(-1)
 
 
 def grpo_loss(logp, logp_old, advantages, mask, clip_eps=0.2, kl_coef=0.0, logp_ref=None):
-    """Clipped surrogate, token-level mean over masked positions.
-    logp, logp_old, logp_ref (B, T-1); advantages (B,); mask (B, T-1) bool. Returns (loss, stats)."""
+    """Clipped surrogate, token-level mean over masked positions. logp, logp_old, logp_ref
+    (B, T-1); advantages (B,); mask (B, T-1) bool. Returns (loss, stats)."""
     m = mask.float()
     ratio = torch.exp(logp - logp_old)
     adv = advantages[:, None]  # one advantage for every token of a response
-    surrogate = torch.minimum(ratio * adv, ratio.clamp(1 - clip_eps, 1 + clip_eps) * adv)
-    per_token = -surrogate
+    per_token = -torch.minimum(ratio * adv, ratio.clamp(1 - clip_eps, 1 + clip_eps) * adv)
     kl = torch.zeros_like(logp)
     if kl_coef > 0:
         d = logp_ref - logp
@@ -80,28 +98,21 @@ def grpo_loss(logp, logp_old, advantages, mask, clip_eps=0.2, kl_coef=0.0, logp_
     return loss, stats
 
 
-def global_mean_scale(n_local, device="cpu"):
-    """W / N for a token-level mean over every rank: N is the all-reduced count of the tokens the
-    loss sums (n_local on this rank), W the world size. A rank that scales its summed loss by it
-    and lets DDP average the gradients (divide by W) gets sum_t g_t / N, the gradient of the mean
-    over the global batch, whatever the number of ranks and however the tokens are dealt. Dividing
-    by each rank's own count instead gives (1/W) sum_r (1/n_r) sum_t g_t: the tokens of a rank of
-    short responses would weigh more, and the update would change with the world size."""
+def global_mean_scale(n_local, device="cpu", n_total=None):
+    """W / N, W the world size, N the loss's tokens on all ranks (n_total, or n_local all-reduced):
+    a rank's summed loss times it, averaged by DDP, is the global mean however it is dealt."""
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    if n_total is not None:
+        return world / max(n_total, 1)
     n = torch.tensor(float(n_local), dtype=torch.float64, device=device)
-    world = 1
     if dist.is_initialized():
         dist.all_reduce(n)  # sync: one small all-reduce per update
-        world = dist.get_world_size()
     return world / max(n.item(), 1.0)
 
 
 def deal_by_tokens(lengths, world_size):
-    """Row indices -> the rows each rank updates: {rank: [rows]}, with about the same number of
-    tokens per rank (longest row first, each to the rank with the fewest tokens so far). The
-    rollout deals rows to ranks as they come; after it, the rows that carry a gradient are what
-    the update costs, and they are spread unevenly (a group whose rewards are all equal has none),
-    so a rank with more of them would keep the others waiting at DDP's all-reduce. Every rank
-    computes the same deal from the same lengths."""
+    """Row lengths -> {rank: [rows]}, about as many tokens per rank (longest row first, to the rank
+    with the fewest so far), so no rank keeps the others waiting at DDP's all-reduce."""
     load, deal = [0] * world_size, {r: [] for r in range(world_size)}
     for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
         r = min(range(world_size), key=lambda r: (load[r], r))
@@ -110,58 +121,70 @@ def deal_by_tokens(lengths, world_size):
     return deal
 
 
-def grpo_update(model, net, opt, sequences, prompt_lens, advantages, *, pad_id, update_tokens, epochs=1, clip_eps=0.2,
-                kl_coef=0.0, ref_model=None, device="cpu", n_total=None):
-    """One GRPO update on this rank's rollouts: `sequences` (token lists, prompt + response) with
-    their prompt lengths and advantages. `net` is `model`, or its DDP wrapper under torchrun.
-    Length-grouped micro-batches of about `update_tokens` padded tokens, gradients accumulated, one
-    all-reduce (DDP), one optimizer step per epoch. A rank with no rows still takes part with a
-    zero loss, so collectives line up. Returns (loss, clip fraction, skipped) where skipped means
-    a non-finite loss or gradient, skipped on every rank. n_total: the response tokens of the whole
-    global batch, when the caller knows it (train.update_target, which re-deals the rows); else it is
-    all-reduced from every rank's own (`global_mean_scale`)."""
+def group_by_length(items, length, token_budget):
+    """Sort by length and cut into batches of about `token_budget` padded tokens (padded to their
+    longest item): little padding on long-tailed lengths. At least one (maybe empty) batch."""
+    batches, cur = [], []
+    for it in sorted(items, key=length):
+        if cur and (len(cur) + 1) * length(it) > token_budget:
+            batches.append(cur)
+            cur = []
+        cur.append(it)
+    batches.append(cur)
+    return batches
+
+
+@dataclass(frozen=True)
+class GRPOConfig:
+    pad_id: int
+    update_tokens: int        # padded tokens per micro-batch
+    epochs: int = 1           # optimizer steps on one rollout
+    clip_eps: float = 0.2
+    kl_coef: float = 0.0      # > 0 needs a reference model
+    temperature: float = 1.0  # the rollout's, > 0: the log-probs are scored at it
+
+
+def grpo_update(net, opt, sequences, prompt_lens, advantages, cfg, ref_model=None, n_total=None):
+    """-> (loss, clip fraction, skipped): one GRPO update (cfg: a GRPOConfig) on this rank's
+    rollouts (token lists, prompt lengths, advantages); `net`: the model or its DDP wrapper;
+    n_total: the global batch's response tokens, if known. Length-grouped micro-batches, one
+    optimizer step per epoch, skipped on every rank if the gradient is not finite."""
+    device = next(net.parameters()).device
     n_local = sum(len(s) - p for s, p in zip(sequences, prompt_lens))
-    # the token-level mean is over every rank's tokens
-    if n_total is None:
-        scale = global_mean_scale(n_local, device)
-    else:
-        scale = (dist.get_world_size() if dist.is_initialized() else 1) / max(n_total, 1)
-    # rows with advantage 0 (groups whose rewards are all equal) add exactly 0 to the loss and its
-    # gradient, so skipping them changes nothing but the time (not so with a KL term)
-    active = [i for i in range(len(sequences)) if kl_coef > 0 or advantages[i] != 0]
-    micro = group_by_length(active, lambda i: len(sequences[i]), update_tokens)
+    scale = global_mean_scale(n_local, device, n_total)  # the mean is over every rank's tokens
+    # rows with advantage 0 add exactly 0 to the loss and its gradient (not so with a KL term)
+    active = [i for i in range(len(sequences)) if cfg.kl_coef > 0 or advantages[i] != 0]
+    if not active:  # a one-token dummy with an empty mask: this rank still joins the collectives
+        sequences, prompt_lens, advantages, active = [[0, 0]], [2], torch.zeros(1), [0]
+    micro = group_by_length(active, lambda i: len(sequences[i]), cfg.update_tokens)
     total_loss, clip, skipped, old = 0.0, 0.0, False, {}
-    for epoch in range(epochs):
+    no_sync = getattr(net, "no_sync", nullcontext)  # DDP: all-reduce after the last micro-batch
+    for epoch in range(cfg.epochs):
         opt.zero_grad(set_to_none=True)
         for m_i, rows in enumerate(micro):
-            if rows:
-                tokens, mask = collate([sequences[i] for i in rows], [prompt_lens[i] for i in rows], pad_id, device)
-                adv = advantages[rows].to(device)
-            else:  # no rows on this rank: a one-token dummy with an empty mask
-                tokens, mask = torch.zeros(1, 2, dtype=torch.long, device=device), torch.zeros(1, 1, dtype=torch.bool, device=device)
-                adv = torch.zeros(1, device=device)
-            last = m_i == len(micro) - 1
-            ctx = net.no_sync() if (isinstance(net, DistributedDataParallel) and not last) else nullcontext()
-            with ctx:
-                logp = token_logprobs(net, tokens)
+            tokens, mask = collate([sequences[i] for i in rows], [prompt_lens[i] for i in rows],
+                                   cfg.pad_id, device)  # (B, T), (B, T-1)
+            adv = advantages[rows].to(device)  # (B,)
+            with no_sync() if m_i < len(micro) - 1 else nullcontext():
+                logp = token_logprobs(net, tokens, cfg.temperature)
                 # the rollout came from the weights of epoch 0: their log-probs are the "old" ones
                 logp_old = old.setdefault(m_i, logp.detach())
                 logp_ref = None
-                if kl_coef > 0:
+                if cfg.kl_coef > 0:
                     with torch.no_grad():
-                        logp_ref = token_logprobs(ref_model, tokens)
-                loss, st = grpo_loss(logp, logp_old, adv, mask, clip_eps, kl_coef, logp_ref)
-                # token-level mean over the global batch, not per micro-batch or per rank
-                (loss * mask.sum() * scale).backward()
-            total_loss += float(loss.detach()) * float(mask.sum()) / max(n_local, 1)  # this rank's mean, for the log
-            clip += st["clip_frac"] * float(mask.sum()) / max(n_local, 1)
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        ok = torch.tensor([float(torch.isfinite(grad_norm))], device=device)
+                        logp_ref = token_logprobs(ref_model, tokens, cfg.temperature)
+                loss, st = grpo_loss(logp, logp_old, adv, mask, cfg.clip_eps, cfg.kl_coef, logp_ref)
+                (loss * mask.sum() * scale).backward()  # a token mean over the global batch
+            n_mask, n_mine = float(mask.sum()), max(n_local, 1)  # this rank's means, for the log
+            total_loss += float(loss.detach()) * n_mask / n_mine
+            clip += st["clip_frac"] * n_mask / n_mine
+        grad_norm = torch.nn.utils.clip_grad_norm_(net.parameters(), 1.0)
+        ok = torch.isfinite(grad_norm).float().reshape(1)  # (1,): 1.0 where finite, no sync
         if dist.is_initialized():
             dist.all_reduce(ok, op=dist.ReduceOp.MIN)  # every rank skips together, or none does
-        if ok.item() < 1:
+        if ok.item() < 1:  # sync: the update's one read of the gradient's health
             opt.zero_grad(set_to_none=True)
             skipped = True
             continue
         opt.step()
-    return total_loss / epochs, clip / epochs, skipped
+    return total_loss / cfg.epochs, clip / cfg.epochs, skipped

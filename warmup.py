@@ -38,11 +38,11 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import rl
 import task
-from drafter import Drafter, DrafterBuffer, chain_figures, expected_accepted, make_optimizer, pairs, train_step
+from drafter import Drafter, DrafterBuffer, chain_masks, chained_states, make_optimizer, pairs, train_step
 from model import GPT, GPTConfig
 from rollout import ARMS, rollout
+from instrument import progress_hook
 from checkpoint import load_on_rank0, save_on_rank0
-from common import derive_seed, group_by_length
 from distributed import multi_rank, print0
 from liveness import beat, beating, wait_for_all
 
@@ -53,7 +53,7 @@ from liveness import beat, beating, wait_for_all
 def sft_batches(rng, task_cfg, n_batches, token_budget):
     """n_batches length-grouped batches of reference traces (token ids, prompt length), shuffled."""
     pool = [task.training_example(task.sample_problem(rng, task_cfg), task_cfg, rng) for _ in range(n_batches * 64)]
-    batches = group_by_length(pool, lambda e: len(e[0]), token_budget)
+    batches = rl.group_by_length(pool, lambda e: len(e[0]), token_budget)
     rng.shuffle(batches)
     return batches[:n_batches]
 
@@ -108,7 +108,7 @@ def warmup_target(model, args, warmup_cfg, ddp, rank, world_size, device):
     model.train()
     net = DDP(model, forward_sync_buffers=False) if ddp else model  # the rotary tables never change
     opt = torch.optim.AdamW(model.parameters(), lr=args.warmup_lr, betas=(0.9, 0.95), weight_decay=0.1)
-    rng = random.Random(derive_seed(args.seed, rank, 0, task.Seed.TARGET_DATA))
+    rng = random.Random(task.derive_seed(args.seed, rank, 0, task.Seed.TARGET_DATA))
     budget = max(1, args.warmup_tokens // world_size)
     t0, tokens_seen, batches = time.time(), 0, []
     for step in range(args.warmup_steps):
@@ -145,8 +145,8 @@ def sample_drafter_data(model, args, task_cfg, rank, world_size, device):
     """The target's samples of RL prompts with their hidden states: this rank's share of
     --drafter-warmup-seqs to train on and of HELD_OUT_SEQS to score on. Each rank beats while it
     samples (the ranks' lengths differ), and the first collective after waits by liveness."""
-    rng = random.Random(derive_seed(args.drafter_seed, rank, 0, task.Seed.DRAFTER_DATA))
-    gen = torch.Generator(device=device).manual_seed(derive_seed(args.drafter_seed, rank, 0, task.Seed.DRAFTER_SAMPLES))
+    rng = random.Random(task.derive_seed(args.drafter_seed, rank, 0, task.Seed.DRAFTER_DATA))
+    gen = torch.Generator(device=device).manual_seed(task.derive_seed(args.drafter_seed, rank, 0, task.Seed.DRAFTER_SAMPLES))
     dtype = getattr(torch, args.dtype)
     train, held = DrafterBuffer(keep_steps=1, dtype=dtype), DrafterBuffer(keep_steps=1, dtype=dtype)  # no token bound
     n_held = len(range(rank, HELD_OUT_SEQS, world_size))
@@ -154,10 +154,40 @@ def sample_drafter_data(model, args, task_cfg, rank, world_size, device):
     for i in range(0, n_local, 64):
         problems = [task.sample_problem(rng, task_cfg) for _ in range(min(64, n_local - i))]
         results, _ = rollout(model, None, [task.encode(p.prompt()) for p in problems], task_cfg.max_response_len,
-                             temperature=args.temperature, eos_id=task.EOS_ID, generator=gen, tlt=False, progress=beat)
+                             temperature=args.temperature, eos_id=task.EOS_ID, generator=gen, progress=progress_hook(beat))
         for j, s in enumerate(results):
             (held if i + j < n_held else train).add(0, s.tokens, s.hidden, s.prompt_len)
     return train, held, rng
+
+
+@torch.no_grad()
+def chain_figures(drafter, h_in, x_next, h_tgt, mask, depth):
+    """What the drafter's chains would get, per draft position d = 1..depth, on sequences the target
+    sampled: (top-1 agreements, summed acceptance, positions), each (depth,), to be summed over
+    ranks and batches. Top-1: the drafter's argmax equals the target's. Acceptance: sum_x min(p, q),
+    the chance that rejection sampling at temperature 1 accepts the draft; both given that the
+    earlier drafts were the sampled tokens, i.e. that they were accepted."""
+    target = F.linear(h_tgt, drafter.target.lm_head.weight)  # (B, T, V)
+    p = F.softmax(target.float(), dim=-1)
+    agree, accept, n = [], [], []
+    for h_pred, m in zip(chained_states(drafter, h_in, x_next, depth), chain_masks(mask, depth)):
+        logits = F.linear(h_pred, drafter.target.lm_head.weight)
+        q = F.softmax(logits.float(), dim=-1)
+        agree.append(((logits.argmax(-1) == target.argmax(-1)) & m).sum())
+        accept.append((torch.minimum(p, q).sum(-1) * m).sum())
+        n.append(m.sum())
+    return torch.stack(agree).double(), torch.stack(accept).double(), torch.stack(n).double()
+
+
+def expected_accepted(rates):
+    """Drafts accepted per chain of len(rates) drafts, from the acceptance at each draft position
+    given the earlier ones (None: never decided, counted as 0): sum over d of the product of the
+    rates at positions 1..d."""
+    total, run = 0.0, 1.0
+    for r in rates:
+        run *= r or 0.0
+        total += run
+    return total
 
 
 def held_out_figures(drafter, held, device, chunk=32):
@@ -217,8 +247,8 @@ def train_to_plateau(drafter, buffer, held, rng, args, ddp, device):
     for step in range(args.drafter_warmup_steps):
         for g in opt.param_groups:
             g["lr"] = args.drafter_lr * min(1.0, (step + 1) / warm) * LR_DROP ** drops
-        loss, _ = train_step(drafter, opt, buffer, rng, batch_size=args.drafter_batch, device=device, sync_grads=ddp,
-                             depth=args.drafter_depth if deep else 1)
+        batch = buffer.sample(args.drafter_batch, rng, device)
+        loss, _ = train_step(drafter, opt, batch, depth=args.drafter_depth if deep else 1, sync_grads=ddp)
         if (step + 1) % EVAL_EVERY and step + 1 < args.drafter_warmup_steps:
             continue
         figures = held_out_figures(drafter, held, device)
@@ -272,9 +302,9 @@ def prepare_models(args, task_cfg, warmup_cfg, ddp, rank, world_size, device):
     task, warmup_cfg the target warm-up's (the same task, starting with more small problems)."""
     config = GPTConfig(vocab_size=task.VOCAB_SIZE, block_size=args.block_size, n_layer=args.n_layer,
                        n_head=args.n_head, n_embd=args.n_embd)
-    torch.manual_seed(derive_seed(args.seed, 0, 0, task.Seed.INIT))  # same initial weights on every rank
+    torch.manual_seed(task.derive_seed(args.seed, 0, 0, task.Seed.INIT))  # same initial weights on every rank
     model = GPT(config).to(device)
-    torch.manual_seed(derive_seed(args.drafter_seed, 0, 0, task.Seed.INIT))  # the drafter's own seed
+    torch.manual_seed(task.derive_seed(args.drafter_seed, 0, 0, task.Seed.INIT))  # the drafter's own seed
     drafter = Drafter(model).to(device)
     print0(f"target: {model.num_params():,} parameters; drafter: {sum(p.numel() for p in drafter.parameters()):,} "
            f"(+ the target's embedding and head, shared); {config}")

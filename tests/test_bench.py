@@ -65,13 +65,11 @@ def test_host_traffic_report_of_a_rollout_like_train_py(capsys, monkeypatch):
     import json
     from types import SimpleNamespace
 
-    import common
     import config
     import task
     from conftest import randomize
     from drafter import Drafter
     from model import GPT, GPTConfig
-    monkeypatch.setattr(common, "DEBUG", False)  # TLT_DEBUG's checks read the device on purpose
     targs = config.parse_args(["--device", "cpu", "--max-n", "4", "--max-passes", "1", "--block-size", "40",
                                "--draft-ks", "0,2,3"])
     torch.manual_seed(0)

@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from drafter import (Drafter, DrafterBuffer, agreement_chores, chain_masks, chained_states, drafter_loss, make_optimizer, pairs,
+from drafter import (Drafter, DrafterBuffer, chain_masks, chained_states, drafter_loss, make_optimizer, pairs,
                      top1_agreement, train_step)
 from conftest import randomize
 from model import GPT, GPTConfig
@@ -116,7 +116,7 @@ def test_training_changes_the_drafter_and_never_the_target(target, buffers):
     opt = make_optimizer(drafter)
     rng = random.Random(0)
     for _ in range(3):
-        loss, applied = train_step(drafter, opt, train_buf, rng, batch_size=8)
+        loss, applied = train_step(drafter, opt, train_buf.sample(8, rng))
         assert applied and isinstance(loss, float) and loss == loss and loss > 0
     for n, p in target.named_parameters():
         assert torch.equal(p, before_t[n]), f"target parameter {n} changed"
@@ -336,7 +336,7 @@ def test_staged_rows_are_bounded_without_idle_time():
     """A process that never has idle time (one process, the rank always last) stages a step's rows
     and never stores them: over 50 steps what it holds, staged and stored, stays within
     keep_tokens and within the last keep_steps steps, the oldest rows dropped first."""
-    from speculative import Sample
+    from speculative import FinishedRow as Sample
     buf = DrafterBuffer(keep_steps=3, keep_tokens=300)
     buf.add(0, *_item(40, 0), prompt_len=2)  # something stored before the rank lost its idle time
     for step in range(1, 51):
@@ -355,7 +355,7 @@ def test_one_idle_turn_handles_at_most_idle_tokens_positions(target, monkeypatch
     storing staged rows goes a piece a turn, the health figure scores a piece a chore, a training
     batch is cut to max_tokens padded positions; and drawing a batch sorts nothing."""
     import drafter as drafter_module
-    from speculative import Sample
+    from speculative import FinishedRow as Sample
     g = torch.Generator().manual_seed(0)
     C, max_tokens = target.config.n_embd, 64
     lengths = torch.randint(4, 40, (200,), generator=g).tolist()
@@ -367,10 +367,11 @@ def test_one_idle_turn_handles_at_most_idle_tokens_positions(target, monkeypatch
         pieces.append(buf.store_staged(max_tokens))
     assert sum(pieces) == sum(lengths) == buf.num_tokens() and max(pieces) <= max_tokens < sum(lengths)
     scored = []
-    real = drafter_module.top1_agreement
-    monkeypatch.setattr(drafter_module, "top1_agreement", lambda d, h_in, *rest: scored.append(h_in.shape[0] * (h_in.shape[1] + 2)) or real(d, h_in, *rest))
+    import scheduler
+    real = scheduler.top1_agreement
+    monkeypatch.setattr(scheduler, "top1_agreement", lambda d, h_in, *rest: scored.append(h_in.shape[0] * (h_in.shape[1] + 2)) or real(d, h_in, *rest))
     into = [0, 0]
-    for chore in agreement_chores(make_drafter(target, seed=0), rows, into, max_tokens):
+    for chore in scheduler.health_chores(make_drafter(target, seed=0), rows, into, max_tokens):
         chore()
     assert max(scored) <= max_tokens and into[1] == sum(n - 1 - 2 for n in lengths)
     monkeypatch.setattr(drafter_module, "sorted", lambda *a, **k: pytest.fail("sample() sorted the buffer"), raising=False)
@@ -448,7 +449,7 @@ def test_short_training_lowers_loss_and_raises_acceptance(target, buffers):
     loss0, proxy0, alen0 = measure()
     c0 = drafter.checksum()
     rng = random.Random(0)
-    train_losses = [train_step(drafter, opt, train_buf, rng, batch_size=16)[0] for _ in range(100)]
+    train_losses = [train_step(drafter, opt, train_buf.sample(16, rng))[0] for _ in range(100)]
     loss1, proxy1, alen1 = measure()
     assert drafter.checksum() != c0
     # measured with these seeds: loss ~1.1 -> ~0.35, proxy ~0.2 -> ~0.55
@@ -469,12 +470,13 @@ def test_a_step_preempted_midway_changes_nothing(target, buffers):
         opt = make_optimizer(drafter, lr=1e-2)
         before = {n: p.detach().clone() for n, p in drafter.named_parameters()}
         asked = []
-        loss, applied = train_step(drafter, opt, train_buf, random.Random(0), depth=3,
+        loss, applied = train_step(drafter, opt, train_buf.sample(8, random.Random(0)), depth=3,
                                    preempted=lambda: asked.append(1) or len(asked) >= stop_at)
         assert loss is None and not applied and len(asked) == stop_at
         assert all(torch.equal(p, before[n]) for n, p in drafter.named_parameters()) and not opt.state
     asked = []
-    loss, applied = train_step(drafter, opt, train_buf, random.Random(0), depth=3, preempted=lambda: asked.append(1) and False)
+    loss, applied = train_step(drafter, opt, train_buf.sample(8, random.Random(0)), depth=3,
+                               preempted=lambda: asked.append(1) and False)
     assert applied and len(asked) == 5 and not all(torch.equal(p, before[n]) for n, p in drafter.named_parameters())
 
 
@@ -485,13 +487,13 @@ def test_non_finite_step_is_not_applied(target, buffers):
     with torch.no_grad():
         drafter.fuse.weight[0, 0] = float("inf")  # every loss and gradient through it is non-finite
     before = snapshot(drafter)
-    loss, applied = train_step(drafter, opt, train_buf, random.Random(0), batch_size=4)
+    loss, applied = train_step(drafter, opt, train_buf.sample(4, random.Random(0)))
     assert not applied
     assert all(torch.equal(p, before[n]) for n, p in drafter.named_parameters())
 
 
-def test_agreement_chores_count_the_drafted_positions(target, buffers):
-    """Over a rollout's samples, the agreement chores sum top1_agreement over each chunk's pairs from
+def test_health_chores_count_the_drafted_positions(target, buffers):
+    """Over a rollout's rows, scheduler.health_chores sum top1_agreement over each chunk's pairs from
     prompt_len - 1 on: the same figure as one padded batch of the same sequences; a chore not run
     leaves its chunk out."""
     train_buf, _, _ = buffers
@@ -503,7 +505,8 @@ def test_agreement_chores_count_the_drafted_positions(target, buffers):
         batch.plain_step()
     samples = batch.results
     into = [0, 0]
-    chores = agreement_chores(drafter, samples, into, max_tokens=40)
+    from scheduler import health_chores
+    chores = health_chores(drafter, samples, into, 40)
     assert len(chores) > 2  # 10 samples of up to 14 tokens, in pieces of at most 40 padded positions
     chores[0]()
     assert 0 < into[1] < sum(s.tokens.shape[0] - 1 - s.prompt_len for s in samples)
@@ -524,7 +527,7 @@ def test_checksum_tracks_weights(target, buffers):
     other.load_state_dict(a.state_dict())
     assert other.checksum() == a.checksum()
     before = a.checksum()
-    train_step(a, make_optimizer(a), train_buf, random.Random(0), batch_size=4)
+    train_step(a, make_optimizer(a), train_buf.sample(4, random.Random(0)))
     assert a.checksum() != before
     b.load_state_dict(a.state_dict())
     assert b.checksum() == a.checksum()
@@ -560,7 +563,7 @@ def test_chained_passes_are_the_drafter_drafting():
     h = torch.randn(1, T, C, generator=g, dtype=torch.float64)
     x = torch.randint(0, V, (1, T), generator=g)
     with torch.no_grad():
-        states = chained_states(drafter, h, x, depth)
+        states = list(chained_states(drafter, h, x, depth))
         for s in (0, 3, T - depth):
             cache = drafter.new_cache(1, dtype=torch.float64)
             _, h_pred = drafter(h[:, :s + 1], x[:, :s + 1], cache)  # the real pairs 0..s
@@ -588,72 +591,8 @@ def test_depth_one_loss_is_teacher_forcing_and_deeper_passes_count_their_chains(
         per = F.smooth_l1_loss(h_pred, h_tgt, reduction="none").mean(-1) - 0.1 * (p * F.log_softmax(logits, -1)).sum(-1)
         assert torch.allclose(one, (per * mask).sum() / mask.sum(), atol=1e-6)
         assert not torch.allclose(one, drafter_loss(drafter, h_in, x_next, h_tgt, mask, depth=3))
-    loss, applied = train_step(drafter, make_optimizer(drafter), train_buf, random.Random(1), batch_size=4, depth=1)
+    loss, applied = train_step(drafter, make_optimizer(drafter), train_buf.sample(4, random.Random(1)), depth=1)
     assert applied and loss > 0
-
-
-def sibling_batch():
-    """A hand-made batch for SiblingDrafter.lookup (W = 13): texts 0, 1 running, 2 their finished
-    sibling, 3 another group's, 4 running alone; running rows 0, 1 and 4."""
-    from types import SimpleNamespace
-    W = 13
-    texts = torch.zeros(5, W, dtype=torch.long)
-    rows = {0: [1, 2, 3, 4, 5], 1: [1, 2, 3, 4, 5, 6, 7], 2: [8, 3, 4, 5, 9, 9, 6, 7, 1, 5, 6, 7, 2],
-            3: [7, 7, 3, 1, 1], 4: [7, 7, 3]}
-    for i, t in rows.items():
-        texts[i, :len(t)] = torch.tensor(t)
-    lens = torch.tensor([len(rows[i]) for i in range(5)])
-    running = [0, 1, 4]
-    tokens = texts[running].clone()
-    tokens[1, 7:] = 99  # what a running sibling holds past its length is never read
-    texts[1, 7:] = 99
-    groups = SimpleNamespace(siblings=torch.tensor([[1, 2], [0, 2], [-1, -1], [-1, -1], [-1, -1]]), texts=texts, lens=lens)
-    groups.now = lambda *_: (groups.texts, groups.lens)
-    return SimpleNamespace(tokens=tokens, n_tokens=lens[running], row_id=torch.tensor(running), groups=groups)
-
-
-def test_sibling_drafter_takes_the_longest_match_then_the_closest_from_siblings_only():
-    """SiblingDrafter.lookup on a hand-made batch (M = 3): a row drafts from its own group's texts
-    only, a running sibling up to where it is, the longest match first and among equal ones the
-    place closest to the row's own position; no match proposes the last token again."""
-    from drafter import SiblingDrafter
-    batch = sibling_batch()
-    drafts, length = SiblingDrafter(max_match=3).lookup(batch, 3)
-    # row 0 ends "3 4 5": in row 1 followed by 6 at its own position 5, in text 2 by 9 at 4: the closer
-    assert drafts[0].tolist() == [6, 7, 7] and length[0] == 3  # then row 1's last token, not what lies past it
-    # row 1 ends "5 6 7": "6 7" is followed at 8 (one from its position), "5 6 7" at 12: the longer
-    assert drafts[1].tolist() == [2, 2, 2] and length[1] == 3
-    # row 4 has no sibling: text 3 (another group's) would match "7 7 3", but is never read
-    assert drafts[2].tolist() == [3, 3, 3] and length[2] == 0
-    assert SiblingDrafter(max_match=3).propose(batch, 3)[1] is None  # deterministic proposals: a one-hot q
-
-
-@pytest.mark.parametrize("breakage, what", [
-    (lambda b: b.groups.siblings[0].copy_(torch.tensor([0, 2])), "another row's text"),  # row 0 its own sibling
-    (lambda b: b.groups.siblings[1].copy_(torch.tensor([0, 5])), "another row's text"),  # past the texts
-    (lambda b: b.n_tokens.__setitem__(2, 0), "1 <= n_tokens <= W"),  # an empty row
-    (lambda b: b.n_tokens.__setitem__(0, 14), "1 <= n_tokens <= W"),  # past the row's width
-    (lambda b: b.groups.lens.__setitem__(2, 14), "at most W tokens"),  # a text longer than its row
-])
-def test_sibling_lookup_checks_its_invariants_in_debug_mode(monkeypatch, breakage, what):
-    """With the debug switch on (TLT_DEBUG=1, common.DEBUG) a batch that breaks one of the
-    invariants SiblingDrafter.lookup states raises, naming it; the intact batch passes, and with the
-    switch off a row that is its own sibling goes unnoticed (it would draft from its own text)."""
-    import common
-    import drafter
-    lookup = drafter.SiblingDrafter(max_match=3).lookup
-    monkeypatch.setattr(common, "DEBUG", True)
-    lookup(sibling_batch(), 3)
-    with pytest.raises(AssertionError, match=r"\(k = 0\)"):
-        lookup(sibling_batch(), 0)
-    batch = sibling_batch()
-    breakage(batch)
-    with pytest.raises(AssertionError, match=what):
-        lookup(batch, 3)
-    monkeypatch.setattr(common, "DEBUG", False)
-    batch = sibling_batch()
-    batch.groups.siblings[0, 0] = 0
-    lookup(batch, 3)
 
 
 def test_warmup_ends_at_its_third_stall_and_keeps_its_best(target, buffers, monkeypatch, capsys):

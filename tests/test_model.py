@@ -404,7 +404,7 @@ def test_bf16_plain_and_speculative_generate_run():
         batch = RunningBatch(m, prompts, 12, sampler="gumbel", keys=keys, max_draft=3)
         batch.compact()
         batch.speculative_step(d, 3)
-        assert batch.cache.kv.dtype == torch.bfloat16 and batch.dcache.kv.dtype == torch.bfloat16
+        assert batch.cache.kv.dtype == torch.bfloat16 and batch.draft_cache.kv.dtype == torch.bfloat16
         assert batch.hidden.dtype == torch.float32
         plain, _ = autoregressive_generate(m, prompts, 12, sampler="gumbel", keys=keys)
         sd, st = speculative_generate(m, d, prompts, 12, k=3, sampler="gumbel", keys=keys)
@@ -459,7 +459,7 @@ def test_bf16_autocast_runs_the_matmuls_in_bf16_and_keeps_residuals_and_norms_fl
         dcache = d.new_cache(2, 16, dtype=cache.kv.dtype)
         d_logits, h = d(hidden[:, :3], idx[:, 1:4], dcache)
         d_logits, h = d(h[:, -1:], idx[:, 4:5], dcache)  # its own state fed back, as in drafting
-        states = chained_states(d, hidden[:, :5], idx[:, 1:], depth=2)
+        states = list(chained_states(d, hidden[:, :5], idx[:, 1:], depth=2))
         states[-1].float().sum().backward()
         normed = LayerNorm(C).to(device)(torch.randn(2, C, device=device).bfloat16())
     remove()

@@ -25,6 +25,19 @@ def test_group_advantages_reject_ragged_groups():
         rl.group_advantages(torch.zeros(5), 4)
 
 
+def test_group_advantages_divide_by_the_population_std():
+    """A choice, pinned: the divisor is the population std (divide by G), not the sample std
+    (G - 1) that TRL uses, so every advantage is sqrt(G / (G - 1)) times TRL's (1.069 at G = 8)."""
+    G = 8
+    r = torch.tensor([1.0, 0.0, 0.0, 1.0, 1.0, 0.0, 0.0, 0.0])
+    adv = rl.group_advantages(r, G)
+    population = (r - r.mean()) / (r.std(unbiased=False) + 1e-6)
+    sample = (r - r.mean()) / (r.std(unbiased=True) + 1e-6)
+    assert torch.allclose(adv, population, atol=1e-6)
+    assert torch.allclose(adv, sample * math.sqrt(G / (G - 1)), atol=1e-5)
+    assert math.sqrt(G / (G - 1)) == pytest.approx(1.069, abs=1e-3)
+
+
 def test_collate_masks_only_response_tokens():
     tokens, mask = rl.collate([[1, 2, 3, 4, 5], [6, 7, 8]], [2, 1], pad_id=0)
     assert tokens.tolist() == [[1, 2, 3, 4, 5], [6, 7, 8, 0, 0]]
@@ -42,6 +55,71 @@ def test_token_logprobs_match_manual():
         for t in range(5):
             expect = torch.log_softmax(logits[b, t], -1)[tokens[b, t + 1]]
             assert math.isclose(lp[b, t].item(), expect.item(), rel_tol=1e-9)
+
+
+def test_token_logprobs_score_at_the_sampling_temperature():
+    """The rollout samples from softmax(z / T); the update must score the same distribution."""
+    torch.manual_seed(0)
+    m = GPT(GPTConfig(vocab_size=11, block_size=16, n_layer=1, n_head=2, n_embd=8)).double()
+    tokens = torch.randint(0, 11, (2, 6))
+    logits, _ = m(tokens[:, :-1])
+    expect = torch.log_softmax(logits / 0.7, -1).gather(2, tokens[:, 1:, None]).squeeze(-1)
+    assert torch.allclose(rl.token_logprobs(m, tokens, temperature=0.7), expect, rtol=0, atol=1e-12)
+    assert not torch.allclose(rl.token_logprobs(m, tokens), expect, atol=1e-3)  # T matters here
+    with pytest.raises(ValueError):
+        rl.token_logprobs(m, tokens, temperature=0.0)  # greedy has no log-probs to train on
+
+
+def _grpo_grads(model, seqs, plens, adv, temperature):
+    """The gradient one GRPO update applies, read off before the optimizer step."""
+    class Capture(torch.optim.SGD):
+        def step(self):
+            self.grads = [p.grad.clone() for p in model.parameters()]
+    opt = Capture(model.parameters(), lr=0.0)
+    cfg = rl.GRPOConfig(pad_id=0, update_tokens=1000, temperature=temperature)
+    rl.grpo_update(model, opt, seqs, plens, adv, cfg)
+    return torch.cat([g.reshape(-1) for g in opt.grads])
+
+
+def _reinforce_grads(model, seqs, plens, adv, temperature):
+    """By hand: the gradient of -(1/N) sum_i A_i sum_t log softmax(z_t / T)[x_t+1] over response
+    tokens, N the number of response tokens, i.e. REINFORCE under the policy that sampled."""
+    model.zero_grad()
+    n = sum(len(s) - p for s, p in zip(seqs, plens))
+    total = 0.0
+    for s, p, a in zip(seqs, plens, adv):
+        x = torch.tensor([s])
+        logits, _ = model(x[:, :-1])
+        logp = torch.log_softmax(logits[0] / temperature, -1)  # (T-1, V)
+        for t in range(p - 1, len(s) - 1):  # predicting response token t + 1
+            total = total - a * logp[t, s[t + 1]]
+    (total / n).backward()
+    return torch.cat([q.grad.reshape(-1) for q in model.parameters()])
+
+
+def test_grpo_gradient_is_reinforce_under_the_tempered_policy():
+    """At T = 0.7 the update's gradient is REINFORCE's under softmax(z / T), the distribution the
+    rollout sampled from, and not the one under softmax(z) (scoring at T = 1 trains the wrong
+    policy). Small advantages keep the gradient under the clip norm of 1."""
+    torch.manual_seed(0)
+    m = GPT(GPTConfig(vocab_size=7, block_size=16, n_layer=1, n_head=2, n_embd=16)).double()
+    seqs, plens = [[1, 2, 3, 4, 5], [1, 2, 6, 6], [3, 1, 2], [4, 4, 5, 6, 1]], [2, 2, 1, 3]
+    adv = torch.tensor([0.02, -0.01, 0.015, -0.025], dtype=torch.float64)
+    grpo = _grpo_grads(m, seqs, plens, adv, 0.7)
+    want = _reinforce_grads(m, seqs, plens, adv.tolist(), 0.7)
+    at_one = _reinforce_grads(m, seqs, plens, adv.tolist(), 1.0)
+    assert want.norm() < 1.0  # no clipping: the comparison is exact
+    assert torch.allclose(grpo, want, rtol=1e-9, atol=1e-14), float((grpo - want).norm() / want.norm())
+    assert (want - at_one).norm() > 0.05 * want.norm()  # the temperature changes the gradient
+    assert torch.allclose(_grpo_grads(m, seqs, plens, adv, 1.0), at_one, rtol=1e-9, atol=1e-14)
+
+
+def test_grpo_update_rejects_temperature_zero():
+    m = GPT(GPTConfig(vocab_size=7, block_size=16, n_layer=1, n_head=2, n_embd=16))
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    with pytest.raises(ValueError):
+        rl.grpo_update(m, opt, [[1, 2, 3]], [1], torch.tensor([1.0]),
+                       rl.GRPOConfig(pad_id=0, update_tokens=100, temperature=0.0))
 
 
 def test_loss_is_token_mean_and_ignores_masked_positions():
@@ -113,8 +191,9 @@ def _model():
 
 def _update(model, net, rows, update_tokens=12):
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    rl.grpo_update(model, net if net is not None else model, opt, [SEQS[i] for i in rows], [PLENS[i] for i in rows],
-                   torch.tensor([ADV[i] for i in rows], dtype=torch.float64), pad_id=0, update_tokens=update_tokens)
+    rl.grpo_update(net if net is not None else model, opt, [SEQS[i] for i in rows], [PLENS[i] for i in rows],
+                   torch.tensor([ADV[i] for i in rows], dtype=torch.float64),
+                   rl.GRPOConfig(pad_id=0, update_tokens=update_tokens))
     return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
 
 
@@ -163,3 +242,35 @@ def test_deal_by_tokens_gives_every_row_once_and_balances_tokens():
         loads = [sum(lengths[i] for i in deal[r]) for r in range(world)]
         assert max(loads) - min(loads) <= max(lengths)
     assert rl.deal_by_tokens([], 2) == {0: [], 1: []}
+
+
+# ----------------------------------------------------------------------------- the step's global batch and its micro-batches
+
+
+def test_step_rows_deal_the_global_batch_in_slices_with_layout_free_keys():
+    """The ranks' rows, in rank order, are the single rank's rows: every prompt G times, keys that
+    depend on the row's global place only; the prompts depend on the seed and the step."""
+    from types import SimpleNamespace
+    import task
+    args = SimpleNamespace(rl_seed=3, prompts_per_step=5, group_size=4)
+    cfg = task.TaskConfig()
+    rows, keys, n_rows = rl.step_rows(args, cfg, 2, 0, 1)
+    assert n_rows == 20 and rows == [p for p in rl.rl_prompts(args, cfg, 2) for _ in range(4)]
+    assert len(set(keys)) == 20
+    for world in (2, 3, 8):
+        parts = [rl.step_rows(args, cfg, 2, r, world) for r in range(world)]
+        assert [x for part in parts for x in part[0]] == rows
+        assert [x for part in parts for x in part[1]] == keys
+        assert max(len(p[0]) for p in parts) - min(len(p[0]) for p in parts) <= 1
+    assert rl.rl_prompts(args, cfg, 2) != rl.rl_prompts(args, cfg, 3)
+
+
+def test_group_by_length_sorts_and_respects_the_token_budget():
+    lengths = {i: n for i, n in enumerate([5, 90, 7, 30, 6, 31, 200])}
+    batches = rl.group_by_length(list(lengths), lengths.get, 100)
+    assert sorted(i for b in batches for i in b) == list(lengths)
+    flat = [lengths[i] for b in batches for i in b]
+    assert flat == sorted(flat)
+    for b in batches:  # padded to its longest item; only a lone item may exceed the budget
+        assert len(b) * max(lengths[i] for i in b) <= 100 or len(b) == 1
+    assert rl.group_by_length([], len, 100) == [[]]

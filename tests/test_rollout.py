@@ -6,10 +6,10 @@ import statistics
 import pytest
 import torch
 
-import common
 from drafter import Drafter
 from model import GPT, GPTConfig
-from rollout import ARMS, Bandit, HostTraffic, rollout, tail_share
+from instrument import HostTraffic, TimedDrafter
+from rollout import ARMS, Bandit, rollout, tail_share
 
 EOS = 3
 
@@ -36,17 +36,20 @@ def prompts(n, seed=1):
 def test_tlt_greedy_rollout_equals_plain(threshold):
     target, drafter = tiny_models()
     ps = prompts(12)
-    plain, st_plain = rollout(target, drafter, ps, 40, temperature=0, eos_id=EOS, tlt=False)
-    tlt, st_tlt = rollout(target, drafter, ps, 40, temperature=0, eos_id=EOS, tlt=True, sd_threshold=threshold,
+    plain, st_plain = rollout(target, None, ps, 40, temperature=0, eos_id=EOS)
+    timed = TimedDrafter(drafter, torch.device("cpu"))
+    tlt, st_tlt = rollout(target, timed, ps, 40, temperature=0, eos_id=EOS, sd_threshold=threshold,
                           bandit=Bandit(seed=3))
     assert [r[0] for r in tlt] == [r[0] for r in plain]
     assert len({tuple(r[0]) for r in plain}) > 3  # outputs are not trivial
     assert any(r[0][-1] == EOS for r in plain) and any(len(r[0]) == 40 for r in plain)
     if threshold == 100:  # from the first step; drafting is part of the speculative steps' time
-        assert st_tlt.sd_row_steps > 0 and 0 < st_tlt.draft_time < st_tlt.spec_time
+        assert st_tlt.sd_row_steps > 0 and 0 < timed.seconds() < st_tlt.spec_time
     if threshold == 0:
         assert st_tlt.sd_row_steps == 0
-    assert st_plain.sd_row_steps == 0 and st_plain.accept_len is None and st_plain.draft_time == 0
+    assert st_plain.sd_row_steps == 0 and st_plain.accept_len is None
+    if threshold == 0:
+        assert timed.seconds() == 0
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
@@ -57,11 +60,11 @@ def test_gumbel_rollout_is_token_identical_to_plain_for_any_threshold(temperatur
     ps = prompts(12, seed=4)
     keys = [1000 + 7 * i for i in range(len(ps))]
     how = dict(temperature=temperature, eos_id=EOS, sampler="gumbel", keys=keys)
-    plain, _ = rollout(target, drafter, ps, 40, tlt=False, **how)
+    plain, _ = rollout(target, None, ps, 40, **how)
     assert len({tuple(r[0]) for r in plain}) == len(ps)  # sampled, varied outputs
     for threshold in (7, 100):  # a switch mid-rollout, and speculation from the first step
         bandit = Bandit(arms=(3, 0, 1, 6), seed=threshold)  # speculates first, then tries plain steps too
-        tlt, st = rollout(target, drafter, ps, 40, tlt=True, sd_threshold=threshold, bandit=bandit, **how)
+        tlt, st = rollout(target, drafter, ps, 40, sd_threshold=threshold, bandit=bandit, **how)
         assert st.sd_row_steps > 0 and st.accept_hist.get(0, 0) > 0  # speculated, and rejected some drafts
         assert [r[0] for r in tlt] == [r[0] for r in plain]
 
@@ -72,7 +75,7 @@ def test_hidden_states_align_with_tokens(tlt):
     target, drafter = tiny_models(1)
     ps = prompts(6, seed=2)
     gen = torch.Generator().manual_seed(0)
-    results, st = rollout(target, drafter, ps, 30, temperature=1.0, eos_id=EOS, generator=gen, tlt=tlt,
+    results, st = rollout(target, drafter if tlt else None, ps, 30, temperature=1.0, eos_id=EOS, generator=gen,
                           sd_threshold=4, bandit=Bandit(seed=0))
     if tlt:
         assert st.sd_row_steps > 0
@@ -86,11 +89,10 @@ def test_hidden_states_align_with_tokens(tlt):
 
 @pytest.mark.parametrize("sampler", ["gumbel", "rejection"])
 def test_a_rollout_reads_once_per_step_and_copies_nothing_in_its_loop(sampler, monkeypatch):
-    """The budget of a rollout's hot path, as a GPU would pay it (rollout.HostTraffic): per decoding
+    """The budget of a rollout's hot path, as a GPU would pay it (instrument.HostTraffic): per decoding
     step, compaction and the bandit's clock included, one read (which rows finished) and no copy from
     the host; the prefill reads nothing and copies a few host lists; the end reads three times (the
     last compact, the stats, the responses). The bandit is scored with every step's tokens, which that one read brings."""
-    monkeypatch.setattr(common, "DEBUG", False)  # TLT_DEBUG's checks read the device on purpose
     target, drafter = tiny_models(3)
     ps = [p for p in prompts(6, seed=8) for _ in range(4)]  # 6 GRPO groups of 4
     scored = []
@@ -103,7 +105,7 @@ def test_a_rollout_reads_once_per_step_and_copies_nothing_in_its_loop(sampler, m
     with counter:  # segments: the prefill, one per decoding step, the end
         results, st = rollout(target, drafter, ps, 40, temperature=1.0, eos_id=EOS, sampler=sampler, sd_threshold=100,
                               bandit=Spy(arms=(0, 2, 3), seed=1), generator=torch.Generator().manual_seed(0),
-                              keys=list(range(len(ps))), progress=counter.mark)
+                              keys=list(range(len(ps))), progress=lambda batch: counter.mark())
     reads, copies = counter.counts("read"), counter.counts("copy")
     assert len(reads) == st.steps + 2
     assert reads[1:-1] == [1] * st.steps and copies[1:-1] == [0] * st.steps, counter.segments
@@ -118,7 +120,7 @@ def test_a_rollout_reads_once_per_step_and_copies_nothing_in_its_loop(sampler, m
 
 def test_batch_shrinks_as_rows_finish():
     target, drafter = tiny_models(2)
-    _, st = rollout(target, drafter, prompts(10, seed=5), 40, temperature=0, eos_id=EOS, tlt=False)
+    _, st = rollout(target, None, prompts(10, seed=5), 40, temperature=0, eos_id=EOS)
     sizes = st.batch_sizes
     assert sizes[0] <= 10 and sizes[-1] >= 1
     assert all(a >= b for a, b in zip(sizes, sizes[1:]))

@@ -22,7 +22,10 @@ from torch.nn.utils import parameters_to_vector
 from drafter import Drafter, DrafterBuffer, make_optimizer
 from model import GPT, GPTConfig
 from rollout import rollout
-from scheduler import gather_ranks, idle_train, render_timeline, start_drafter_sync
+from distributed import gather_ranks
+from liveness import watched_barrier
+from report import render_timeline
+from scheduler import IdleWork, idle_train, start_drafter_sync
 
 DEADLINE_S = 120  # a hang fails the test instead of blocking CI
 
@@ -51,14 +54,14 @@ def _worker(rank, world, port, loads, out_path):
     load = loads[rank]
     prompts = [[1 + (i + rank) % 9] for i in range(4)] if load is not None else []
     gen = torch.Generator().manual_seed(rank)
-    results, _ = rollout(target, None, prompts, 20, generator=gen, tlt=False)
+    results, _ = rollout(target, None, prompts, 20, generator=gen)
     for _, tokens, hidden, plen in results:
         buffer.add(0, tokens, hidden, plen)
     dist.barrier()  # everyone starts the simulated rollout together
     t0 = time.perf_counter()
     time.sleep(load or 0.0)  # the rollout of a skewed load
     rollout_time = time.perf_counter() - t0
-    steps, _, idle, segments = idle_train(drafter, opt, buffer, random.Random(rank), batch_size=4)
+    steps, _, idle, segments = idle_train(drafter, opt, buffer, random.Random(rank), IdleWork(batch_size=4))
     trained = parameters_to_vector(drafter.parameters()).double()
     finish = start_drafter_sync(drafter, steps)
     # the target's update runs between the sync's start and its finish, its all-reduces beside the sync's
@@ -151,7 +154,7 @@ def test_render_timeline_draws_each_phase():
 def _always_last_worker(rank, world, port, out_path):
     """Rank 1 finishes every step's rollout last, so it never has idle time: it stages each step's
     rows and never stores them. Both ranks record what their buffers hold after each step."""
-    from speculative import Sample
+    from speculative import FinishedRow as Sample
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     target, drafter = _models()
@@ -159,10 +162,10 @@ def _always_last_worker(rank, world, port, out_path):
     gen = torch.Generator().manual_seed(rank)
     held, steps = [], 0
     for step in range(10):
-        rows, _ = rollout(target, None, [[1 + (i + step) % 9] for i in range(4)], 20, generator=gen, tlt=False)
+        rows, _ = rollout(target, None, [[1 + (i + step) % 9] for i in range(4)], 20, generator=gen)
         time.sleep(0.05 + 0.15 * rank)  # rank 1's rollout is always the long one
         buffer.add_rows(step, [Sample([], tokens, hidden, plen) for _, tokens, hidden, plen in rows])
-        steps += idle_train(drafter, opt, buffer, random.Random(step), batch_size=4, step_tokens=40)[0]
+        steps += idle_train(drafter, opt, buffer, random.Random(step), IdleWork(batch_size=4, piece_tokens=40))[0]
         held.append([buffer.held_tokens(), len(buffer.staged), sum(t.shape[0] for _, t, _, _ in buffer.items)
                      + sum(s.tokens.shape[0] for _, s in buffer.staged)])
         start_drafter_sync(drafter, steps)()
@@ -200,7 +203,8 @@ def _failing_worker(rank, world, port, q):
         raise RuntimeError("rank 1 fails during its rollout")
     t0 = time.time()
     try:
-        idle_train(drafter, make_optimizer(drafter), DrafterBuffer(), random.Random(0), timeout_s=20)
+        idle_train(drafter, make_optimizer(drafter), DrafterBuffer(), random.Random(0), IdleWork(),
+                   barrier=lambda: watched_barrier(timeout_s=20))
         q.put(("returned", time.time() - t0))
     except Exception as e:  # the point of the test: the survivor fails instead of waiting forever
         q.put((type(e).__name__, time.time() - t0))
@@ -253,7 +257,8 @@ def _idle(rank, world, fault):
     target, drafter = _models()
     if rank == world - 1:
         _late_work(fault, beat)  # beat: what rollout() is given as progress
-    idle_train(drafter, make_optimizer(drafter), DrafterBuffer(), random.Random(0), liveness=Liveness.current)
+    idle_train(drafter, make_optimizer(drafter), DrafterBuffer(), random.Random(0), IdleWork(),
+               barrier=lambda: watched_barrier(Liveness.current))
 
 
 def _wait(rank, world, fault):

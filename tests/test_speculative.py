@@ -25,12 +25,12 @@ import random
 import pytest
 import torch
 
-import common
+import instrument
 import speculative
 from drafter import Drafter, DrafterBuffer, make_optimizer, train_step
 from conftest import randomize
 from model import GPT, GPTConfig
-from rollout import HostTraffic
+from instrument import HostTraffic
 from speculative import (DecodeStats, RunningBatch, _mix32_, autoregressive_generate, gumbel_choose, gumbel_noise, gumbel_seeds,
                          probs, draw, speculative_generate, verify, verify_gumbel)
 
@@ -98,7 +98,7 @@ def greedy_setup():
     opt = make_optimizer(drafter, lr=1e-2)
     rng = random.Random(0)
     for _ in range(60):
-        train_step(drafter, opt, buf, rng, batch_size=16)
+        train_step(drafter, opt, buf.sample(16, rng))
     target.double()
     drafter.double()
 
@@ -212,7 +212,7 @@ def test_drafts_come_from_the_drafter_on_the_recorded_history(greedy_setup, monk
     (h~, d_{i-1}) with h~ the drafter's own previous prediction; speculative steps of a model-free
     drafter in between (rollout.py's combination) leave it states to catch up on like plain steps."""
     import speculative
-    from drafter import SiblingDrafter
+    from model_free import SiblingDrafter
 
     target, drafter, pool, free, eos = greedy_setup
     seen = []
@@ -272,8 +272,8 @@ def test_compact_drops_finished_rows_keeps_original_order(greedy_setup):
             assert gen.tokens.shape[0] == gen.hidden.shape[0] == gen.n_tokens.shape[0] == n
             assert gen.cache.batch_size == n
             assert torch.equal(gen.cache.lengths, gen.n_tokens - 1)
-            if gen.dcache is not None:
-                assert gen.dcache.batch_size == n
+            if gen.draft_cache is not None:
+                assert gen.draft_cache.batch_size == n
             if n == 0:
                 break
             if k == 0:
@@ -286,36 +286,6 @@ def test_compact_drops_finished_rows_keeps_original_order(greedy_setup):
         for i, (ids, tokens, hidden, plen) in enumerate(gen.results):
             assert plen == len(pool[i])
             assert tokens.tolist() == pool[i] + ids
-
-
-def test_groups_are_the_rows_of_one_prompt_and_their_texts_outlive_them(greedy_setup):
-    """What a model-free drafter reads of a row's GRPO group: the rows with its prompt plus the
-    finished responses passed in, never the row itself; a finished row's text stays as it ended, a
-    running row's is read as it is now; all_finished is whether no two running rows share a prompt
-    (and every one has a sibling: a row alone in its group has nothing to copy)."""
-    target, _, pool, _, eos = greedy_setup
-    a, b = pool[0], pool[1]
-    prompts = [a, b, a, b, a]
-    gen = RunningBatch(target, prompts, N_NEW, temperature=1.0, eos_id=eos, sampler="gumbel", keys=[5, 6, 7, 8, 9],
-                       siblings=[[], [[3, 1]], [], [], []])
-    done = lambda g: g.groups.all_finished(g.running)  # noqa: E731
-    assert gen.groups.siblings.tolist() == [[2, 4], [3, 5], [0, 4], [1, 5], [0, 2]]  # text 5: b + [3, 1], row 1's finished sibling
-    texts, lens = gen.groups.now(gen.row_id, gen.tokens, gen.n_tokens)
-    assert texts[5, :lens[5]].tolist() == b + [3, 1]
-    assert not done(gen)
-    seen = set()
-    while gen.compact() > 0:
-        running = gen.row_id.tolist()
-        assert done(gen) == (len({tuple(prompts[i]) for i in running}) == len(running))
-        seen.add(done(gen))
-        texts, lens = gen.groups.now(gen.row_id, gen.tokens, gen.n_tokens)
-        for i in range(5):  # every text is the row's tokens: as they are now, or as the row ended
-            now = gen.tokens[running.index(i), :gen.n_tokens[running.index(i)]] if i in running else gen.results[i].tokens
-            assert texts[i, :lens[i]].tolist() == now.tolist()
-        gen.plain_step()
-    assert seen == {False, True}  # the rows finish at different times
-    alone = RunningBatch(target, [a, b], N_NEW, temperature=1.0, eos_id=eos, sampler="gumbel", keys=[1, 2])
-    assert alone.groups.siblings.tolist() == [[-1], [-1]] and not done(alone)  # no siblings: nothing to copy
 
 
 def test_compact_moves_marked_rows_to_results():
@@ -345,31 +315,35 @@ def test_compact_moves_marked_rows_to_results():
 
 
 def test_debug_checks_catch_a_broken_invariant(greedy_setup, monkeypatch):
-    """With common.DEBUG on (TLT_DEBUG=1), a whole run passes RunningBatch's checks, and each
-    invariant that the steps rely on, broken by hand, stops the next step (or the compaction)."""
+    """instrument.BatchChecker (the progress callback under TLT_DEBUG=1): a whole run passes its
+    checks, and each invariant that the steps rely on, broken by hand, is caught at the next check."""
     from model import KVCache
-    monkeypatch.setattr(common, "DEBUG", True)
     target, drafter, pool, free, eos = greedy_setup
-    assert speculative_generate(target, drafter, pool, N_NEW, k=3, temperature=0)[0] == free  # no false alarm
+    checked = []
+    checker = instrument.BatchChecker(then=checked.append)
+    assert speculative_generate(target, drafter, pool, N_NEW, k=3, temperature=0, progress=checker)[0] == free
+    assert len(checked) > 3  # no false alarm, at every step
+    monkeypatch.setattr(instrument, "DEBUG", True)
+    assert isinstance(instrument.progress_hook(), instrument.BatchChecker)  # TLT_DEBUG=1 turns it on
     breaks = {"n_tokens - 1 positions": lambda g: setattr(g.cache, "lengths", g.cache.lengths + 1),
               "longest bounds": lambda g: setattr(g, "longest", g.longest - 1),
               "unread bounds": lambda g: setattr(g, "unread", 0),
               "host's rows": lambda g: g.running.reverse(),
               "keys with its tokens": lambda g: monkeypatch.setattr(g.cache, "keep", lambda n, *_: KVCache.keep(g.cache, n))}
     for what, brake in breaks.items():
-        gen = RunningBatch(target, pool, N_NEW, temperature=0, max_draft=3)
+        gen, check = RunningBatch(target, pool, N_NEW, temperature=0, max_draft=3), instrument.BatchChecker()
         gen.compact()
         gen.speculative_step(drafter, 3)  # the drafter's cache exists
         gen.compact()
         gen.plain_step()  # a state the drafter has not read
+        check(gen)
         gen.compact()
         brake(gen)
         with pytest.raises(AssertionError, match=what):
             if what == "keys with its tokens":
                 gen.done = gen.cache.rows == 0  # a hole at slot 0, for the last row to fill
                 gen.compact()
-            else:
-                gen.speculative_step(drafter, 3)
+            check(gen)
 
 
 @pytest.mark.parametrize("k", [0, 3])
@@ -743,45 +717,11 @@ def test_a_gumbel_step_runs_the_same_ops_at_any_vocabulary_size():
     assert counts[1000][3] < 30  # the choice alone: one pass of about 20 ops
 
 
-def test_ngram_drafter_proposes_what_followed_the_last_match():
-    from types import SimpleNamespace
-    from drafter import NgramDrafter
-    tokens = torch.tensor([[5, 6, 7, 8, 5, 6, 0, 0], [1, 2, 3, 4, 9, 9, 9, 9], [3, 3, 3, 3, 3, 0, 0, 0]])
-    n_tokens = torch.tensor([6, 4, 5])
-    drafts, q = NgramDrafter(n=2).propose(SimpleNamespace(tokens=tokens, n_tokens=n_tokens), 3)
-    assert q is None  # deterministic proposals: a one-hot q
-    assert drafts[0].tolist() == [7, 8, 5]  # "5 6" was followed by "7 8 5"; reads stay inside the row
-    assert drafts[1].tolist() == [4, 4, 4]  # "3 4" never occurred before: the last token, again
-    assert drafts[2].tolist() == [3, 3, 3]  # the latest earlier "3 3" (at 2) is followed by 3, 3 (clamped)
-
-
 def every_drafter(learned):
     """Each kind of drafter the speculative step takes, by its --drafter name."""
-    from drafter import NgramDrafter, SiblingDrafter, SiblingOrLearned
+    from model_free import NgramDrafter, SiblingDrafter, SiblingOrLearned
     return {"learned": learned, "ngram": NgramDrafter(n=1), "sibling": SiblingDrafter(max_match=4),
             "sibling+learned": SiblingOrLearned(learned, max_match=4)}
-
-
-@pytest.mark.parametrize("name", ["learned", "ngram", "sibling", "sibling+learned"])
-@pytest.mark.parametrize("sampler,temperature", [("gumbel", 1.0), ("gumbel", 0.0), ("rejection", 0.0)])
-def test_every_drafter_is_lossless(greedy_setup, name, sampler, temperature):
-    """Every drafter, learned or model-free, through the one propose(batch, k): the tokens are
-    plain decoding's (exact-token sampling and greedy), in groups of three rows with a prompt,
-    some of which also have finished siblings from before the batch, and some drafts are accepted,
-    some rejected. Rejection sampling at T > 0: test_sequence_distribution_is_the_targets."""
-    target, learned, pool, _, eos = greedy_setup
-    prompts = [p * 3 for p in pool for _ in range(3)]  # repeats give the n-gram lookup something to find
-    keys = list(range(100, 100 + len(prompts)))
-    how = dict(temperature=temperature, eos_id=eos, sampler=sampler)
-    plain, _ = autoregressive_generate(target, prompts, N_NEW, keys=keys, **how)
-    earlier, _ = autoregressive_generate(target, prompts, N_NEW, keys=[k + 10 ** 6 for k in keys], **how)
-    siblings = [[earlier[i]] if i % 2 else [] for i in range(len(prompts))]
-    out, st = speculative_generate(target, every_drafter(learned)[name], prompts, N_NEW, k=3, keys=keys,
-                                   siblings=siblings, **how)
-    assert out == plain
-    assert st["accepted"] > 0
-    if not (name == "sibling" and temperature == 0):  # greedy siblings are copies: every draft is right
-        assert st["accepted"] < st["drafted"]
 
 
 def test_rows_whose_old_32_bit_streams_were_a_shift_apart_get_unrelated_noise():
@@ -825,12 +765,13 @@ def test_steps_read_nothing_from_the_device(greedy_setup, sampler, temperature, 
     """Plain and speculative steps (every drafter, the learned drafter's first catch-up included)
     size everything from the host's bounds: no read, no copy from the host. compact() reads the
     device once (which rows finished) and copies nothing, also when rows finish and live rows move
-    into their slots (its index tensors are made on the device). rollout.HostTraffic says what counts."""
-    monkeypatch.setattr(common, "DEBUG", False)  # TLT_DEBUG's checks read the device on purpose
+    into their slots (its index tensors are made on the device). instrument.HostTraffic says what counts."""
     target, drafter, pool, _, eos = greedy_setup
     gen = RunningBatch(target, pool * 2, N_NEW, temperature=temperature, eos_id=eos, sampler=sampler, max_draft=4,
                        generator=torch.Generator().manual_seed(3), keys=list(range(2 * len(pool))))
     drafters = every_drafter(drafter)
+    drafters["sibling"].groups(gen)  # their texts are made once per batch, from host lists, as the
+    drafters["sibling+learned"].siblings.groups(gen)  # batch's own tensors are: before its steps
     schedule = itertools.cycle([None, ("learned", 4), None, ("learned", 2), ("ngram", 3), ("learned", 3), ("sibling", 2),
                                 ("learned", 1), ("sibling+learned", 3)])
     counter, sizes, moved = HostTraffic(), [], False
@@ -865,6 +806,6 @@ def test_generate_functions_report_progress_every_decoding_step(greedy_setup):
     for generate in (lambda **kw: autoregressive_generate(target, pool[:3], N_NEW, temperature=0, eos_id=eos, **kw),
                      lambda **kw: speculative_generate(target, drafter, pool[:3], N_NEW, k=2, temperature=0, eos_id=eos, **kw)):
         calls = []
-        out, stats = generate(progress=lambda: calls.append(1))
+        out, stats = generate(progress=lambda batch: calls.append(1))
         assert len(calls) == stats["steps"] > 1
         assert generate()[0] == out  # and it changes nothing

@@ -160,10 +160,10 @@ def test_rl_prompts_are_a_function_of_seed_and_step():
     relies on drawing the same list."""
     args = config.parse_args(TINY)
     cfg = train.task.TaskConfig(max_n=args.max_n, alpha=args.alpha)
-    prompts = train.rl_prompts(args, cfg, 3)
-    assert prompts == train.rl_prompts(args, cfg, 3) and len(prompts) == args.prompts_per_step
-    assert prompts != train.rl_prompts(args, cfg, 4)
-    assert prompts != train.rl_prompts(config.parse_args(TINY + ["--rl-seed", "7"]), cfg, 3)
+    prompts = train.rl.rl_prompts(args, cfg, 3)
+    assert prompts == train.rl.rl_prompts(args, cfg, 3) and len(prompts) == args.prompts_per_step
+    assert prompts != train.rl.rl_prompts(args, cfg, 4)
+    assert prompts != train.rl.rl_prompts(config.parse_args(TINY + ["--rl-seed", "7"]), cfg, 3)
 
 
 def test_mismatched_or_corrupt_checkpoint_is_refused_and_left_alone(tmp_path):
@@ -282,11 +282,11 @@ def test_non_finite_update_is_skipped_and_never_saved(tmp_path):
     before = [p.detach().clone() for p in model.parameters()]
     seqs, plens = [[1, 2, 3, 4], [1, 2, 5, 6]], [2, 2]
     adv = torch.tensor([float("nan"), 1.0])
-    how = dict(pad_id=0, update_tokens=args.update_tokens)
-    loss, _, skipped = train.rl.grpo_update(model, model, opt, seqs, plens, adv, **how)
+    cfg = train.rl.GRPOConfig(pad_id=0, update_tokens=args.update_tokens)
+    loss, _, skipped = train.rl.grpo_update(model, opt, seqs, plens, adv, cfg)
     assert skipped
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
-    loss, _, skipped = train.rl.grpo_update(model, model, opt, seqs, plens, torch.tensor([1.0, -1.0]), **how)
+    loss, _, skipped = train.rl.grpo_update(model, opt, seqs, plens, torch.tensor([1.0, -1.0]), cfg)
     assert not skipped and not all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
     path = tmp_path / "x.pt"
     checkpoint.save_atomic({"model": model.state_dict()}, str(path))
@@ -354,8 +354,9 @@ def _rl_steps_worker(rank, world, port, out, n_steps, warm):
     net = DistributedDataParallel(model, forward_sync_buffers=False) if world > 1 else model
     opt = torch.optim.AdamW(model.parameters(), lr=args.rl_lr, betas=(0.9, 0.95), weight_decay=0.0)
     d_opt = train.make_optimizer(drafter, args.drafter_online_lr)
-    recs = [train.rl_step(step, args, config.task_config(args), model, net, drafter, opt, d_opt, train.Bandit(args.draft_ks),
-                          train.DrafterBuffer(), rank, world, torch.device("cpu"))[0] for step in range(n_steps)]
+    s = train.RunState(args, config.task_config(args), model, net, opt, drafter, d_opt, train.Bandit(args.draft_ks),
+                       train.DrafterBuffer(), rank, world, torch.device("cpu"))
+    recs = [train.rl_step(step, s)[0] for step in range(n_steps)]
     if rank == 0:
         torch.save({"digests": [r["responses_digest"] for r in recs], "rewards": [r["reward"] for r in recs],
                     "weights": torch.cat([p.detach().reshape(-1) for p in model.parameters()])}, out)

@@ -1,0 +1,241 @@
+"""Instruments: what checks, counts or times the core from outside it. A learner may skip this file.
+
+    HostTraffic, host_traffic  the reads and copies a GPU would pay, counted on any device
+    count_syncs                the syncs a GPU itself reports per speculative step
+    Stopwatch, TimedDrafter    time spent in one region (drafting) without a sync per visit
+    DEBUG, BatchChecker        TLT_DEBUG=1: the invariants the running batch relies on, every step
+    check                      one such invariant (the sibling lookup states its own)
+
+They reach the core through what it offers: a dispatch mode around a rollout, the progress
+callback the generate functions and the rollout call after every step, a drafter with `propose`.
+
+Test: python -m pytest tests/test_rollout.py tests/test_speculative.py
+"""
+import contextlib
+import os
+import time
+import warnings
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from rollout import rollout
+from speculative import RunningBatch
+
+DEBUG = os.environ.get("TLT_DEBUG") == "1"
+
+
+def check(ok, what):
+    """An invariant check, made where `DEBUG` is on (callers test `instrument.DEBUG` first, so off
+    it costs nothing): ok, a bool or a bool tensor, must hold everywhere. Reading a tensor is a
+    sync: debug runs only."""
+    if not bool(torch.as_tensor(ok).all()):
+        raise AssertionError(f"invariant broken: {what}")
+
+
+class BatchChecker:
+    """A progress callback that checks, after every step, what a RunningBatch's steps rely on:
+    1. the host's `running` is the device's row_id: results go to the right rows;
+    2. every row's tokens and cached keys stay with it from one call to the next (compaction moves
+       a row's keys with its tokens);
+    3. the target cache holds every row's tokens but the pending one: lengths == n_tokens - 1;
+    4. n_tokens <= longest <= cap: the attention windows sized from `longest` cover every row;
+    5. n_tokens - 1 - draft_cache.lengths <= unread: the drafter's catch-up reaches every state.
+    Each check reads the device: debug runs only."""
+
+    def __init__(self, then=None):
+        self.then, self.batch = then, None  # then: a callback to run after (liveness's beat)
+
+    def __call__(self, batch):
+        if batch is not self.batch:  # a new batch: its rows are new
+            self.batch, self.seen = batch, {}
+        n = batch.n_tokens
+        check(batch.row_id.tolist() == batch.running, "the host's rows are the device's")
+        keys = batch.cache.k[0, :, 0, :, 0]  # (B, max_len): layer 0, head 0, channel 0
+        for slot, row in enumerate(batch.running):
+            if row in self.seen:
+                tokens, k = self.seen[row]
+                check(torch.equal(batch.tokens[slot, :len(tokens)], tokens)
+                      and torch.equal(keys[slot, :len(k)], k), "compaction moves every row's cache keys with its tokens")
+            L = int(n[slot]) - 1
+            self.seen[row] = batch.tokens[slot, :L + 1].clone(), keys[slot, :L].clone()
+        check(torch.equal(batch.cache.lengths, n - 1), "the target cache holds n_tokens - 1 positions")
+        check(not n.numel() or int(n.max()) <= batch.longest <= batch.cap, "longest bounds every row")
+        check(batch.draft_cache is None or bool((n - 1 - batch.draft_cache.lengths <= batch.unread).all()),
+              "unread bounds the drafter's unread states")
+        if self.then:
+            self.then(batch)
+
+
+def progress_hook(beat=None):
+    """The progress callback a run gives the core: liveness's beat (slow, not dead), and under
+    TLT_DEBUG=1 the running batch's invariants after every step."""
+    step = (lambda batch: beat()) if beat else None
+    return BatchChecker(then=step) if DEBUG else step
+
+
+class Stopwatch:
+    """The time spent in one region of code, summed over its visits, without a sync per visit:
+    CUDA events on a GPU, read once by `seconds()`; the host clock on a CPU."""
+
+    def __init__(self, device):
+        self.cuda, self.spans, self.total = device.type == "cuda", [], 0.0
+
+    @contextlib.contextmanager
+    def __call__(self):
+        if self.cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            yield
+            end.record()
+            self.spans.append((start, end))
+        else:
+            t0 = time.perf_counter()
+            yield
+            self.total += time.perf_counter() - t0
+
+    def seconds(self):
+        if self.spans:
+            self.spans[-1][1].synchronize()  # sync: once, for every visit's events
+            self.total += sum(a.elapsed_time(b) for a, b in self.spans) / 1000
+            self.spans = []
+        return self.total
+
+
+class TimedDrafter:
+    """A drafter that times its proposals: what a rollout spends drafting (`seconds()`)."""
+
+    def __init__(self, drafter, device):
+        self.drafter, self.watch = drafter, Stopwatch(device)
+
+    def propose(self, batch, k):
+        with self.watch():
+            return self.drafter.propose(batch, k)
+
+    def seconds(self):
+        return self.watch.seconds()
+
+
+class HostTraffic(TorchDispatchMode):
+    """Counts, while active, what makes the host wait for a GPU (reads) and what copies host data to
+    it (copies), in segments: `mark()` ends one and starts the next (rollout's `progress` hook marks
+    the prefill and every decoding step). It counts operations by what they mean, not by what the
+    device at hand does, so a run on a CPU, where host and device are one, counts what the same run
+    would pay on a GPU.
+
+    reads (device -> host: the host waits for every kernel queued before it):
+      aten._local_scalar_dense (item(), int(t), float(t), bool(t), `if t:`), aten.equal (torch.equal
+      returns a Python bool); ops whose output size depends on values (nonzero, unique, masked_select,
+      indexing with a boolean mask); Tensor.tolist, .cpu and .numpy, counted where they are called (on
+      a CPU they dispatch nothing), whatever they dispatch inside not counted again.
+    copies (host -> device):
+      aten.lift_fresh, a tensor made from Python data (torch.tensor(list), torch.as_tensor(list),
+      indexing with a Python list), unless it is a 0-d CPU tensor (a Python scalar, which a kernel takes
+      as an argument); aten._to_copy of a CPU tensor to another device (a GPU run only).
+    Not seen on a CPU: .to(device) of a CPU tensor (nothing is dispatched; on a GPU run it is the
+    _to_copy above). torch.cuda.synchronize is not an op: rollout() calls none; `count_syncs` counts
+    what a GPU itself reports."""
+    READS = {"_local_scalar_dense", "equal", "nonzero", "_unique2", "unique_dim", "unique_consecutive", "masked_select"}
+    HOST_CALLS = ("tolist", "cpu", "numpy")
+
+    def __init__(self):
+        super().__init__()
+        self.segments = [[]]  # per segment, the (kind, op) of every read and copy, in order
+        self._inside = 0  # > 0 inside a counted Tensor.tolist/cpu/numpy
+
+    def mark(self):
+        self.segments.append([])
+
+    def counts(self, kind):
+        """How many reads ("read") or copies ("copy") each segment made."""
+        return [sum(k == kind for k, _ in seg) for seg in self.segments]
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        if not self._inside:
+            t = args[0] if args and torch.is_tensor(args[0]) else None
+            if name in self.READS or (name in ("index", "index_put", "index_put_") and any(
+                    i is not None and i.dtype == torch.bool for i in args[1])):
+                self.segments[-1].append(("read", name))
+            elif name == "lift_fresh" and (t.dim() > 0 or t.device.type != "cpu"):
+                self.segments[-1].append(("copy", name))
+            elif name == "_to_copy" and t.device.type == "cpu" and (kwargs.get("device") or t.device).type != "cpu":
+                self.segments[-1].append(("copy", name))
+        return func(*args, **(kwargs or {}))
+
+    def __enter__(self):
+        self._real = {name: getattr(torch.Tensor, name) for name in self.HOST_CALLS}
+        for name, real in self._real.items():
+            setattr(torch.Tensor, name, self._counted(name, real))
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        for name, real in self._real.items():
+            setattr(torch.Tensor, name, real)
+        return super().__exit__(*exc)
+
+    def _counted(self, name, real):
+        def call(t, *args, **kwargs):
+            if not self._inside:
+                self.segments[-1].append(("read", name))
+            self._inside += 1
+            try:
+                return real(t, *args, **kwargs)
+            finally:
+                self._inside -= 1
+        return call
+
+
+def host_traffic(target, drafter, prompts, max_new_tokens, **kwargs):
+    """One rollout(target, drafter, prompts, max_new_tokens, **kwargs) under a HostTraffic, a segment
+    per decoding step, the prefill and the end apart. Prints a line; returns its reads and copies."""
+    counter = HostTraffic()
+    with counter:
+        _, stats = rollout(target, drafter, prompts, max_new_tokens,
+                           progress=lambda batch: counter.mark(), **kwargs)
+    (r0, *reads, r_end), (c0, *copies, c_end) = counter.counts("read"), counter.counts("copy")
+    out = {"steps": len(reads), "sd_row_steps": stats.sd_row_steps, "reads_per_step":
+           sum(reads) / len(reads), "max_reads_in_a_step": max(reads), "copies_in_steps": sum(copies),
+           "prefill": {"reads": r0, "copies": c0}, "end": {"reads": r_end, "copies": c_end}}
+    print(f"host-device traffic of a {len(prompts)}-row rollout, as a GPU would pay it (rollout.HostTraffic): "
+          f"{out['reads_per_step']:.2f} reads per decoding step (at most {max(reads)}), {sum(copies)} copies from the "
+          f"host over its {len(reads)} steps; the prefill {r0} reads, {c0} copies; the end {r_end} reads")
+    return out
+
+
+@torch.no_grad()
+def count_syncs(model, drafter, batch_size=1, k=4, steps=8, sampler="gumbel"):
+    """Host-device round trips per speculative step and per compaction, counted on a GPU by
+    torch.cuda.set_sync_debug_mode("warn"), which warns once per synchronizing call. The rows run
+    to the length limit (no <|eos|>), after one unmeasured step that fills the drafter's cache.
+    Prints the counts and returns {"step": syncs per speculative step, "compact": per compact()};
+    on a CPU prints "n/a on CPU" and returns None (HostTraffic counts what they would be)."""
+    if model.wte.weight.device.type != "cuda":
+        print("host-device syncs per speculative step: n/a on CPU")
+        return None
+    prompts = [[1 + b % 7, 2, 3, 4, 5] for b in range(batch_size)]
+    max_new = min((steps + 1) * (k + 1), model.config.block_size - 5 - k)
+    batch = RunningBatch(model, prompts, max_new, max_draft=k, sampler=sampler,
+                         generator=torch.Generator(device=model.wte.weight.device).manual_seed(0))
+    batch.compact()
+    batch.speculative_step(drafter, k)
+    batch.compact()
+    torch.cuda.synchronize()
+    counts, n = {"step": 0, "compact": 0}, 0
+    before = torch.cuda.get_sync_debug_mode()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            while n < steps and batch.batch_size:
+                for name, fn in (("step", lambda: batch.speculative_step(drafter, k)), ("compact", batch.compact)):
+                    seen = len(caught)
+                    fn()
+                    counts[name] += len(caught) - seen
+                n += 1
+        finally:
+            torch.cuda.set_sync_debug_mode(before)
+    out = {name: c / max(n, 1) for name, c in counts.items()}
+    print(f"host-device syncs at batch {batch_size}, k = {k} ({sampler}), over {n} steps: "
+          f"{out['step']:.1f} per speculative step, {out['compact']:.1f} per compaction")
+    return out

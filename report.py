@@ -1,0 +1,371 @@
+"""What a run shows: the step line, the timeline, the summary and its picture, from metrics.jsonl.
+
+train.py prints one line per RL step (`log_step`), every --timeline-every steps the ranks'
+timeline (`render_timeline`), and at the end a summary (`summary`) that closes with a picture of
+the run. The picture answers the question the adaptive drafter exists for: does the drafter hold
+as the target moves? Over bins of consecutive RL steps it draws what the target writes (response
+length), how the drafter fares (teacher-forced top-1, accept length) and what the step costs
+(step time, rollout share); then the acceptance at each draft position in the first tenth of
+the run against the last tenth, since an average accept length alone hides a drafter that is
+good for one token and guesses after it.
+
+Everything here reads records only (train.py's `step_record`, one JSON line of metrics.jsonl
+per step), so any finished run can be looked at again:
+
+    python report.py out            # a run's --out-dir, or the path of its metrics.jsonl
+    python report.py out --bins 5
+
+prints the summary lines that the records hold (not the held-out accuracies, not the wall time)
+and the picture. The picture is text, at most 100 columns wide: per figure a sparkline of the
+blocks in BLOCKS, scaled from the figure's minimum to its maximum (both printed beside it, so a
+small change is not mistaken for a large one); a bin where the figure is null in every record
+(no speculative step in it) is left blank.
+
+Test: python -m pytest tests/test_report.py
+"""
+import hashlib
+import json
+import os
+import statistics
+import warnings
+
+from common import OneLineParser
+from distributed import gather_ranks, print0
+from evaluate import format_accuracy
+from rollout import Bandit
+
+TIMELINE_CHARS = {"plain": "#", "spec": "S", "train": "t", "wait": "."}
+BLOCKS = " ▁▂▃▄▅▆▇█"  # a sparkline's levels; " " is a bin without a figure
+EIGHTHS = " ▏▎▍▌▋▊▉"  # a bar's last, partial cell
+BAR_WIDTH = 40  # cells of a bar at 100%
+
+
+def seconds(v):
+    """A step time for the picture: milliseconds shown for short steps, whole seconds for long."""
+    return f"{v:.3f}" if v < 10 else f"{v:.1f}" if v < 1000 else f"{v:.0f}"
+
+
+# the picture's rows: (record key, label, how a value prints, unit, what a row without any figure
+# says): what the target writes, how the drafter fares, what the step costs
+NO_SD = "no speculative steps (accept_len is null in every record: --tlt off, or no SD step ran)"
+PICTURE_ROWS = (("response_len", "response length", "{:.1f}".format, "tokens", "no figure"),
+                ("drafter_top1", "drafter top-1", "{:.1%}".format, "", "not scored in any step"),
+                ("accept_len", "accept length", "{:.2f}".format, "tokens/verify", NO_SD),
+                ("step_time", "step time", seconds, "s", "no figure"),
+                ("rollout_share", "rollout share", "{:.0%}".format, "", "no figure"))
+# what the summary and the picture read from each record (the CLI checks them before it draws)
+NEEDED = ("step", "step_time", "rollout_time", "update_time", "rollout_share", "slowest_wait",
+          "tail_share", "reward", "accept_len", "accept_rate", "sd_token_frac", "drafter_top1",
+          "drafted_at", "accepted_at", "bandit_best", "response_len", "careful_share",
+          "skipped_update", "drafter_skipped")
+
+
+# -----------------------------------------------------------------------------
+# acceptance by draft position, summed over ranks and over steps
+
+# -----------------------------------------------------------------------------
+# the step's record
+
+def step_record(step, local, total, all_rewards, responses, step_time, update_time):
+    """The step's metrics.jsonl record from this rank's `local` part and the sums over ranks, and
+    every rank's part (the timeline draws their segments)."""
+    ranks = gather_ranks(local)
+    if len({r["drafter_checksum"] for r in ranks}) > 1:
+        warnings.warn(f"step {step}: the ranks' drafters differ after the sync ({[r['drafter_checksum'] for r in ranks]})")
+    slowest = max(ranks, key=lambda r: r["rollout_time"])
+    rollout_max, n_rows = slowest["rollout_time"], all_rewards.numel()
+    # one hash of every response of the step in global row order: two runs, on any numbers of ranks,
+    # can be compared token for token
+    digest = hashlib.sha256(json.dumps(responses).encode()).hexdigest()[:16]
+    return {
+        "step": step, "step_time": step_time, "rollout_time": rollout_max, "update_time": update_time,
+        "tail_share": slowest["tail_share"], "rollout_share": rollout_max / step_time, "responses_digest": digest,
+        "draft_time": slowest["draft_time"],  # of the slowest rank's rollout, in the drafter
+        # what stood between the slowest rank's rollout and its update: rewards, the barrier, a drafter
+        # step still in flight on another rank (idle training is free only if this stays near 0)
+        "slowest_wait": slowest["wait_to_update"],
+        "reward": float(all_rewards.mean()),
+        "accept_len": total["sd_tokens"] / total["sd_row_steps"] if total["sd_row_steps"] else None,
+        "accept_rate": total["accepted"] / total["drafted"] if total["drafted"] else None,
+        "drafter_top1": total["top1_agree"] / total["top1_positions"] if total["top1_positions"] else None,
+        # per draft position: drafts decided there (the earlier ones accepted) and accepted
+        "drafted_at": [int(v) for k, v in total.items() if k.startswith("drafted_at")],
+        "accepted_at": [int(v) for k, v in total.items() if k.startswith("accepted_at")],
+        "drafter_top1_positions": int(total["top1_positions"]),  # scored on idle time: the last rank's rows are left out
+        # what the target writes: mean response length and share of careful steps
+        "response_len": total["response_tokens"] / n_rows, "careful_share": total["careful"] / n_rows,
+        "sd_token_frac": total["sd_tokens"] / max(total["tokens"], 1), "tok_s": total["tokens"] / max(rollout_max, 1e-9),
+        "idle_time": max(r["idle_time"] for r in ranks), "drafter_steps": sum(r["drafter_steps"] for r in ranks),
+        "drafter_skipped": sum(r["drafter_skipped"] for r in ranks), "drafter_checksum": local["drafter_checksum"],
+        "ranks": [{k: v for k, v in r.items() if k != "segments"} for r in ranks],
+    }, ranks
+
+
+
+def position_counts(stats, k_max):
+    """A rollout's drafts decided and accepted at each draft position 1..k_max, as {name: count}
+    (distributed.all_sum's form; speculative.DecodeStats has the meaning)."""
+    pad = lambda v: v + [0] * (k_max - len(v))  # noqa: E731
+    return {**{f"drafted_at{i}": v for i, v in enumerate(pad(stats.drafted_at))},
+            **{f"accepted_at{i}": v for i, v in enumerate(pad(stats.accepted_at))}}
+
+
+def by_position(records):
+    """Acceptance at each draft position summed over records (metrics.jsonl's, with their
+    `drafted_at` and `accepted_at`) -> ([rates or None], [drafts decided])."""
+    drafted = [sum(c) for c in zip(*(r["drafted_at"] for r in records))]
+    accepted = [sum(c) for c in zip(*(r["accepted_at"] for r in records))]
+    return [a / d if d else None for a, d in zip(accepted, drafted)], drafted
+
+
+def format_positions(rates):
+    """Rates by position as percentages for a log line; '-' where no draft was decided."""
+    return " ".join("  -  " if r is None else f"{100 * r:4.1f}" for r in rates)
+
+
+# -----------------------------------------------------------------------------
+# the step line and the ranks' timeline
+
+def render_timeline(records, width=64):
+    """One text row per rank: '#' plain decoding, 'S' speculative, 't' drafter training,
+    '.' waiting."""
+    total = max((seg[2] for r in records for seg in r["segments"]), default=0.0) or 1.0
+    lines = []
+    for r in records:
+        row = [" "] * width
+        for kind, a, b in r["segments"]:
+            lo = int(a / total * width)
+            hi = max(lo + 1, int(round(b / total * width)))
+            for i in range(lo, min(hi, width)):
+                row[i] = TIMELINE_CHARS[kind]
+        lines.append(f"rank {r['rank']:2d} |{''.join(row)}| {r['rollout_time']:.2f}s rollout, "
+                     f"{r['idle_time']:.2f}s idle, {r['drafter_steps']} drafter steps")
+    legend = "  ".join(f"{c} {k}" for k, c in TIMELINE_CHARS.items())
+    return "\n".join(lines + [f"        {legend}   (full width = {total:.2f}s)"])
+
+
+def log_step(rec, ranks, args):
+    """Rank 0's line for the step, and every --timeline-every steps the ranks' timeline."""
+    # n/a: no rank had time to score
+    top1 = "n/a" if rec["drafter_top1"] is None else f"{100 * rec['drafter_top1']:.1f}%"
+    print0(f"step {rec['step']:04d}/{args.rl_steps} | reward {rec['reward']:.3f} | "
+           f"step {rec['step_time']:.2f}s | rollout {rec['rollout_time']:.2f}s "
+           f"({100 * rec['rollout_share']:.0f}%, tail {100 * rec['tail_share']:.0f}%) | "
+           f"tok/s {rec['tok_s']:,.0f} | accept {rec['accept_len'] or 0:.2f} "
+           f"({100 * (rec['accept_rate'] or 0):.0f}% of drafts) | "
+           f"sd tok {100 * rec['sd_token_frac']:.0f}% | drafter top-1 {top1} | "
+           f"idle {rec['idle_time']:.2f}s | drafter steps {rec['drafter_steps']}"
+           + (f" ({rec['drafter_skipped']} non-finite, skipped)" if rec["drafter_skipped"] else "")
+           + (" | SKIPPED non-finite update" if rec["skipped_update"] else ""))
+    last = rec["step"] == args.rl_steps - 1
+    if args.timeline_every and (rec["step"] % args.timeline_every == 0 or last):
+        print0(render_timeline(ranks))
+
+
+# -----------------------------------------------------------------------------
+# the summary
+
+def summary(history, acc0, acc1, total_time):
+    """The end of a run: what its records show, the held-out accuracies before and after RL
+    (acc0, acc1: evaluate_both's; empty when not evaluated), the wall time, then the picture."""
+    print0("\nsummary")
+    for line in record_lines(history):
+        print0(line)
+    if not acc0:
+        print0("  held-out accuracy     not evaluated (--eval-per-bucket 0)")
+    else:
+        for kind in ("greedy", "sampled"):
+            for name, acc in (("before RL", acc0), ("after RL", acc1)):
+                print0(f"  {kind:7s} {name:9s}     {format_accuracy(acc[kind])}")
+    print0(skipped_line(history))
+    print0(f"  wall time             {total_time:.0f}s")
+    for line in picture(history):
+        print0(line)
+
+
+def record_lines(history):
+    """The summary's lines that the records alone hold, up to the held-out accuracies: times,
+    shares, the drafter, the bandit, reward and lengths."""
+    def mean(key):
+        vals = [h[key] for h in history if h[key] is not None]
+        return sum(vals) / len(vals) if vals else float("nan")
+    wait_max = max(h["slowest_wait"] for h in history)
+    tail = statistics.median(h["tail_share"] for h in history)
+    lines = [f"  RL steps              {len(history)}",
+             f"  mean step time        {mean('step_time'):.3f}s (rollout "
+             f"{mean('rollout_time'):.3f}s, update {mean('update_time'):.3f}s, "
+             f"rollout share {100 * mean('rollout_share'):.0f}%)",
+             f"  slowest rank's wait   {1000 * mean('slowest_wait'):.1f} ms mean, from its "
+             f"rollout's end to its update's start (max {1000 * wait_max:.1f} ms)",
+             f"  tail share            {100 * tail:.0f}% median (the slowest rank's rollout time "
+             f"after 90% of its rows had finished)"]
+    top1 = [h["drafter_top1"] for h in history if h["drafter_top1"] is not None]
+    if top1:
+        n = max(1, len(top1) // 10)
+        lines.append(f"  drafter top-1         {100 * sum(top1[:n]) / n:.1f}% -> "
+                     f"{100 * sum(top1[-n:]) / n:.1f}% (teacher-forced agreement with the target "
+                     f"on each step's fresh rows, before training on them; "
+                     f"first and last {n} steps)")
+    lines.append(f"  mean accept length    {mean('accept_len'):.2f} tokens per verify step, "
+                 f"{100 * mean('accept_rate'):.0f}% of drafted tokens accepted, "
+                 f"SD token share {100 * mean('sd_token_frac'):.0f}%")
+    rates, drafted = by_position(history)
+    if any(drafted):
+        lines.append(f"  accepted by position  {format_positions(rates)} % (draft 1..{len(rates)}, "
+                     f"given the earlier ones were; {sum(drafted):,} drafts decided)")
+    best = history[-1]["bandit_best"]
+    if best:
+        ks = ", ".join(f"{Bandit.bucket_sizes(int(b))}: {k}" for b, k in best.items())
+        lines.append(f"  bandit's k per batch  {ks} (rank 0, end of run)")
+    return lines + trend_lines(history)
+
+
+def trend_lines(history):
+    """Reward and what the target writes, first tenth of the run against the last: a step's
+    reward swings with its prompt mix, tenths of the run show the trend."""
+    n = max(1, len(history) // 10)
+
+    def tenths(key):
+        return sum(h[key] for h in history[:n]) / n, sum(h[key] for h in history[-n:]) / n
+    reward = "  reward                {:.3f} -> {:.3f}".format(*tenths("reward"))
+    length = "  response length       {:.1f} -> {:.1f} tokens".format(*tenths("response_len"))
+    if any(h["careful_share"] for h in history):
+        length += ", careful steps {:.0%} -> {:.0%}".format(*tenths("careful_share"))
+    return [reward + f" (means of the first and the last {n} steps)",
+            length + f" (first and last {n} steps)"]
+
+
+def skipped_line(history):
+    """The summary's count of the updates skipped for a non-finite loss or gradient."""
+    return (f"  skipped updates       {sum(h['skipped_update'] for h in history)} of the target, "
+            f"{sum(h['drafter_skipped'] for h in history)} drafter steps "
+            f"(non-finite loss or gradient)")
+
+
+# -----------------------------------------------------------------------------
+# the picture: does the drafter hold as the target moves?
+
+def picture(history, bins=10):
+    """The run drawn in text lines of at most 100 characters: each PICTURE_ROWS figure as a
+    sparkline over at most `bins` bins of consecutive steps, then the acceptance at each draft
+    position, first tenth of the run against the last."""
+    history = sorted(history, key=lambda h: h["step"])
+    edges = bin_edges(len(history), bins)
+    sizes = " or ".join(str(s) for s in sorted({hi - lo for lo, hi in zip(edges, edges[1:])}))
+    lines = ["", "picture of the run: does the drafter hold as the target moves?",
+             f"  steps {history[0]['step']}..{history[-1]['step']} in {len(edges) - 1} bins of "
+             f"{sizes} step(s); each row: first bin -> last bin, then its range"]
+    for key, label, fmt, unit, empty in PICTURE_ROWS:
+        means = bin_means(history, key, edges)
+        known = [m for m in means if m is not None]
+        if not known:
+            lines.append(f"  {label:16s}{empty}")
+            continue
+        lines.append(f"  {label:16s}{sparkline(means)}  {fmt(known[0])} -> {fmt(known[-1])}, "
+                     f"range {fmt(min(known))}..{fmt(max(known))} {unit}".rstrip())
+    return lines + position_bars(history)
+
+
+def bin_edges(n, bins):
+    """Edges of at most `bins` bins of consecutive records out of n, whose sizes differ by at
+    most one."""
+    bins = max(1, min(bins, n))
+    return [i * n // bins for i in range(bins + 1)]
+
+
+def bin_means(history, key, edges):
+    """Per bin, the mean of a figure over its records where it is not null; None where it is
+    null in all of them."""
+    out = []
+    for lo, hi in zip(edges, edges[1:]):
+        vals = [h[key] for h in history[lo:hi] if h[key] is not None]
+        out.append(sum(vals) / len(vals) if vals else None)
+    return out
+
+
+def sparkline(values, cell=2):
+    """Values as blocks of `cell` characters, from ▁ at their minimum to █ at their maximum;
+    blanks for None. A flat figure draws at mid-height."""
+    known = [v for v in values if v is not None]
+    lo, hi = min(known), max(known)
+
+    def level(v):
+        if v is None:
+            return 0
+        return 1 + (round(7 * (v - lo) / (hi - lo)) if hi > lo else 4)
+    return " ".join(BLOCKS[level(v)] * cell for v in values)
+
+
+def bar(frac, width=BAR_WIDTH):
+    """A horizontal bar of `width` cells for a fraction in [0, 1], in eighths of a cell."""
+    full, part = divmod(round(max(0.0, min(1.0, frac)) * width * 8), 8)
+    return ("█" * full + (EIGHTHS[part] if part else "")).ljust(width)
+
+
+def position_bars(history):
+    """Acceptance at each draft position (given the earlier ones were accepted), summed over the
+    first tenth of the run and over the last tenth, one bar each: a drafter going stale as the
+    target moves loses its later positions first."""
+    n = max(1, len(history) // 10)
+    parts = [(f"first {n}", by_position(history[:n])), (f"last {n}", by_position(history[-n:]))]
+    steps = f"{n} step{'s' if n > 1 else ''}"
+    if not any(any(drafted) for _, (_, drafted) in parts):
+        return [f"  accepted by position  no drafts decided in the first or the last {steps}"]
+    lines = [f"  accepted by position (% of the drafts decided there; first and last {steps})"]
+    for i in range(max(len(rates) for _, (rates, _) in parts)):
+        for j, (name, (rates, drafted)) in enumerate(parts):
+            head = f"    draft {i + 1:<2d} {name:9s}" if j == 0 else f"{'':13s}{name:9s}"
+            rate = rates[i] if i < len(rates) else None
+            if rate is None:
+                lines.append(f"{head}|{' ' * BAR_WIDTH}|   -   no drafts")
+            else:
+                lines.append(f"{head}|{bar(rate)}| {100 * rate:5.1f}% of {drafted[i]:,}")
+    return lines
+
+
+# -----------------------------------------------------------------------------
+# python report.py <run dir or metrics.jsonl>
+
+def load_records(path):
+    """A run directory's or a file's metrics.jsonl -> (records, None), or (None, what is wrong,
+    in one line)."""
+    if os.path.isdir(path):
+        path = os.path.join(path, "metrics.jsonl")
+    if not os.path.isfile(path):
+        return None, f"no such file: {path}"
+    records = []
+    with open(path) as f:
+        for i, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError as e:
+                return None, f"{path} line {i} is not JSON ({e.msg})"
+            if not isinstance(rec, dict):
+                return None, f"{path} line {i} is not a JSON object"
+            missing = [k for k in NEEDED if k not in rec]
+            if missing:
+                return None, f"{path} line {i} lacks {', '.join(missing)}"
+            records.append(rec)
+    return (records, None) if records else (None, f"{path} holds no records")
+
+
+def main(argv=None):
+    p = OneLineParser(description="The summary and the picture of a run, from its metrics.jsonl.")
+    p.add_argument("path", help="a run's --out-dir, or the path of its metrics.jsonl")
+    p.add_argument("--bins", type=int, default=10,
+                   help="at most this many bins of consecutive steps in the picture")
+    args = p.parse_args(argv)
+    if args.bins < 1:
+        p.error(f"--bins must be at least 1, got {args.bins}")
+    records, problem = load_records(args.path)
+    if problem:
+        p.exit(2, f"error: {problem}\n")
+    print0("summary")
+    for line in record_lines(records) + [skipped_line(records)] + picture(records, args.bins):
+        print0(line)
+
+
+if __name__ == "__main__":
+    main()

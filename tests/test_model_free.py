@@ -1,0 +1,266 @@
+"""Tests for model_free.py: the n-gram and sibling lookups on hand-made batches, the sibling
+drafter's texts of a running batch's GRPO groups, and every drafter's losslessness.
+
+Greedy and exact-token runs are float64 on a tiny random target (as in tests/test_speculative.py),
+so a token-level disagreement between speculative and plain decoding is a real bug.
+"""
+import random
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import instrument
+from instrument import HostTraffic
+from conftest import randomize
+from drafter import Drafter, DrafterBuffer, make_optimizer, train_step
+from model import GPT, GPTConfig
+from model_free import NgramDrafter, SiblingDrafter, SiblingOrLearned
+from speculative import RunningBatch, autoregressive_generate, speculative_generate
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """These models are tiny: on a busy 2-core machine, intra-op threads only spin and wait."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def tiny(V, seed, std=0.5):
+    torch.manual_seed(seed)
+    config = GPTConfig(vocab_size=V, block_size=64, n_layer=2, n_head=2, n_embd=16)
+    return randomize(GPT(config).eval(), seed, std)
+
+
+V_G = 16
+N_NEW = 20
+PROMPT_LENS = [1, 3, 5, 2, 7, 4, 6, 2]
+
+
+@pytest.fixture(scope="module")
+def greedy_setup():
+    """A float64 target, a drafter that agrees with it some of the time, a pool of ragged
+    prompts, and an <|eos|> id chosen so that some rows stop on it and others run to the end."""
+    target = tiny(V_G, seed=1)
+    g = torch.Generator().manual_seed(2)
+    # briefly train the drafter on sampled rollouts: an untrained drafter is almost always rejected
+    torch.manual_seed(3)
+    drafter = Drafter(target)
+    train_prompts = [torch.randint(0, V_G, (n,), generator=g).tolist() for n in PROMPT_LENS * 4]
+    gen = RunningBatch(target, train_prompts, 30, temperature=1.0, generator=g)
+    while gen.compact() > 0:
+        gen.plain_step()
+    buf = DrafterBuffer(keep_steps=1)
+    for _, tokens, hidden, plen in gen.finished:
+        buf.add(0, tokens, hidden, plen)
+    opt = make_optimizer(drafter, lr=1e-2)
+    rng = random.Random(0)
+    for _ in range(60):
+        train_step(drafter, opt, buf.sample(16, rng))
+    target.double()
+    drafter.double()
+
+    pool = [torch.randint(0, V_G, (n,), generator=g).tolist() for n in PROMPT_LENS]
+    free, _ = autoregressive_generate(target, pool, N_NEW, temperature=0)
+    assert len({t for o in free for t in o}) >= 4, free
+    assert sum(len(set(o)) >= 3 for o in free) >= 4, free
+    # eos: a token that ends some rows early and is absent from others; the most balanced such token
+    best = None
+    for v in range(V_G):
+        early = [i for i, o in enumerate(free) if v in o[1:-1] and o[0] != v]
+        absent = [i for i, o in enumerate(free) if v not in o]
+        if early and absent and (best is None or min(len(early), len(absent)) > best[0]):
+            best = (min(len(early), len(absent)), v, early, absent)
+    assert best is not None, "no token ends some rows early and is absent from others"
+    _, eos, early, absent = best
+    order = [early[0], absent[0]] + [i for i in range(len(pool)) if i not in (early[0], absent[0])]
+    pool = [pool[i] for i in order]
+    free = [free[i] for i in order]
+    return target, drafter, pool, free, eos
+
+
+class Batch(SimpleNamespace):
+    """A hand-made running batch (a class of its own: SiblingDrafter keeps a weak reference)."""
+
+
+def sibling_batch():
+    """A hand-made batch for SiblingDrafter.lookup (W = 13): texts 0, 1 running, 2 their finished
+    sibling, 3 another group's, 4 running alone; running rows 0, 1 and 4. `groups` holds those texts
+    as lookup reads them; group, prompts and finished are what a RunningBatch exposes for them."""
+    W = 13
+    texts = torch.zeros(5, W, dtype=torch.long)
+    rows = {0: [1, 2, 3, 4, 5], 1: [1, 2, 3, 4, 5, 6, 7],
+            2: [8, 3, 4, 5, 9, 9, 6, 7, 1, 5, 6, 7, 2], 3: [7, 7, 3, 1, 1], 4: [7, 7, 3]}
+    for i, t in rows.items():
+        texts[i, :len(t)] = torch.tensor(t)
+    lens = torch.tensor([len(rows[i]) for i in range(5)])
+    running = [0, 1, 4]
+    tokens = texts[running].clone()
+    tokens[1, 7:] = 99  # what a running sibling holds past its length is never read
+    texts[1, 7:] = 99
+    groups = SimpleNamespace(siblings=torch.tensor([[1, 2], [0, 2], [-1, -1], [-1, -1], [-1, -1]]),
+                             texts=texts, lens=lens)
+    groups.now = lambda *_: (groups.texts, groups.lens)
+    finished = [None, None, SimpleNamespace(tokens=texts[2].clone()),
+                SimpleNamespace(tokens=texts[3, :5].clone()), None]
+    return Batch(tokens=tokens, n_tokens=lens[running], row_id=torch.tensor(running), groups=groups,
+                 running=running, group=[0, 0, 0, 1, 2], prompts=[[1], [1], [8], [7], [7]],
+                 finished=finished)
+
+
+def test_sibling_drafter_takes_the_longest_match_then_the_closest_from_siblings_only():
+    """SiblingDrafter.lookup on a hand-made batch (M = 3): a row drafts from its own group's texts
+    only, a running sibling up to where it is, the longest match first and among equal ones the
+    place closest to the row's own position; no match proposes the last token again. propose,
+    with the texts it builds from the batch's groups and finished rows, drafts the same."""
+    batch = sibling_batch()
+    drafts, length = SiblingDrafter(max_match=3).lookup(batch, 3, batch.groups)
+    # row 0 ends "3 4 5": in row 1 followed by 6 at its own position 5, in text 2 by 9 at 4: the
+    # closer; then row 1's last token, not what lies past it
+    assert drafts[0].tolist() == [6, 7, 7] and length[0] == 3
+    # row 1 ends "5 6 7": "6 7" is followed at 8 (one from its position), "5 6 7" at 12: the longer
+    assert drafts[1].tolist() == [2, 2, 2] and length[1] == 3
+    # row 4 has no sibling: text 3 (another group's) would match "7 7 3", but is never read
+    assert drafts[2].tolist() == [3, 3, 3] and length[2] == 0
+    proposed, q = SiblingDrafter(max_match=3).propose(batch, 3)
+    assert q is None  # deterministic proposals: a one-hot q
+    assert torch.equal(proposed, drafts)
+
+
+@pytest.mark.parametrize("breakage, what", [
+    # row 0 its own sibling; row 1's past the texts
+    (lambda b: b.groups.siblings[0].copy_(torch.tensor([0, 2])), "another row's text"),
+    (lambda b: b.groups.siblings[1].copy_(torch.tensor([0, 5])), "another row's text"),
+    (lambda b: b.n_tokens.__setitem__(2, 0), "1 <= n_tokens <= W"),  # an empty row
+    (lambda b: b.n_tokens.__setitem__(0, 14), "1 <= n_tokens <= W"),  # past the row's width
+    (lambda b: b.groups.lens.__setitem__(2, 14), "at most W tokens"),  # a text longer than its row
+])
+def test_sibling_lookup_checks_its_invariants_in_debug_mode(monkeypatch, breakage, what):
+    """With the debug switch on (TLT_DEBUG=1, instrument.DEBUG) a batch that breaks one of the
+    invariants SiblingDrafter.lookup states raises, naming it; the intact batch passes, and with the
+    switch off a row that is its own sibling goes unnoticed (it would draft from its own text)."""
+    drafter = SiblingDrafter(max_match=3)
+
+    def lookup(batch, k):
+        return drafter.lookup(batch, k, batch.groups)
+    monkeypatch.setattr(instrument, "DEBUG", True)
+    lookup(sibling_batch(), 3)
+    with pytest.raises(AssertionError, match=r"\(k = 0\)"):
+        lookup(sibling_batch(), 0)
+    batch = sibling_batch()
+    breakage(batch)
+    with pytest.raises(AssertionError, match=what):
+        lookup(batch, 3)
+    monkeypatch.setattr(instrument, "DEBUG", False)
+    batch = sibling_batch()
+    batch.groups.siblings[0, 0] = 0
+    lookup(batch, 3)
+
+
+def test_groups_are_the_rows_of_one_prompt_and_their_texts_outlive_them(greedy_setup):
+    """What a SiblingDrafter reads of a running batch's GRPO groups: the rows with its prompt plus
+    the finished responses it was given, never the row itself; a finished row's text stays as it
+    ended, a running row's is read as it is now; all_finished is whether no two running rows share a
+    prompt (and every one has a sibling: a row alone in its group has nothing to copy)."""
+    target, _, pool, _, eos = greedy_setup
+    a, b = pool[0], pool[1]
+    prompts = [a, b, a, b, a]
+    drafter = SiblingDrafter(finished=[[], [[3, 1]], [], [], []])
+    gen = RunningBatch(target, prompts, N_NEW, temperature=1.0, eos_id=eos, sampler="gumbel",
+                       keys=[5, 6, 7, 8, 9])
+    done = lambda g: drafter.groups(g).all_finished(g.running)  # noqa: E731
+    groups = drafter.groups(gen)
+    # text 5: b + [3, 1], row 1's finished sibling
+    assert groups.siblings.tolist() == [[2, 4], [3, 5], [0, 4], [1, 5], [0, 2]]
+    texts, lens = groups.now(gen.row_id, gen.tokens, gen.n_tokens)
+    assert texts[5, :lens[5]].tolist() == b + [3, 1]
+    assert not done(gen)
+    seen = set()
+    while gen.compact() > 0:
+        running = gen.row_id.tolist()
+        assert done(gen) == (len({tuple(prompts[i]) for i in running}) == len(running))
+        seen.add(done(gen))
+        assert drafter.groups(gen) is groups  # made once per batch
+        texts, lens = groups.now(gen.row_id, gen.tokens, gen.n_tokens)
+        for i in range(5):  # every text is the row's tokens: as they are now, or as the row ended
+            if i in running:
+                now = gen.tokens[running.index(i), :gen.n_tokens[running.index(i)]]
+            else:
+                now = gen.finished[i].tokens
+            assert texts[i, :lens[i]].tolist() == now.tolist()
+        gen.plain_step()
+    assert seen == {False, True}  # the rows finish at different times
+    alone = RunningBatch(target, [a, b], N_NEW, temperature=1.0, eos_id=eos, sampler="gumbel",
+                         keys=[1, 2])
+    lone = SiblingDrafter()
+    assert lone.groups(alone).siblings.tolist() == [[-1], [-1]]
+    assert not lone.groups(alone).all_finished(alone.running)
+    with pytest.raises(ValueError, match="5 lists of finished siblings for 2 prompts"):
+        drafter.groups(alone)  # a new batch: new texts; these finished siblings are another's
+
+
+def test_sibling_drafter_reads_nothing_from_the_device_after_its_first_look(greedy_setup,
+                                                                            monkeypatch):
+    """The first propose on a batch makes its texts from host lists; every later one, rows finishing
+    in between, makes no read and no copy from the host (instrument.HostTraffic counts)."""
+    monkeypatch.setattr(instrument, "DEBUG", False)  # the debug checks read the device on purpose
+    target, _, pool, _, eos = greedy_setup
+    gen = RunningBatch(target, pool[:3] * 3, N_NEW, temperature=1.0, eos_id=eos, sampler="gumbel",
+                       max_draft=3, keys=list(range(9)))
+    drafter = SiblingDrafter(max_match=4)
+    gen.compact()
+    drafter.propose(gen, 3)
+    sizes = []
+    while gen.compact() > 0:
+        sizes.append(gen.batch_size)
+        with HostTraffic() as counter:
+            drafter.propose(gen, 3)
+        assert counter.counts("read") == [0] and counter.counts("copy") == [0], counter.segments
+        gen.speculative_step(drafter, 3)
+    assert any(0 < b < a for a, b in zip(sizes, sizes[1:]))  # rows finished between looks
+
+
+def test_ngram_drafter_proposes_what_followed_the_last_match():
+    tokens = torch.tensor([[5, 6, 7, 8, 5, 6, 0, 0], [1, 2, 3, 4, 9, 9, 9, 9],
+                           [3, 3, 3, 3, 3, 0, 0, 0]])
+    n_tokens = torch.tensor([6, 4, 5])
+    drafts, q = NgramDrafter(n=2).propose(SimpleNamespace(tokens=tokens, n_tokens=n_tokens), 3)
+    assert q is None  # deterministic proposals: a one-hot q
+    assert drafts[0].tolist() == [7, 8, 5]  # "5 6" was followed by "7 8 5"; reads stay in the row
+    assert drafts[1].tolist() == [4, 4, 4]  # "3 4" never occurred before: the last token, again
+    assert drafts[2].tolist() == [3, 3, 3]  # the latest earlier "3 3" (at 2): 3, 3 (clamped)
+
+
+def every_drafter(learned, finished=None):
+    """Each kind of drafter the speculative step takes, by its --drafter name; `finished`: per
+    prompt, its group's responses that finished before the batch (for those that read them)."""
+    return {"learned": learned, "ngram": NgramDrafter(n=1),
+            "sibling": SiblingDrafter(max_match=4, finished=finished),
+            "sibling+learned": SiblingOrLearned(learned, max_match=4, finished=finished)}
+
+
+@pytest.mark.parametrize("name", ["learned", "ngram", "sibling", "sibling+learned"])
+@pytest.mark.parametrize("sampler,temperature",
+                         [("gumbel", 1.0), ("gumbel", 0.0), ("rejection", 0.0)])
+def test_every_drafter_is_lossless(greedy_setup, name, sampler, temperature):
+    """Every drafter, learned or model-free, through the one propose(batch, k): the tokens are
+    plain decoding's (exact-token sampling and greedy), in groups of three rows with a prompt,
+    some of which also have finished siblings from before the batch, and some drafts are accepted,
+    some rejected. Rejection sampling at T > 0: tests/test_speculative.py's
+    test_sequence_distribution_is_the_targets."""
+    target, learned, pool, _, eos = greedy_setup
+    prompts = [p * 3 for p in pool for _ in range(3)]  # repeats: the n-gram lookup finds some
+    keys = list(range(100, 100 + len(prompts)))
+    how = dict(temperature=temperature, eos_id=eos, sampler=sampler)
+    plain, _ = autoregressive_generate(target, prompts, N_NEW, keys=keys, **how)
+    earlier, _ = autoregressive_generate(target, prompts, N_NEW, keys=[k + 10 ** 6 for k in keys],
+                                         **how)
+    siblings = [[earlier[i]] if i % 2 else [] for i in range(len(prompts))]
+    drafter = every_drafter(learned, siblings)[name]
+    out, st = speculative_generate(target, drafter, prompts, N_NEW, k=3, keys=keys, **how)
+    assert out == plain
+    assert st["accepted"] > 0
+    if not (name == "sibling" and temperature == 0):  # greedy siblings are copies: all drafts right
+        assert st["accepted"] < st["drafted"]
