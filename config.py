@@ -167,8 +167,9 @@ def check_args(p, args):
     as argparse's own are. --draft-ks becomes a tuple of ints here."""
     positive = ("warmup_steps", "warmup_tokens", "warmup_lr", "drafter_warmup_seqs", "drafter_batch", "drafter_depth", "drafter_idle_tokens",
                 "drafter_keep", "drafter_keep_tokens", "drafter_lr", "drafter_cold_lr", "drafter_online_lr", "prompts_per_step", "group_size", "rl_epochs", "rl_lr",
-                "clip_eps", "update_tokens", "ckpt_every", "eval_samples", "io_deadline")
-    non_negative = ("rl_steps", "drafter_warmup_steps", "careful_bonus", "kl_coef", "temperature", "sd_threshold", "timeline_every", "eval_per_bucket")
+                "clip_eps", "update_tokens", "ckpt_every", "eval_samples", "io_deadline",
+                "temperature")  # temperature: GRPO scores its samples at it; greedy rollouts teach nothing
+    non_negative = ("rl_steps", "drafter_warmup_steps", "careful_bonus", "kl_coef", "sd_threshold", "timeline_every", "eval_per_bucket")
     for names, ok, what in ((positive, lambda v: v > 0, "positive"), (non_negative, lambda v: v >= 0, "non-negative")):
         for name in names:
             if not ok(getattr(args, name)):  # written so that NaN fails too

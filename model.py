@@ -2,9 +2,9 @@
 
 GPT.forward(idx, cache=None) -> (logits, hidden), `hidden` the LM head's input, which the drafter
 reads (EAGLE style). The cache holds a length per row: appending T tokens writes row b at positions
-lengths[b] .. lengths[b]+T-1; rolling a row back assigns a smaller length (a query at position p
-reads keys <= p only). Deep and narrow on purpose (12 layers of width 48): a CPU step at small
-batch costs kernel launches, so a one-layer drafter is a small share of it, as on a GPU.
+lengths[b] .. lengths[b]+T-1; rolling a row back (a rejected draft, padding) assigns a smaller
+length, as a query at position p reads keys <= p only. Deep and narrow on purpose (12 layers of
+width 48): a CPU step costs kernel launches, so one drafter layer is a small share, as on a GPU.
 
 Simplified on purpose: rotary positions (a gather: positions are per row), LayerNorm without bias,
 tanh GELU, a tied LM head, no dropout. bf16 is autocast over float32 weights: the residual stream,

@@ -32,9 +32,8 @@ def rl_prompts(args, task_cfg, step):
 
 
 def step_rows(args, task_cfg, step, rank, world_size):
-    """This rank's rows of the global batch (prompts x G samples), their keys, and the global row
-    count. Rows are dealt in contiguous slices (a group may span ranks); a row's key depends on its
-    global place, not on the rank layout, so --sampler gumbel gives the same tokens on any ranks."""
+    """This rank's slice of the global batch's rows (prompts x G; a group may span ranks), their
+    keys (by global place, so --sampler gumbel's tokens match on any ranks), and the row count."""
     problems = rl_prompts(args, task_cfg, step)
     n_rows = len(problems) * args.group_size
     mine = range(rank * n_rows // world_size, (rank + 1) * n_rows // world_size)
@@ -145,10 +144,11 @@ class GRPOConfig:
 
 
 def grpo_update(net, opt, sequences, prompt_lens, advantages, cfg, ref_model=None, n_total=None):
-    """-> (loss, clip fraction, skipped): one GRPO update (cfg: a GRPOConfig) on this rank's
-    rollouts (token lists, prompt lengths, advantages); `net`: the model or its DDP wrapper;
-    n_total: the global batch's response tokens, if known. Length-grouped micro-batches, one
-    optimizer step per epoch, skipped on every rank if the gradient is not finite."""
+    """One GRPO update on this rank's rollouts (token lists, prompt lengths, advantages) ->
+    (loss, clip fraction, skipped). net: the model or its DDP wrapper; cfg: a GRPOConfig;
+    ref_model: the frozen reference, for cfg.kl_coef > 0; n_total: the global batch's response
+    tokens, if known (else all-reduced). Length-grouped micro-batches, one optimizer step per
+    epoch, skipped on every rank if the gradient is not finite."""
     device = next(net.parameters()).device
     n_local = sum(len(s) - p for s, p in zip(sequences, prompt_lens))
     scale = global_mean_scale(n_local, device, n_total)  # the mean is over every rank's tokens

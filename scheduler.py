@@ -68,8 +68,9 @@ def idle_train(drafter, optimizer, buffer, rng, work, chores=(), barrier=None, g
         elif work.train and buffer.staged:  # the step's rows to the host, a piece a turn
             buffer.store_staged(work.piece_tokens)
         elif work.train and len(buffer):
-            loss, applied = train_step(drafter, optimizer, buffer, rng, work.batch_size,
-                                       depth=work.depth, max_tokens=work.piece_tokens,
+            batch = buffer.sample(work.batch_size, rng, drafter.fuse.weight.device,
+                                  work.piece_tokens)  # at most piece_tokens padded positions
+            loss, applied = train_step(drafter, optimizer, batch, work.depth,
                                        preempted=arrived.is_completed)
             steps += applied
             skipped += loss is not None and not applied  # abandoned midway is not a skip

@@ -139,18 +139,18 @@ def test_picture_bins_fewer_steps_and_leaves_bins_without_speculation_blank():
 
 def test_positions_are_drawn_from_counts_summed_over_the_first_and_last_tenth():
     # 20 steps: the first tenth is steps 0-1, the last steps 18-19; rates come from the summed
-    # counts (8+6)/(10+10) = 70%, not from a mean of per-step rates
+    # counts, (8+6)/(10+30) = 35%, not from the mean of the steps' rates (80% and 20%: 50%)
     history = [record(s) for s in range(20)]
     history[0].update(drafted_at=[10, 4], accepted_at=[8, 1])
-    history[1].update(drafted_at=[10, 0], accepted_at=[6, 0])
+    history[1].update(drafted_at=[30, 0], accepted_at=[6, 0])
     history[18].update(drafted_at=[30, 21], accepted_at=[3, 3])
     history[19].update(drafted_at=[10, 0], accepted_at=[1, 0])
     lines = report.picture(history)
     start = lines.index("  accepted by position (% of the drafts decided there; "
                         "first and last 2 steps)")
     first1, last1, first2, last2 = lines[start + 1:start + 5]
-    assert first1.startswith("    draft 1  first 2  |" + "█" * 28 + " " * 12 + "|")
-    assert first1.endswith(" 70.0% of 20")
+    assert first1.startswith("    draft 1  first 2  |" + "█" * 14 + " " * 26 + "|")
+    assert first1.endswith(" 35.0% of 40")
     assert last1.startswith("             last 2   |" + "████" + " " * 36 + "|")  # 10% of 40 cells
     assert last1.endswith(" 10.0% of 40")
     assert first2.endswith(" 25.0% of 4") and last2.endswith(" 14.3% of 21")

@@ -809,3 +809,14 @@ def test_generate_functions_report_progress_every_decoding_step(greedy_setup):
         out, stats = generate(progress=lambda batch: calls.append(1))
         assert len(calls) == stats["steps"] > 1
         assert generate()[0] == out  # and it changes nothing
+
+
+def test_verify_with_no_drafts_emits_the_targets_token():
+    """k = 0 drafts: nothing to accept, and the token emitted is the target's own (a draw from
+    p[:, 0]); both rules. One-hot p makes the draw certain."""
+    B, V = 5, 9
+    want = torch.tensor([3, 0, 8, 3, 1])
+    p = torch.zeros(B, 1, V).scatter_(-1, want[:, None, None], 1.0)
+    n_acc, nxt = verify(torch.zeros(B, 0, dtype=torch.long), torch.zeros(B, 0, V), p, torch.Generator().manual_seed(0))
+    assert n_acc.tolist() == [0] * B and torch.equal(nxt, want)
+    assert verify_gumbel(torch.zeros(B, 0, dtype=torch.long), want[:, None]).tolist() == [0] * B
