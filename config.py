@@ -16,9 +16,8 @@ import task
 from common import OneLineParser, on_off
 from liveness import IO_DEADLINE_S
 from model import GPTConfig
-
-DRAFTERS = ("learned", "ngram", "sibling", "sibling+learned")  # --drafter: what drafts in the tail
-SAMPLERS = ("gumbel", "rejection")  # --sampler: speculative.py's two exact rules
+from model_free import DRAFTERS
+from speculative import SAMPLERS
 
 
 def task_config(args, warmup=False):

@@ -193,7 +193,7 @@ class DrafterBuffer:
         """A padded batch (`pairs`) of a window of the length-ordered sequences: long-tailed lengths
         batched uniformly would be mostly padding. The window's start is uniform over
         -(batch_size - 1) .. len - 1, so every sequence, the longest too, is drawn equally often.
-        max_tokens: only the window's longest that fit in that many padded positions (at least 1)."""
+        max_tokens: only the window's longest that fit in that many padded positions (>= 1)."""
         start = rng.randrange(-(batch_size - 1), len(self.by_len))
         window = self.by_len[max(start, 0):start + batch_size]
         chosen = [self.stored[serial] for _, serial in window]

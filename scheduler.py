@@ -89,7 +89,8 @@ def health_chores(drafter, rows, into, piece_tokens):
     (speculative.FinishedRow), a piece of similar lengths at a time, adding (agreeing positions,
     positions) to `into`. They run on idle time, before the drafter trains on these rows."""
     def score(piece):
-        batch = pairs([(r.tokens, r.hidden, r.prompt_len) for r in piece], drafter.fuse.weight.device)
+        seqs = [(r.tokens, r.hidden, r.prompt_len) for r in piece]
+        batch = pairs(seqs, drafter.fuse.weight.device)
         agree, n = top1_agreement(drafter, *batch)
         into[0] += agree
         into[1] += n

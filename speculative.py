@@ -13,9 +13,9 @@ Two samplers, both exact, chosen once per batch:
   rejection the next token is drawn from normalise(max(p - q, 0)); the tokens emitted are
   distributed exactly as the target's own samples (Leviathan et al. 2023, Chen et al. 2023).
 - "gumbel" (`verify_gumbel`), exact-token: the token at position t is argmax(logits / T + g), with
-  Gumbel noise g hashed from (row key, t, token id). That is a sample of softmax(logits / T) fixed by
-  where the token is, so plain and speculative decoding, any batch order and any rank emit the same
-  tokens. A draft is accepted iff it equals the target's noisy argmax at its position.
+  Gumbel noise g hashed from (row key, t, token id). That is a sample of softmax(logits / T)
+  fixed by where the token is, so plain and speculative decoding, any batch order and any rank
+  emit the same tokens. A draft is accepted iff it equals the target's noisy argmax at its position.
 
 `RunningBatch` holds the running rows; finished rows leave it (`compact`), so the batch really
 shrinks. The host keeps bounds instead of reading the device: a step reads it once, in `compact`.
@@ -150,7 +150,7 @@ class Sampling:
 
 
 class RejectionSampler:
-    """Tokens drawn from softmax(logits / T) with the batch's generator; `verify` at verification."""
+    """Tokens drawn from softmax(logits / T) with the batch's generator; `verify` verifies."""
 
     def __init__(self, temperature, generator):
         self.temperature, self.generator = temperature, generator
@@ -241,7 +241,8 @@ class RunningBatch:
         need = longest + max_new_tokens + max_draft  # a verify pass writes k positions past the end
         if need > target.config.block_size:
             raise ValueError(f"prompt ({longest}) + max_new_tokens ({max_new_tokens}) + draft "
-                             f"({max_draft}) = {need} exceeds block_size {target.config.block_size}")
+                             f"({max_draft}) = {need} exceeds block_size "
+                             f"{target.config.block_size}")
         dev, B, width = target.wte.weight.device, len(prompts), need + 1
         self.target, self.eos_id, self.prompts = target, s.eos_id, prompts
         self.running, self.prompt_lens = list(range(B)), [len(p) for p in prompts]  # host only
@@ -269,8 +270,8 @@ class RunningBatch:
         return GumbelSampler(s.temperature, keys, width, self.target.config.vocab_size)
 
     def _prefill(self, longest, max_new_tokens):
-        """Each distinct prompt once (a GRPO group repeats its prompt G times), padded, in one pass;
-        its cache entries copied to the rows that share it; then every row samples its first token."""
+        """Each distinct prompt once (a GRPO group repeats its prompt G times), in one padded
+        pass; its cache entries go to the rows that share it; each row samples its first token."""
         dev = self.tokens.device
         index = {}  # distinct prompt -> its index
         self.group = [index.setdefault(tuple(p), len(index)) for p in self.prompts]  # by row
@@ -369,7 +370,8 @@ class RunningBatch:
                                              self.hidden[b, :n_tokens[b] - 1].clone(),
                                              self.prompt_lens[row])
             self._unread_responses.append(row)
-        movers = iter([b for b in live if b >= n])  # host: slot b < n keeps its row or takes a mover
+        # host: slot b < n keeps its row, or takes the next live row past n
+        movers = iter([b for b in live if b >= n])
         self.running = [self.running[b] if not done[b] else self.running[next(movers)]
                         for b in range(n)]
         # device: the same moves, from the done mask, so no index crosses from the host: the live

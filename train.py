@@ -87,7 +87,8 @@ def run(args, rank, world_size, device):
                                                 dist.is_initialized(), rank, world_size, device)
     problems = task.eval_set(task_cfg, args.eval_per_bucket) if args.eval_per_bucket else []
     with autocast(args, device):
-        acc0 = evaluate_both(model, drafter, problems, args, task_cfg, rank, world_size, "before RL")
+        acc0 = evaluate_both(model, drafter, problems, args, task_cfg, rank, world_size,
+                             "before RL")
     s = new_state(args, task_cfg, model, drafter, rank, world_size, device)
     meta = rl_meta(args, config, task_cfg)
     ckpt_path, metrics_path = (os.path.join(args.out_dir, f) for f in ("ckpt.pt", "metrics.jsonl"))
@@ -95,10 +96,12 @@ def run(args, rank, world_size, device):
     if rank == 0:  # every step appears once: drop records past the checkpoint
         keep_records(metrics_path, start)
     n_rows = args.prompts_per_step * args.group_size
-    print0(f"RL: {args.rl_steps} steps x {args.prompts_per_step} prompts x {args.group_size} samples "
-           f"on {world_size} rank(s) ({n_rows // world_size}{'+' if n_rows % world_size else ''} rows "
-           f"each) | tlt {'on' if args.tlt else 'off'} | drafter updates "
-           f"{'on' if args.drafter_updates and args.tlt else 'off'} | sd threshold {args.sd_threshold}")
+    per_rank = f"{n_rows // world_size}{'+' if n_rows % world_size else ''}"
+    updates = "on" if args.drafter_updates and args.tlt else "off"
+    print0(f"RL: {args.rl_steps} steps x {args.prompts_per_step} prompts x {args.group_size} "
+           f"samples on {world_size} rank(s) ({per_rank} rows each) | tlt "
+           f"{'on' if args.tlt else 'off'} | drafter updates {updates} | sd threshold "
+           f"{args.sd_threshold}")
     for step in range(start, args.rl_steps):
         with autocast(args, device):  # rollout, drafter training, GRPO update
             rec, ranks = rl_step(step, s)
@@ -204,7 +207,8 @@ def rl_step(step, s):
              "wait_to_update": t_update - t0 - rollout_time, "drafter_skipped": idle["skipped"],
              "tokens": st.tokens, "drafter_checksum": s.drafter.checksum(), "rows": len(rows),
              "tail_share": st.tail_share, "buffer_tokens": s.buffer.held_tokens(),
-             "segments": st.segments + [[k, a + t_idle, b + t_idle] for k, a, b in idle["segments"]]}
+             "segments": st.segments + [[k, a + t_idle, b + t_idle]
+                                        for k, a, b in idle["segments"]]}
     counts = {"tokens": st.tokens, "sd_tokens": st.sd_tokens, "sd_row_steps": st.sd_row_steps,
               "accepted": st.accepted, "drafted": st.drafted, "top1_agree": top1[0],
               "top1_positions": top1[1], "careful": sum(map(task.careful_share, texts)),
@@ -250,7 +254,8 @@ def roll_out(s, step, problems, keys):
     drafter = TimedDrafter(proposer(args.drafter, s.drafter), s.device) if args.tlt else None
     prompts = [task.encode(p.prompt()) for p in problems]
     rows, st = rollout(s.model, drafter, prompts, s.task_cfg.max_response_len,
-                       sd_threshold=args.sd_threshold, bandit=s.bandit, progress=progress_hook(beat),
+                       sd_threshold=args.sd_threshold, bandit=s.bandit,
+                       progress=progress_hook(beat),
                        temperature=args.temperature, eos_id=task.EOS_ID, generator=gen,
                        sampler=args.sampler, keys=keys)
     st.draft_time = drafter.seconds() if drafter else 0.0
@@ -271,12 +276,14 @@ def update_target(s, rows, rewards):
     plens = [x for part in everyone for x in part[2]]
     adv = rl.group_advantages(all_rewards, args.group_size)
     active = [i for i in range(len(seqs)) if args.kl_coef > 0 or adv[i] != 0]  # zero adds zero
-    ours = [active[j] for j in rl.deal_by_tokens([len(seqs[i]) for i in active], s.world_size)[s.rank]]
+    deal = rl.deal_by_tokens([len(seqs[i]) for i in active], s.world_size)
+    ours = [active[j] for j in deal[s.rank]]
     cfg = rl.GRPOConfig(task.PAD_ID, args.update_tokens, args.rl_epochs, args.clip_eps,
                         args.kl_coef, args.temperature)
     s.model.train()
-    update = rl.grpo_update(s.net, s.opt, [seqs[i] for i in ours], [plens[i] for i in ours], adv[ours],
-                            cfg, s.ref_model, n_total=sum(len(q) - p for q, p in zip(seqs, plens)))
+    n_total = sum(len(q) - p for q, p in zip(seqs, plens))
+    update = rl.grpo_update(s.net, s.opt, [seqs[i] for i in ours], [plens[i] for i in ours],
+                            adv[ours], cfg, s.ref_model, n_total=n_total)
     s.model.eval()
     return t_update, all_rewards, [q[p:] for q, p in zip(seqs, plens)], update
 

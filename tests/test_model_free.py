@@ -4,7 +4,6 @@ drafter's texts of a running batch's GRPO groups, and every drafter's losslessne
 Greedy and exact-token runs are float64 on a tiny random target (as in tests/test_speculative.py),
 so a token-level disagreement between speculative and plain decoding is a real bug.
 """
-import random
 from types import SimpleNamespace
 
 import pytest
@@ -12,9 +11,7 @@ import torch
 
 import instrument
 from instrument import HostTraffic
-from conftest import randomize
-from drafter import Drafter, DrafterBuffer, make_optimizer, train_step
-from model import GPT, GPTConfig
+from conftest import N_NEW, make_greedy_setup
 from model_free import NgramDrafter, SiblingDrafter, SiblingOrLearned
 from speculative import RunningBatch, autoregressive_generate, speculative_generate
 
@@ -28,57 +25,10 @@ def one_thread():
     torch.set_num_threads(n)
 
 
-def tiny(V, seed, std=0.5):
-    torch.manual_seed(seed)
-    config = GPTConfig(vocab_size=V, block_size=64, n_layer=2, n_head=2, n_embd=16)
-    return randomize(GPT(config).eval(), seed, std)
-
-
-V_G = 16
-N_NEW = 20
-PROMPT_LENS = [1, 3, 5, 2, 7, 4, 6, 2]
-
-
 @pytest.fixture(scope="module")
 def greedy_setup():
-    """A float64 target, a drafter that agrees with it some of the time, a pool of ragged
-    prompts, and an <|eos|> id chosen so that some rows stop on it and others run to the end."""
-    target = tiny(V_G, seed=1)
-    g = torch.Generator().manual_seed(2)
-    # briefly train the drafter on sampled rollouts: an untrained drafter is almost always rejected
-    torch.manual_seed(3)
-    drafter = Drafter(target)
-    train_prompts = [torch.randint(0, V_G, (n,), generator=g).tolist() for n in PROMPT_LENS * 4]
-    gen = RunningBatch(target, train_prompts, 30, temperature=1.0, generator=g)
-    while gen.compact() > 0:
-        gen.plain_step()
-    buf = DrafterBuffer(keep_steps=1)
-    for _, tokens, hidden, plen in gen.finished:
-        buf.add(0, tokens, hidden, plen)
-    opt = make_optimizer(drafter, lr=1e-2)
-    rng = random.Random(0)
-    for _ in range(60):
-        train_step(drafter, opt, buf.sample(16, rng))
-    target.double()
-    drafter.double()
-
-    pool = [torch.randint(0, V_G, (n,), generator=g).tolist() for n in PROMPT_LENS]
-    free, _ = autoregressive_generate(target, pool, N_NEW, temperature=0)
-    assert len({t for o in free for t in o}) >= 4, free
-    assert sum(len(set(o)) >= 3 for o in free) >= 4, free
-    # eos: a token that ends some rows early and is absent from others; the most balanced such token
-    best = None
-    for v in range(V_G):
-        early = [i for i, o in enumerate(free) if v in o[1:-1] and o[0] != v]
-        absent = [i for i, o in enumerate(free) if v not in o]
-        if early and absent and (best is None or min(len(early), len(absent)) > best[0]):
-            best = (min(len(early), len(absent)), v, early, absent)
-    assert best is not None, "no token ends some rows early and is absent from others"
-    _, eos, early, absent = best
-    order = [early[0], absent[0]] + [i for i in range(len(pool)) if i not in (early[0], absent[0])]
-    pool = [pool[i] for i in order]
-    free = [free[i] for i in order]
-    return target, drafter, pool, free, eos
+    """See conftest.make_greedy_setup."""
+    return make_greedy_setup()
 
 
 class Batch(SimpleNamespace):

@@ -279,7 +279,7 @@ def _drafter_warmup(rank, world, fault):
         real = warmup.rollout
 
         def late_rollout(*a, progress=None, **kw):
-            _late_work(fault, progress)  # fails if warmup_drafter passes no progress
+            _late_work(fault, lambda: progress(None))  # fails if warmup_drafter passes no progress
             return real(*a, progress=progress, **kw)
         warmup.rollout = late_rollout
     torch.manual_seed(0)

@@ -27,9 +27,8 @@ import torch
 
 import instrument
 import speculative
-from drafter import Drafter, DrafterBuffer, make_optimizer, train_step
-from conftest import randomize
-from model import GPT, GPTConfig
+from drafter import Drafter
+from conftest import N_NEW, V_G, make_greedy_setup, randomize, tiny
 from instrument import HostTraffic
 from speculative import (DecodeStats, RunningBatch, _mix32_, autoregressive_generate, gumbel_choose, gumbel_noise, gumbel_seeds,
                          probs, draw, speculative_generate, verify, verify_gumbel)
@@ -66,62 +65,14 @@ def tv(a, b):
 
 
 
-def tiny(V, seed, std=0.5):
-    torch.manual_seed(seed)
-    return randomize(GPT(GPTConfig(vocab_size=V, block_size=64, n_layer=2, n_head=2, n_embd=16)).eval(),
-                     seed, std)
 
 
 # ----------------------------------------------------------------------------- greedy setup
 
-V_G = 16
-N_NEW = 20
-PROMPT_LENS = [1, 3, 5, 2, 7, 4, 6, 2]
-
-
 @pytest.fixture(scope="module")
 def greedy_setup():
-    """A float64 target, a drafter that agrees with it some of the time, a pool of ragged
-    prompts, and an <|eos|> id chosen so that some rows stop on it and others run to the end."""
-    target = tiny(V_G, seed=1)
-    g = torch.Generator().manual_seed(2)
-    # briefly train the drafter on sampled rollouts: an untrained drafter is almost always rejected
-    torch.manual_seed(3)
-    drafter = Drafter(target)
-    train_prompts = [torch.randint(0, V_G, (n,), generator=g).tolist() for n in PROMPT_LENS * 4]
-    gen = RunningBatch(target, train_prompts, 30, temperature=1.0, generator=g)
-    while gen.compact() > 0:
-        gen.plain_step()
-    buf = DrafterBuffer(keep_steps=1)
-    for _, tokens, hidden, plen in gen.results:
-        buf.add(0, tokens, hidden, plen)
-    opt = make_optimizer(drafter, lr=1e-2)
-    rng = random.Random(0)
-    for _ in range(60):
-        train_step(drafter, opt, buf.sample(16, rng))
-    target.double()
-    drafter.double()
-
-    pool = [torch.randint(0, V_G, (n,), generator=g).tolist() for n in PROMPT_LENS]
-    free, _ = autoregressive_generate(target, pool, N_NEW, temperature=0)
-    # outputs must not be trivial: several distinct tokens overall and within rows
-    assert len({t for o in free for t in o}) >= 4, free
-    assert sum(len(set(o)) >= 3 for o in free) >= 4, free
-    # eos: a token that ends some rows early (first seen before the last position) and is absent
-    # from other rows (they run to max_new_tokens); the most balanced such token
-    best = None
-    for v in range(V_G):
-        early = [i for i, o in enumerate(free) if v in o[1:-1] and o[0] != v]  # stops after >= 1 SD step
-        absent = [i for i, o in enumerate(free) if v not in o]
-        if early and absent and (best is None or min(len(early), len(absent)) > best[0]):
-            best = (min(len(early), len(absent)), v, early, absent)
-    assert best is not None, "no token ends some rows early and is absent from others"
-    _, eos, early, absent = best
-    # order the pool so that B=1 stops on eos and B=3 has both kinds of row
-    order = [early[0], absent[0]] + [i for i in range(len(pool)) if i not in (early[0], absent[0])]
-    pool = [pool[i] for i in order]
-    free = [free[i] for i in order]
-    return target, drafter, pool, free, eos
+    """See conftest.make_greedy_setup."""
+    return make_greedy_setup()
 
 
 def truncate_at(o, eos):
