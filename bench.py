@@ -48,11 +48,11 @@ from bench_e2e import drafters_bench, drift_bench, e2e_bench, tail_workload
 from common import OneLineParser, check_out_dir, machine, sync, wants_cuda
 from model import GPT, GPTConfig
 from model_free import SiblingDrafter
-from instrument import count_syncs, host_traffic
+from instrument import DecodeStats, count_syncs, host_traffic
 from rl import step_rows
 from rollout import Bandit
-from speculative import (NOISE_ELEMENTS, SAMPLERS, autoregressive_generate, gumbel_choose, gumbel_seeds,
-                         speculative_generate)
+from sampling import NOISE_ELEMENTS, SAMPLERS, gumbel_choose, gumbel_seeds
+from speculative import autoregressive_generate, speculative_generate
 
 
 def parse_args(argv=None):
@@ -174,7 +174,7 @@ def vocab_noise(device, vocabs=(50_257, 151_936), batches=(1, 64), repeats=5, sh
     per row through a random-weight GPT (the default target's shape unless `shape` gives GPTConfig
     fields) with a KV cache, then sampling by "gumbel" or by torch.multinomial of the softmax, taking
     turns (median of `repeats`); with the aten ops a step runs (count_ops), for "gumbel" also with the
-    larger noise passes of a GPU (speculative.NOISE_ELEMENTS)."""
+    larger noise passes of a GPU (sampling.NOISE_ELEMENTS)."""
     print(f"\nexact tokens at a real vocabulary: a plain decoding step of a random-weight GPT (median of {repeats} rounds) "
           f"and its aten ops, with noise passes of {NOISE_ELEMENTS[device.type]:,} values (here) or {NOISE_ELEMENTS['cuda']:,} (a GPU)"
           f"\n{'vocab':>7} {'batch':>5} {'multinomial ms':>14} {'gumbel ms':>9} {'ratio':>6} {'ops: multinomial':>16} "
@@ -307,8 +307,10 @@ def sampler_price(args, model, drafter, pool, rows, k=4, n_prompts=64):
     sampler, measured the same way for the other)."""
     out = {}
     for sampler in SAMPLERS:
-        _, st = speculative_generate(model, drafter, pool[:n_prompts], args.max_new, k=k, generator=generator(model, 1),
-                                     sampler=sampler)
+        st = DecodeStats()
+        speculative_generate(model, drafter, pool[:n_prompts], args.max_new, k=k, generator=generator(model, 1),
+                             sampler=sampler, observer=st)
+        st = st.as_dict()
         b1 = rows[0] if rows[0]["batch"] == 1 and sampler == args.sampler else decode_row(args, model, drafter, pool[:1], sampler)
         out[sampler] = {"accept_len_k4": st["accept_len"], "accept_rate_k4": st["accept_rate"],
                         "best_k_b1": b1["best_k"], "speedup_b1": b1["speedup"]}
@@ -346,8 +348,10 @@ def acceptance_table(args, task_cfg, model, drafter, n_prompts=256):
     print(f"\nacceptance by draft position, {n_prompts} prompts decoded to <|eos|> at temperature 1.0 ({args.sampler}): "
           f"% of the drafts at each position accepted, given the earlier ones were; in brackets, the drafts decided there")
     for k in args.ks:
-        _, st = speculative_generate(model, drafter, prompts, task_cfg.max_response_len, k=k, eos_id=task.EOS_ID,
-                                     sampler=args.sampler, keys=[777_000 + i for i in range(n_prompts)])
+        st = DecodeStats()
+        speculative_generate(model, drafter, prompts, task_cfg.max_response_len, k=k, eos_id=task.EOS_ID,
+                             sampler=args.sampler, keys=[777_000 + i for i in range(n_prompts)], observer=st)
+        st = st.as_dict()
         out[k] = {"by_position": st["accept_by_position"], "drafted_at": st["drafted_at"], "accept_len": st["accept_len"]}
         cells = " ".join(f"{100 * (r or 0):5.1f} ({d})" for r, d in zip(st["accept_by_position"], st["drafted_at"]))
         print(f"  k = {k}: {st['accept_len']:.2f} tokens per verify step | {cells}", flush=True)

@@ -38,7 +38,8 @@ import config
 import task
 import warmup
 from drafter import Drafter, DrafterBuffer, make_optimizer, train_step
-from report import by_position, format_positions
+from instrument import RolloutStats
+from report import best_arms, bucket_sizes, by_position, format_positions
 from rl import step_rows
 from rollout import Bandit, rollout
 from speculative import speculative_generate
@@ -61,9 +62,11 @@ def tail_workload(args, task_cfg, model, drafter, n_steps=4):
 
     def run(tlt, shard, seed):
         rows, prompts = shard
-        out, st = rollout(model, drafter if tlt else None, prompts, task_cfg.max_response_len,
-                          generator=generator(model, seed), sd_threshold=targs.sd_threshold, bandit=bandit, eos_id=task.EOS_ID,
-                          sampler=targs.sampler, keys=[seed * 10_000 + i for i in range(len(prompts))])
+        st = RolloutStats()
+        out = rollout(model, drafter if tlt else None, prompts, task_cfg.max_response_len,
+                      generator=generator(model, seed), sd_threshold=targs.sd_threshold, bandit=bandit, eos_id=task.EOS_ID,
+                      sampler=targs.sampler, keys=[seed * 10_000 + i for i in range(len(prompts))], observer=st)
+        st.finish(len(prompts))
         reward = statistics.mean(task.reward(p.prompt(), task.decode(o.response)) for p, o in zip(rows, out))
         return st, reward, [o.response for o in out]
     for i, shard in enumerate(shards):  # bandit warm-up
@@ -89,10 +92,10 @@ def tail_workload(args, task_cfg, model, drafter, n_steps=4):
     same = sum(a == b for p, t in zip(plain, tlt) for a, b in zip(p[2], t[2]))
     print(f"those rollouts ({n} samples each, sampler {targs.sampler}): mean reward plain {r_plain:.3f}, TLT {r_tlt:.3f}; "
           f"{same} of {n} responses token-identical")
-    print("bandit's best k per batch size: " + ", ".join(f"{Bandit.bucket_sizes(b)}: {k}" for b, k in bandit.best().items()))
+    print("bandit's best k per batch size: " + ", ".join(f"{bucket_sizes(b)}: {k}" for b, k in best_arms(bandit).items()))
     return {"steps": n_steps, "rows": len(shards[0][0]), "plain_time": t_plain, "tlt_time": t_tlt,
             "speedup": t_plain / t_tlt, "accept_len": accept, "tail_share": share, "reward_plain": r_plain, "reward_tlt": r_tlt,
-            "identical_responses": same, "responses": n, "bandit_best": {str(k): v for k, v in bandit.best().items()}}
+            "identical_responses": same, "responses": n, "bandit_best": {str(k): v for k, v in best_arms(bandit).items()}}
 
 
 def held_out_prompts(task_cfg, n):
@@ -146,7 +149,7 @@ def drift_bench(targs, task_cfg, model, drafter, sft_steps=300, sft_lr=2e-3, n_s
     buffer, gen = DrafterBuffer(keep_steps=1), generator(model, 1)
     for _ in range(0, n_seqs, 64):
         prompts = [task.encode(task.sample_problem(rng, task_cfg).prompt()) for _ in range(64)]
-        results, _ = rollout(moved, None, prompts, task_cfg.max_response_len, eos_id=task.EOS_ID, generator=gen)
+        results = rollout(moved, None, prompts, task_cfg.max_response_len, eos_id=task.EOS_ID, generator=gen)
         for s in results:
             buffer.add(0, s.tokens, s.hidden, s.prompt_len)
     frozen, adapted = drafter_on(moved, drafter.state_dict()), drafter_on(moved, drafter.state_dict()).train()

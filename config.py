@@ -17,7 +17,7 @@ from common import OneLineParser, on_off
 from liveness import IO_DEADLINE_S
 from model import GPTConfig
 from model_free import DRAFTERS
-from speculative import SAMPLERS
+from sampling import SAMPLERS
 
 
 def task_config(args, warmup=False):

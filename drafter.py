@@ -5,7 +5,7 @@ embedding of the next token x_{t+1}, and predicts h_{t+1}, which the target's ow
 logits for x_{t+2}. Drafting several tokens, it feeds its predicted state back in place of the
 target's:
 
-    (h_t, x_{t+1}) -> fuse -> 1 block -> norm -> h~_{t+1} -> lm_head -> x_{t+2}
+    (h_t, x_{t+1}) -> in_proj -> 1 block -> norm -> h~_{t+1} -> lm_head -> x_{t+2}
 
 The embedding and LM head are the target's, read through a plain attribute and detached: neither
 trained nor saved here. The loss is EAGLE's: smooth-L1 on h_{t+1} (weight 1.0: a whole vector of
@@ -23,7 +23,6 @@ the warm-up and the idle ranks alike.
 Test: python -m pytest tests/test_drafter.py
 """
 import bisect
-import hashlib
 import math
 from collections import OrderedDict, deque
 
@@ -45,7 +44,7 @@ class Drafter(nn.Module):
         self.config = target.config
         C = self.config.n_embd
         self.__dict__["target"] = target  # shared, frozen, out of state_dict() and parameters()
-        self.fuse = nn.Linear(2 * C, C, bias=False)
+        self.in_proj = nn.Linear(2 * C, C, bias=False)
         self.stack = RotaryStack(self.config, n_layer=1)
         self.norm = LayerNorm(C)
         for p in self.parameters():
@@ -56,13 +55,12 @@ class Drafter(nn.Module):
         """hidden (B, T, C) = h_t, next_tokens (B, T) = x_{t+1}
         -> logits (B, T, V), h~_{t+1} (B, T, C)."""
         emb = F.embedding(next_tokens, self.target.wte.weight.detach())  # (B, T, C)
-        h_pred = self.norm(self.stack(self.fused(hidden, emb), cache))
+        h_pred = self.norm(self.stack(self.project_in(hidden, emb), cache))
         return F.linear(h_pred, self.target.lm_head.weight.detach()), h_pred
 
-    def fused(self, hidden, emb):
+    def project_in(self, hidden, emb):
         """The residual stream's start, in the weights' dtype (float32 under bf16 autocast)."""
-        return self.fuse(torch.cat([hidden, emb], dim=-1)).to(self.fuse.weight.dtype)
-
+        return self.in_proj(torch.cat([hidden, emb], dim=-1)).to(self.in_proj.weight.dtype)
 
     def propose(self, batch, k):
         """k drafts per row of a speculative.RunningBatch (B, k) and, with rejection sampling, their
@@ -72,14 +70,14 @@ class Drafter(nn.Module):
         B, L = batch.batch_size, batch.n_tokens - 1  # L (B,): the target cache's length
         if batch.draft_cache is None:  # the switch to SD: no recorded state read yet
             batch.draft_cache = self.new_cache(B, batch.cache.max_len, dtype=batch.cache.kv.dtype)
-            batch.unread = batch.longest
+            batch.unread_bound = batch.tokens_bound
         cache = batch.draft_cache
         # catch up: each row re-reads its last T pairs (h_j, x_{j+1}), j < L, T a bound on those it
         # has not read; a row with L < T also reads padding past L: dead entries, rolled back below
-        T = min(batch.unread, batch.longest - 1)
+        T = min(batch.unread_bound, batch.tokens_bound - 1)
         start = (L - T).clamp_(min=0)  # (B,)
         j = start[:, None] + batch.cache.offsets[:T]  # (B, T)
-        cache.lengths, cache.window = start, batch.longest - 1
+        cache.lengths, cache.window = start, batch.tokens_bound - 1
         rows = batch.cache.rows[:, None]
         logits, h = self(batch.hidden[rows, j], batch.tokens.gather(1, j + 1), cache)
         last = (L - 1 - start)[:, None, None]  # (B, 1, 1): the column of pair L - 1
@@ -92,24 +90,16 @@ class Drafter(nn.Module):
             drafts.append(d)
             qs.append(q)
             if i + 1 < k:
-                cache.window = batch.longest + i
+                cache.window = batch.tokens_bound + i
                 logits, h = self(h, d, cache)  # (B, 1, V), (B, 1, C)
         cache.lengths = L  # entries built on guessed states are redone next step
-        batch.unread = 0  # the step that drafted adds its own tokens
+        batch.unread_bound = 0  # the step that drafted adds its own tokens
         return torch.cat(drafts, 1), None if qs[0] is None else torch.cat(qs, 1)
 
     def new_cache(self, batch_size, max_len=None, device=None, dtype=None):
-        p = self.fuse.weight
+        p = self.in_proj.weight
         return KVCache(self.config, batch_size, max_len or self.config.block_size,
                        device=device or p.device, dtype=dtype or p.dtype, n_layer=1)
-
-    def checksum(self):
-        """A short hash of every weight's bytes, read as uint8 in any dtype: equal across ranks
-        means bit-identical drafters."""
-        h = hashlib.sha256()
-        for p in self.parameters():
-            h.update(p.detach().cpu().contiguous().flatten().view(torch.uint8).numpy().tobytes())
-        return h.hexdigest()[:16]
 
 
 class DrafterBuffer:
@@ -117,7 +107,12 @@ class DrafterBuffer:
     tokens in all (None: no bound), the oldest dropped first. A rollout's rows are only staged on
     the critical path (`add_rows`, no copy); idle turns store them on the host in pieces
     (`store_staged`, in `dtype`). Both bounds count staged and stored rows together, at once, so a
-    rank that never idles holds no more. Stored sequences are kept in length order (`by_len`)."""
+    rank that never idles holds no more. Stored sequences are kept in length order (`by_len`).
+
+    An approximation: a stored row's hidden states are the target's of the step that sampled it, up
+    to keep_steps RL steps ago, while the loss reads them through today's LM head (shared with the
+    target). Recomputing them would cost a target forward per stored row; each RL step moves the
+    target by one small optimizer step, and the window trades fresh rows against more of them."""
 
     def __init__(self, keep_steps=32, keep_tokens=None, dtype=torch.float32):
         self.keep_steps, self.keep_tokens, self.dtype = keep_steps, keep_tokens, dtype
@@ -190,7 +185,7 @@ class DrafterBuffer:
         return self.stored_tokens
 
     def sample(self, batch_size, rng, device="cpu", max_tokens=None):
-        """A padded batch (`pairs`) of a window of the length-ordered sequences: long-tailed lengths
+        """A padded batch (`pair_batch`) of a window of the length-ordered sequences: long-tailed lengths
         batched uniformly would be mostly padding. The window's start is uniform over
         -(batch_size - 1) .. len - 1, so every sequence, the longest too, is drawn equally often.
         max_tokens: only the window's longest that fit in that many padded positions (>= 1)."""
@@ -199,11 +194,11 @@ class DrafterBuffer:
         chosen = [self.stored[serial] for _, serial in window]
         if max_tokens is not None:
             chosen = chosen[-max(1, max_tokens // chosen[-1][1].shape[0]):]
-        return pairs([(tokens, hidden, plen) for _, tokens, hidden, plen in chosen], device)
+        return pair_batch([(tokens, hidden, plen) for _, tokens, hidden, plen in chosen], device)
 
 
-def pairs(seqs, device="cpu"):
-    """The training pairs of whole sequences, one per row, right-padded. seqs: (tokens (N,),
+def pair_batch(seqs, device="cpu"):
+    """A batch of the training pairs of whole sequences, one per row, right-padded. seqs: (tokens (N,),
     hidden (N-1, C), prompt_len). Row b, position t holds (h_t, x_{t+1}) with target h_{t+1}:
 
         tokens   x_0  x_1  x_2 ... x_{N-1}         (x_{N-1}, the last, is never read)
@@ -226,7 +221,7 @@ def pairs(seqs, device="cpu"):
     return h_in.to(device), x_next.to(device), h_tgt.to(device), mask.to(device)
 
 
-def chain_mask(T, d, device=None):
+def chain_attention_mask(T, d, device=None):
     """Chained pass d's attention mask over the keys of passes 0..d, (T, (d + 1) T) bool: its
     entry at t is the d-th draft after the real pair at s = t - d, when the drafter's cache holds
     the real pairs up to s and this chain's own entries at s + 1 .. t."""
@@ -244,14 +239,14 @@ def chained_states(drafter, h_in, x_next, depth):
     past = [[] for _ in drafter.stack.blocks]  # every pass's keys and values, per block
     h_feed = h_in
     for d in range(depth):
-        x = drafter.fused(h_feed, emb)
-        state = drafter.norm(drafter.stack(x, chain=(past, chain_mask(T, d, h_in.device))))
+        x = drafter.project_in(h_feed, emb)
+        state = drafter.norm(drafter.stack(x, chain=(past, chain_attention_mask(T, d, h_in.device))))
         yield state
         # the next pass sees, at position t, this pass's guess of h_t (made at t - 1)
         h_feed = torch.cat([h_in[:, :1], state[:, :-1].detach()], dim=1)
 
 
-def chain_masks(mask, depth):
+def chain_loss_masks(mask, depth):
     """The positions pass d counts: mask[t] and mask[t - d] (its chain starts at a pair the drafter
     drafts from). -> list of `depth` (B, T) bool."""
     masks = [mask]
@@ -271,7 +266,7 @@ def drafter_loss(drafter, h_in, x_next, h_tgt, mask, n_positions=None, depth=DEP
     n = mask.sum() if n_positions is None else torch.as_tensor(float(n_positions))
     total = 0.0
     passes = chained_states(drafter, h_in, x_next, depth)
-    for h_pred, m in zip(passes, chain_masks(mask, depth)):
+    for h_pred, m in zip(passes, chain_loss_masks(mask, depth)):
         if preempted and preempted():
             return None
         logits = F.linear(h_pred, drafter.target.lm_head.weight.detach())

@@ -35,7 +35,7 @@ def evaluate(model, problems, rank=0, world_size=1, drafter=None, temperature=0.
         idx = mine[i:i + batch_size]
         prompts = [task.encode(problems[j].prompt()) for j in idx]
         max_new = task_cfg.response_len(max(problems[j].size for j in idx), task_cfg.max_passes)
-        how = dict(temperature=temperature, eos_id=task.EOS_ID, generator=gen, sampler=sampler, progress=progress_hook(beat),
+        how = dict(temperature=temperature, eos_id=task.EOS_ID, generator=gen, sampler=sampler, observer=progress_hook(beat),
                    keys=[task.derive_seed(seed, j, 0, task.Seed.EVAL_KEYS) for j in idx])
         if drafter is None:
             outs, _ = autoregressive_generate(model, prompts, max_new, **how)

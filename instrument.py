@@ -1,20 +1,25 @@
 """Instruments: what checks, counts or times the core from outside it. A learner may skip this file.
 
+    checksum                   a hash of a module's weights: the ranks' drafters are identical
+    DecodeStats, RolloutStats  what a generate call or a rollout decoded, by draft position, and
+                               (a rollout) its timing, tail share and timeline: observers
     HostTraffic, host_traffic  the reads and copies a GPU would pay, counted on any device
     count_syncs                the syncs a GPU itself reports per speculative step
     Stopwatch, TimedDrafter    time spent in one region (drafting) without a sync per visit
     DEBUG, BatchChecker        TLT_DEBUG=1: the invariants the running batch relies on, every step
     check                      one such invariant (the sibling lookup states its own)
 
-They reach the core through what it offers: a dispatch mode around a rollout, the progress
-callback the generate functions and the rollout call after every step, a drafter with `propose`.
+They reach the core through what it offers: a dispatch mode around a rollout, the observer that
+the generate functions and the rollout call after every step, a drafter with `propose`.
 
 Test: python -m pytest tests/test_rollout.py tests/test_speculative.py
 """
 import contextlib
+import hashlib
 import os
 import time
 import warnings
+from dataclasses import asdict, dataclass, field
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -23,6 +28,166 @@ from rollout import rollout
 from speculative import RunningBatch
 
 DEBUG = os.environ.get("TLT_DEBUG") == "1"
+
+
+def checksum(module):
+    """A short hash of every weight's bytes, read as uint8 in any dtype: equal across ranks means
+    bit-identical weights (the drafters after their sync)."""
+    h = hashlib.sha256()
+    for p in module.parameters():
+        h.update(p.detach().cpu().contiguous().flatten().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+def observers(*callbacks):
+    """One observer (batch, step) that calls each of `callbacks` that is not None, in order."""
+    callbacks = [c for c in callbacks if c is not None]
+    return lambda batch, step: [c(batch, step) for c in callbacks] and None
+
+
+@dataclass
+class DecodeStats:
+    """An observer that counts what a generate call or a rollout decoded, summed over its steps
+    (speculative.Step). The device's counts stay there until `settle()` reads them all at once. By
+    draft position, as EAGLE-style papers report it: accepted_at[i] / drafted_at[i] is the chance
+    that draft i + 1 is accepted given the ones before it were."""
+    steps: int = 0  # decoding steps (plain or speculative)
+    tokens: int = 0  # tokens emitted by decoding steps, all rows
+    sd_row_steps: int = 0  # (row, speculative step) pairs
+    sd_tokens: int = 0  # tokens emitted by speculative steps
+    drafted: int = 0  # draft tokens proposed
+    accepted: int = 0  # draft tokens accepted
+    accept_hist: dict = field(default_factory=dict)  # drafts accepted in one row-step -> count
+    drafted_at: list = field(default_factory=list)  # per draft position: drafts decided there
+    accepted_at: list = field(default_factory=list)  # per draft position: drafts accepted there
+
+    def __post_init__(self):
+        self._pending = []  # the steps whose device counts are not read yet
+
+    def __call__(self, batch, step):
+        if step is None:  # the prefill
+            return
+        self.steps += 1
+        if step.k:
+            self.sd_row_steps += step.batch_size
+            self.drafted += step.k * step.batch_size
+        self._pending.append(step)
+
+    def settle(self):
+        """Read the pending device counts into the fields (one read); returns self."""
+        if not self._pending:
+            return self
+        flat = [t for s in self._pending for t in (s.n_emitted, s.n_accepted) if t is not None]
+        values, i = torch.cat(flat).tolist(), 0  # sync: one read
+        for s in self._pending:
+            n_emitted, i = values[i:i + s.batch_size], i + s.batch_size
+            self.tokens += sum(n_emitted)
+            if not s.k:
+                continue
+            n_acc, i = values[i:i + s.batch_size], i + s.batch_size
+            self.sd_tokens += sum(n_emitted)
+            self.accepted += sum(n_acc)
+            for a in n_acc:
+                self.accept_hist[a] = self.accept_hist.get(a, 0) + 1
+            self._count_positions(n_emitted, n_acc, s.k)
+        self._pending = []
+        return self
+
+    def _count_positions(self, n_emitted, n_acc, k):
+        """A row keeps its accepted drafts, then the target's token; where it ended on an accepted
+        draft (n_emitted <= n_acc) the drafts after it were never decided."""
+        grow = k - len(self.drafted_at)
+        if grow > 0:
+            self.drafted_at += [0] * grow
+            self.accepted_at += [0] * grow
+        for emitted, acc in zip(n_emitted, n_acc):
+            used = min(acc, emitted)
+            for i in range(used):
+                self.drafted_at[i] += 1
+                self.accepted_at[i] += 1
+            if emitted > acc and used < k:  # it went on: the first rejected draft was decided
+                self.drafted_at[used] += 1
+
+    @property
+    def accept_len(self):  # tokens per row per verify step: accepted drafts plus the target's
+        self.settle()
+        return self.sd_tokens / self.sd_row_steps if self.sd_row_steps else None
+
+    @property
+    def accept_rate(self):  # accepted drafts per drafted token
+        self.settle()
+        return self.accepted / self.drafted if self.drafted else None
+
+    @property
+    def accept_by_position(self):  # per draft position: accepted given the earlier ones were
+        self.settle()
+        return [a / d if d else None for a, d in zip(self.accepted_at, self.drafted_at)]
+
+    def as_dict(self):
+        self.settle()
+        return {**asdict(self), "accept_hist": dict(sorted(self.accept_hist.items())),
+                "accept_len": self.accept_len, "accept_rate": self.accept_rate,
+                "accept_by_position": self.accept_by_position}
+
+
+def add_segment(segments, kind, start, end):
+    """Timelines: one more [kind, start, end] segment, or the last one stretched to `end`."""
+    if segments and segments[-1][0] == kind:
+        segments[-1][2] = end
+    else:
+        segments.append([kind, start, end])
+
+
+@dataclass
+class RolloutStats(DecodeStats):
+    """A rollout's DecodeStats plus its timing, from the observer's own clock, started when it is
+    made (make it just before the rollout; the steps' ends are after compaction's read, so the
+    clock waits for the device): seconds per phase, every step's batch size and seconds, and the
+    timeline's [kind, start, end] segments. `finish(n_rows)` ends the clock and sets the tail
+    share."""
+    time: float = 0.0
+    prefill_time: float = 0.0
+    plain_time: float = 0.0
+    spec_time: float = 0.0
+    tail_share: float = 0.0
+    batch_sizes: list = field(default_factory=list)
+    step_times: list = field(default_factory=list)
+    segments: list = field(default_factory=list)
+
+    def __post_init__(self):
+        super().__post_init__()
+        self._t0 = self._last = time.perf_counter()
+
+    def __call__(self, batch, step):
+        super().__call__(batch, step)
+        now = time.perf_counter()
+        start, end, self._last = self._last - self._t0, now - self._t0, now
+        if step is None:  # the prefill's first tokens are in; drawn as plain decoding
+            self.prefill_time = end
+            self.segments.append(["plain", 0.0, end])
+            return
+        self.batch_sizes.append(step.batch_size)
+        self.step_times.append(end - start)
+        if step.k:
+            self.spec_time += end - start
+        else:
+            self.plain_time += end - start
+        add_segment(self.segments, "spec" if step.k else "plain", start, end)
+
+    def finish(self, n_rows):
+        """The rollout has returned: its time, its tail share over its n_rows rows; returns self."""
+        self.settle()  # sync: the counts the steps left on the device, read once
+        self.time = time.perf_counter() - self._t0
+        self.tail_share = tail_share(self.batch_sizes, self.step_times, self.time, n_rows)
+        return self
+
+
+def tail_share(batch_sizes, step_times, total_time, n_rows, done_frac=0.9):
+    """The share of a rollout's time spent after `done_frac` of its rows had finished (the tail, as
+    Seer measures it): a step that starts with at most (1 - done_frac) * n_rows rows is in it."""
+    running_max = n_rows * (1 - done_frac) + 1e-9
+    tail = sum(t for b, t in zip(batch_sizes, step_times) if b <= running_max)
+    return tail / total_time if total_time > 0 else 0.0
 
 
 def check(ok, what):
@@ -34,19 +199,19 @@ def check(ok, what):
 
 
 class BatchChecker:
-    """A progress callback that checks, after every step, what a RunningBatch's steps rely on:
+    """An observer that checks, after every step's compaction, what a RunningBatch's steps rely on:
     1. the host's `running` is the device's row_id: results go to the right rows;
     2. every row's tokens and cached keys stay with it from one call to the next (compaction moves
        a row's keys with its tokens);
     3. the target cache holds every row's tokens but the pending one: lengths == n_tokens - 1;
-    4. n_tokens <= longest <= cap: the attention windows sized from `longest` cover every row;
-    5. n_tokens - 1 - draft_cache.lengths <= unread: the drafter's catch-up reaches every state.
+    4. n_tokens <= tokens_bound <= max_row_tokens: the attention windows it sizes cover every row;
+    5. n_tokens - 1 - draft_cache.lengths <= unread_bound: the drafter's catch-up reaches every state.
     Each check reads the device: debug runs only."""
 
     def __init__(self, then=None):
         self.then, self.batch = then, None  # then: a callback to run after (liveness's beat)
 
-    def __call__(self, batch):
+    def __call__(self, batch, step=None):
         if batch is not self.batch:  # a new batch: its rows are new
             self.batch, self.seen = batch, {}
         n = batch.n_tokens
@@ -60,17 +225,18 @@ class BatchChecker:
             L = int(n[slot]) - 1
             self.seen[row] = batch.tokens[slot, :L + 1].clone(), keys[slot, :L].clone()
         check(torch.equal(batch.cache.lengths, n - 1), "the target cache holds n_tokens - 1 positions")
-        check(not n.numel() or int(n.max()) <= batch.longest <= batch.cap, "longest bounds every row")
-        check(batch.draft_cache is None or bool((n - 1 - batch.draft_cache.lengths <= batch.unread).all()),
-              "unread bounds the drafter's unread states")
+        check(not n.numel() or int(n.max()) <= batch.tokens_bound <= batch.max_row_tokens,
+              "tokens_bound bounds every row")
+        check(batch.draft_cache is None or bool((n - 1 - batch.draft_cache.lengths <= batch.unread_bound).all()),
+              "unread_bound bounds the drafter's unread states")
         if self.then:
-            self.then(batch)
+            self.then(batch, step)
 
 
 def progress_hook(beat=None):
-    """The progress callback a run gives the core: liveness's beat (slow, not dead), and under
-    TLT_DEBUG=1 the running batch's invariants after every step."""
-    step = (lambda batch: beat()) if beat else None
+    """The observer a run gives the core: liveness's beat (slow, not dead), and under TLT_DEBUG=1
+    the running batch's invariants after every step."""
+    step = (lambda batch, step: beat()) if beat else None
     return BatchChecker(then=step) if DEBUG else step
 
 
@@ -118,8 +284,8 @@ class TimedDrafter:
 
 class HostTraffic(TorchDispatchMode):
     """Counts, while active, what makes the host wait for a GPU (reads) and what copies host data to
-    it (copies), in segments: `mark()` ends one and starts the next (rollout's `progress` hook marks
-    the prefill and every decoding step). It counts operations by what they mean, not by what the
+    it (copies), in segments: `mark()` ends one and starts the next (as the rollout's observer, it
+    marks the prefill and every decoding step, each with its compaction). It counts operations by what they mean, not by what the
     device at hand does, so a run on a CPU, where host and device are one, counts what the same run
     would pay on a GPU.
 
@@ -189,10 +355,10 @@ class HostTraffic(TorchDispatchMode):
 def host_traffic(target, drafter, prompts, max_new_tokens, **kwargs):
     """One rollout(target, drafter, prompts, max_new_tokens, **kwargs) under a HostTraffic, a segment
     per decoding step, the prefill and the end apart. Prints a line; returns its reads and copies."""
-    counter = HostTraffic()
+    counter, stats = HostTraffic(), DecodeStats()
     with counter:
-        _, stats = rollout(target, drafter, prompts, max_new_tokens,
-                           progress=lambda batch: counter.mark(), **kwargs)
+        rollout(target, drafter, prompts, max_new_tokens,
+                observer=observers(stats, lambda batch, step: counter.mark()), **kwargs)
     (r0, *reads, r_end), (c0, *copies, c_end) = counter.counts("read"), counter.counts("copy")
     out = {"steps": len(reads), "sd_row_steps": stats.sd_row_steps, "reads_per_step":
            sum(reads) / len(reads), "max_reads_in_a_step": max(reads), "copies_in_steps": sum(copies),

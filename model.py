@@ -61,7 +61,7 @@ class KVCache:
     def batch_size(self):
         return self.lengths.shape[0]
 
-    def keep(self, n, slots=None, rows=None):
+    def compact(self, n, slots=None, rows=None):
         """Compaction: slots `slots` get rows `rows` (index tensors: a list is a host copy), then
         the cache is its first n slots; live rows past the end fill the holes, not all rows move."""
         if slots is not None:  # the right side is a copy: safe in any order

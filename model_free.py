@@ -37,7 +37,8 @@ def proposer(name, drafter):
 
 
 class NgramDrafter:
-    """TLT-Base (`--drafter ngram`; TLT falls back on one while its learned drafter is not ready).
+    """TLT-Base (`--drafter ngram`). The paper also falls back on one while its learned drafter is
+    not ready; here it is only the baseline: no run switches to it by itself.
     Prompt lookup: find the latest earlier place where the row's last n tokens occurred in its own
     prompt and response, and propose the k tokens that followed there; with no match, propose the
     last token again (it will most likely be rejected). It costs no forward pass and learns

@@ -29,10 +29,12 @@ import os
 import statistics
 import warnings
 
+import task
 from common import OneLineParser
-from distributed import gather_ranks, print0
+from distributed import all_sum, gather_ranks, print0
 from evaluate import format_accuracy
-from rollout import Bandit
+from instrument import checksum
+from scheduler import mean_top1
 
 TIMELINE_CHARS = {"plain": "#", "spec": "S", "train": "t", "wait": "."}
 BLOCKS = " ▁▂▃▄▅▆▇█"  # a sparkline's levels; " " is a bin without a figure
@@ -61,14 +63,39 @@ NEEDED = ("step", "step_time", "rollout_time", "update_time", "rollout_share", "
 
 
 # -----------------------------------------------------------------------------
-# acceptance by draft position, summed over ranks and over steps
-
-# -----------------------------------------------------------------------------
 # the step's record
 
-def step_record(step, local, total, all_rewards, responses, step_time, update_time):
-    """The step's metrics.jsonl record from this rank's `local` part and the sums over ranks, and
-    every rank's part (the timeline draws their segments)."""
+def step_record(s, step, rows, texts, stats, idle, update, times):
+    """The step's metrics.jsonl record, from this rank's part and every rank's (summed, gathered),
+    and every rank's part (the timeline draws their segments). s: train.RunState; rows, texts: the
+    rank's finished rows and their texts; stats: its rollout's instrument.RolloutStats; idle:
+    train.idle_phase's figures; update: train.update_target's (rewards, responses, (loss, clip
+    fraction, skipped)); times: (t0, idle start, update start, t1) on the step's clock."""
+    t0, idle_start, t_update, t1 = times
+    all_rewards, responses, (loss, clip, skipped) = update
+    busy = idle["busy"]
+    segments = stats.segments + ([["train", idle_start + busy[0], idle_start + busy[1]]] if busy else [])
+    segments.append(["wait", segments[-1][2] if segments else idle_start, idle_start + idle["seconds"]])
+    local = {"rank": s.rank, "rollout_time": stats.time, "draft_time": stats.draft_time,
+             "idle_time": idle["seconds"], "drafter_steps": idle["steps"],
+             "wait_to_update": t_update - t0 - stats.time, "drafter_skipped": idle["skipped"],
+             "tokens": stats.tokens, "drafter_checksum": checksum(s.drafter), "rows": len(rows),
+             "tail_share": stats.tail_share, "buffer_tokens": s.buffer.held_tokens(), "segments": segments}
+    counts = {"tokens": stats.tokens, "sd_tokens": stats.sd_tokens, "sd_row_steps": stats.sd_row_steps,
+              "accepted": stats.accepted, "drafted": stats.drafted, "top1_agree": idle["top1"][0],
+              "top1_positions": idle["top1"][1], "careful": sum(map(task.careful_share, texts)),
+              "response_tokens": sum(len(r.response) for r in rows),
+              **position_counts(stats, max(s.args.draft_ks))}
+    rec, ranks = rank_record(step, local, all_sum(counts, s.device), all_rewards, responses,
+                             t1 - t0, t1 - t_update)
+    rec.update(loss=loss, clip_frac=clip, skipped_update=skipped, drafter_lr=idle["lr"],
+               drafter_depth=idle["depth"], drafter_health=mean_top1(s.recent_top1),
+               bandit_best=best_arms(s.bandit))
+    return rec, ranks
+
+
+def rank_record(step, local, total, all_rewards, responses, step_time, update_time):
+    """The record from this rank's `local` part and the sums over ranks, and every rank's part."""
     ranks = gather_ranks(local)
     if len({r["drafter_checksum"] for r in ranks}) > 1:
         warnings.warn(f"step {step}: the ranks' drafters differ after the sync ({[r['drafter_checksum'] for r in ranks]})")
@@ -102,9 +129,12 @@ def step_record(step, local, total, all_rewards, responses, step_time, update_ti
 
 
 
+# -----------------------------------------------------------------------------
+# acceptance by draft position, summed over ranks and over steps; the bandit's choices
+
 def position_counts(stats, k_max):
     """A rollout's drafts decided and accepted at each draft position 1..k_max, as {name: count}
-    (distributed.all_sum's form; speculative.DecodeStats has the meaning)."""
+    (distributed.all_sum's form; instrument.DecodeStats has the meaning)."""
     pad = lambda v: v + [0] * (k_max - len(v))  # noqa: E731
     return {**{f"drafted_at{i}": v for i, v in enumerate(pad(stats.drafted_at))},
             **{f"accepted_at{i}": v for i, v in enumerate(pad(stats.accepted_at))}}
@@ -121,6 +151,18 @@ def by_position(records):
 def format_positions(rates):
     """Rates by position as percentages for a log line; '-' where no draft was decided."""
     return " ".join("  -  " if r is None else f"{100 * r:4.1f}" for r in rates)
+
+
+def bucket_sizes(bucket):
+    """The batch sizes a bandit bucket holds, for logs: 0 -> "1", 1 -> "2", 2 -> "3-4", ..."""
+    return str(2 ** bucket) if bucket < 2 else f"{2 ** (bucket - 1) + 1}-{2 ** bucket}"
+
+
+def best_arms(bandit):
+    """{bucket: best arm} over a rollout.Bandit's scored arms, for the log."""
+    scored = sorted({b for (b, a) in bandit.plays if bandit.score(b, a) is not None})
+    return {b: max((a for a in bandit.arms if bandit.score(b, a) is not None),
+                   key=lambda a: bandit.score(b, a)) for b in scored}
 
 
 # -----------------------------------------------------------------------------
@@ -215,7 +257,7 @@ def record_lines(history):
                      f"given the earlier ones were; {sum(drafted):,} drafts decided)")
     best = history[-1]["bandit_best"]
     if best:
-        ks = ", ".join(f"{Bandit.bucket_sizes(int(b))}: {k}" for b, k in best.items())
+        ks = ", ".join(f"{bucket_sizes(int(b))}: {k}" for b, k in best.items())
         lines.append(f"  bandit's k per batch  {ks} (rank 0, end of run)")
     return lines + trend_lines(history)
 

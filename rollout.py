@@ -17,18 +17,18 @@ drafter catches up from the hidden states that the running batch records for eve
 the same states go to the drafter's buffer.
 
 The hot loop reads the device once per step (compaction's: which rows finished); the bandit's clock
-and token count ride on that read.
+and token count ride on that read. What a rollout decoded and how long it took is counted outside
+the engine, by an observer it calls after every step (the harness's instrument.RolloutStats).
 
 Test: python -m pytest tests/test_rollout.py
 """
 import random
 import time
 from collections import deque
-from dataclasses import dataclass, field
 
 import torch
 
-from speculative import DecodeStats, RunningBatch
+from speculative import RunningBatch, Step
 
 ARMS = (0, 1, 2, 3, 4, 6, 8)
 
@@ -47,11 +47,6 @@ class Bandit:
     @staticmethod
     def bucket(batch_size):
         return max(batch_size - 1, 0).bit_length()  # 1 -> 0, 2 -> 1, 3..4 -> 2, 5..8 -> 3, ...
-
-    @staticmethod
-    def bucket_sizes(bucket):
-        """The batch sizes a bucket holds, for logs: 0 -> "1", 1 -> "2", 2 -> "3-4", ..."""
-        return str(2 ** bucket) if bucket < 2 else f"{2 ** (bucket - 1) + 1}-{2 ** bucket}"
 
     def score(self, bucket, arm):
         r = self.plays.get((bucket, arm))
@@ -73,12 +68,6 @@ class Bandit:
         else:
             self.plays[key].append((float(tokens), max(float(seconds), 1e-9)))
 
-    def best(self):
-        """{bucket: best arm} over the scored arms, for the log."""
-        scored = sorted({b for (b, a) in self.plays if self.score(b, a) is not None})
-        return {b: max((a for a in self.arms if self.score(b, a) is not None),
-                       key=lambda a: self.score(b, a)) for b in scored}
-
     def state_dict(self):
         return {"plays": [[b, a, list(r)] for (b, a), r in self.plays.items()],
                 "rng": list(self.rng.getstate()[1]), "rng_version": self.rng.getstate()[0]}
@@ -89,87 +78,32 @@ class Bandit:
         self.rng.setstate((state["rng_version"], tuple(state["rng"]), None))
 
 
-def add_segment(segments, kind, start, end):
-    """Timelines: one more [kind, start, end] segment, or the last one stretched to `end`."""
-    if segments and segments[-1][0] == kind:
-        segments[-1][2] = end
-    else:
-        segments.append([kind, start, end])
-
-
-@dataclass
-class RolloutStats(DecodeStats):
-    """A rollout's DecodeStats plus its timing: seconds per phase, every step's batch size and
-    seconds, the tail share, and the timeline's [kind, start, end] segments."""
-    time: float = 0.0
-    prefill_time: float = 0.0
-    plain_time: float = 0.0
-    spec_time: float = 0.0
-    tail_share: float = 0.0
-    batch_sizes: list = field(default_factory=list)
-    step_times: list = field(default_factory=list)
-    segments: list = field(default_factory=list)
-
-    def end_step(self, step, now):
-        """The step in flight, (batch size, k, start), ended at `now` (None: the prefill)."""
-        if step is None:  # the prefill's first tokens are in; drawn as plain decoding
-            self.prefill_time = now
-            self.segments.append(["plain", 0.0, now])
-            return
-        batch_size, k, t0 = step
-        self.batch_sizes.append(batch_size)
-        self.step_times.append(now - t0)
-        if k:
-            self.spec_time += now - t0
-        else:
-            self.plain_time += now - t0
-        add_segment(self.segments, "spec" if k else "plain", t0, now)
-
-
 @torch.no_grad()
 def rollout(target, drafter, prompts, max_new_tokens, *, sd_threshold=64, bandit=None,
-            progress=None, **sampling):
-    """Generate for every prompt -> (results, stats): results[i], row i's speculative.FinishedRow
-    (tokens, hidden states, response), stats a RolloutStats. drafter None: plain decoding only.
-    sampling: speculative.Sampling's fields by name; with "gumbel" the tokens depend on neither
-    the drafter, the threshold nor the bandit. progress(batch): after the prefill and every step."""
-    stats = RolloutStats()
+            observer=None, **sampling):
+    """Generate for every prompt -> results[i], row i's speculative.FinishedRow (tokens, hidden
+    states, response). drafter None: plain decoding only. sampling: speculative.Sampling's fields
+    by name; with "gumbel" the tokens depend on neither the drafter, the threshold nor the bandit.
+    observer(batch, step): after the prefill (step None) and after every step's compaction."""
     if not prompts:
-        return [], stats
+        return []
     bandit = bandit if bandit is not None else Bandit()
     max_draft = max(bandit.arms) if drafter is not None else 0
-    t_start = time.perf_counter()
     batch = RunningBatch(target, prompts, max_new_tokens, max_draft=max_draft, **sampling)
-    if progress:
-        progress(batch)
-    step = None  # the step in flight: (batch size, k, start)
-    while True:
-        B = batch.compact()  # sync: the step's one read, which waits for the step's kernels
-        now = time.perf_counter() - t_start
-        stats.end_step(step, now)
-        if step is not None and step[1] is not None:  # score k on its tokens per second
-            bandit.update(step[0], step[1], batch.written, now - step[2])
-        if B == 0:
-            break
+    running = batch.compact()  # sync: the step's one read, here the prefill's first tokens
+    if observer:
+        observer(batch, None)
+    while running:
+        B = batch.batch_size
         k = bandit.choose(B) if drafter is not None and B <= sd_threshold else None
-        step = (B, k, now)
-        if not k:  # above the threshold, or the bandit's k = 0
-            n_emitted = batch.plain_step()
-        else:
+        t0, generated = time.perf_counter(), batch.generated
+        if k:  # the tail: draft k, verify them in one target pass
             n_emitted, n_acc = batch.speculative_step(drafter, k)
-            stats.add_speculative(n_emitted, n_acc, k)
-        stats.add_step(n_emitted)
-        if progress:
-            progress(batch)
-    stats.settle()  # sync: the counts the steps left on the device, read once
-    stats.time = time.perf_counter() - t_start
-    stats.tail_share = tail_share(stats.batch_sizes, stats.step_times, stats.time, len(prompts))
-    return batch.results, stats
-
-
-def tail_share(batch_sizes, step_times, total_time, n_rows, done_frac=0.9):
-    """The share of a rollout's time spent after `done_frac` of its rows had finished (the tail, as
-    Seer measures it): a step that starts with at most (1 - done_frac) * n_rows rows is in it."""
-    running_max = n_rows * (1 - done_frac) + 1e-9
-    tail = sum(t for b, t in zip(batch_sizes, step_times) if b <= running_max)
-    return tail / total_time if total_time > 0 else 0.0
+        else:  # a big batch, or the bandit's k = 0: one token per row
+            n_emitted, n_acc = batch.plain_step(), None
+        running = batch.compact()  # sync: which rows finished; it waits for the step's kernels
+        if k is not None:  # score k by the tokens per second it delivered
+            bandit.update(B, k, batch.generated - generated, time.perf_counter() - t0)
+        if observer:
+            observer(batch, Step(B, k or 0, n_emitted, n_acc))
+    return batch.results

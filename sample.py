@@ -26,7 +26,8 @@ import task
 from common import OneLineParser, machine
 from drafter import Drafter
 from model import GPT, GPTConfig
-from speculative import SAMPLERS, autoregressive_generate, speculative_generate
+from sampling import SAMPLERS
+from speculative import autoregressive_generate, speculative_generate
 
 
 def parse_args(argv=None):

@@ -8,14 +8,15 @@ drafter one short piece at a time:
     while not work.is_completed():       # preemption: the last rank's arrival, nothing else
         one piece of drafter work
 
-So idle time becomes drafter training with torch.distributed alone. A piece is short (its health
+So idle time becomes drafter training with torch.distributed alone. A piece is short (its top-1
 figure on a few fresh rows, storing a few staged rows, or one drafter step that also stops between
 its passes), since the last rank waits for the pieces in flight; the last rank itself does none.
 
 Then every rank holds the same drafter again: the weights are averaged, weighted by each rank's
 local steps, in one all-reduce that overlaps the target's update. Each rank's AdamW moments stay
 its own. A single process has no idle time, so it never trains the drafter online: that is the
-technique, not a bug. How hard idle ranks train is set by the drafter's health (`drafter_schedule`).
+technique, not a bug. How hard idle ranks train is set by the drafter's recent top-1 agreement with
+the target on fresh rows (`drafter_schedule`).
 
 Test: python -m pytest tests/test_scheduler.py   (gloo processes with skewed loads)
 """
@@ -28,15 +29,14 @@ import torch
 import torch.distributed as dist
 from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
-from drafter import pairs, top1_agreement, train_step
+from drafter import pair_batch, top1_agreement, train_step
 from rl import group_by_length
-from rollout import add_segment
 
 
 @dataclass
 class IdleWork:
     """What an idle rank does for the drafter in one RL step."""
-    train: bool = True  # train it (--drafter-updates); else only the chores
+    train: bool = True  # train it (--drafter-updates); else only the scoring
     batch_size: int = 8  # sequences per drafter step
     depth: int = 3  # chained passes per drafter step
     piece_tokens: int = 256  # padded positions in one piece of idle work, at most
@@ -46,29 +46,30 @@ def many_ranks():
     return dist.is_initialized() and dist.get_world_size() > 1
 
 
-def idle_train(drafter, optimizer, buffer, rng, work, chores=(), barrier=None, grace_s=0.02):
-    """The idle loop. chores: what the drafter needs from this step before it trains on it (its
-    health figure), one per turn, dropped when the last rank arrives. barrier: makes the async
-    barrier (default dist.barrier(async_op=True)); the harness passes one that also watches that
-    slow ranks are alive. -> (steps, skipped steps, idle seconds, [kind, start, end] segments)."""
+def idle_train(drafter, optimizer, buffer, rng, work, scoring=(), barrier=None, grace_s=0.02):
+    """The idle loop. scoring: pieces of work that score the drafter on this step's rows (its top-1
+    figure), one per turn, before it trains on them, dropped when the last rank arrives. barrier:
+    makes the async barrier (default dist.barrier(async_op=True)); the harness passes one that
+    also watches that slow ranks are alive. -> (steps, skipped steps, idle seconds, busy), busy the
+    [start, end] seconds of the turns that worked (None: none did)."""
     t0 = time.perf_counter()
-    chores = deque(chores)
+    scoring = deque(scoring)
     if not many_ranks():  # no idle time, and nobody to delay
-        while chores:
-            chores.popleft()()
-        return 0, 0, 0.0, []
-    steps, skipped, segments = 0, 0, []
+        while scoring:
+            scoring.popleft()()
+        return 0, 0, 0.0, None
+    steps, skipped, busy = 0, 0, None
     arrived = barrier() if barrier else dist.barrier(async_op=True)
     while not arrived.is_completed() and time.perf_counter() - t0 < grace_s:
         time.sleep(0.0005)  # the last rank sees it complete at once: it starts nothing
     while not arrived.is_completed():
-        s = time.perf_counter() - t0
-        if chores:
-            chores.popleft()()
+        start = time.perf_counter() - t0
+        if scoring:
+            scoring.popleft()()
         elif work.train and buffer.staged:  # the step's rows to the host, a piece a turn
             buffer.store_staged(work.piece_tokens)
         elif work.train and len(buffer):
-            batch = buffer.sample(work.batch_size, rng, drafter.fuse.weight.device,
+            batch = buffer.sample(work.batch_size, rng, drafter.in_proj.weight.device,
                                   work.piece_tokens)  # at most piece_tokens padded positions
             loss, applied = train_step(drafter, optimizer, batch, work.depth,
                                        preempted=arrived.is_completed)
@@ -77,20 +78,18 @@ def idle_train(drafter, optimizer, buffer, rng, work, chores=(), barrier=None, g
         else:
             time.sleep(0.001)
             continue
-        add_segment(segments, "train", s, time.perf_counter() - t0)
+        busy = [busy[0] if busy else start, time.perf_counter() - t0]
     arrived.wait()  # a failed barrier (a peer gone) raises here
-    idle = time.perf_counter() - t0
-    add_segment(segments, "wait", segments[-1][2] if segments else 0.0, idle)
-    return steps, skipped, idle, segments
+    return steps, skipped, time.perf_counter() - t0, busy
 
 
-def health_chores(drafter, rows, into, piece_tokens):
-    """Chores that score the drafter's teacher-forced top-1 agreement on a rollout's finished rows
-    (speculative.FinishedRow), a piece of similar lengths at a time, adding (agreeing positions,
-    positions) to `into`. They run on idle time, before the drafter trains on these rows."""
+def top1_pieces(drafter, rows, into, piece_tokens):
+    """Pieces of idle work that score the drafter's teacher-forced top-1 agreement on a rollout's
+    finished rows (speculative.FinishedRow), rows of similar lengths at a time, adding (agreeing
+    positions, positions) to `into`. They run before the drafter trains on these rows."""
     def score(piece):
-        seqs = [(r.tokens, r.hidden, r.prompt_len) for r in piece]
-        batch = pairs(seqs, drafter.fuse.weight.device)
+        batch = pair_batch([(r.tokens, r.hidden, r.prompt_len) for r in piece],
+                           drafter.in_proj.weight.device)
         agree, n = top1_agreement(drafter, *batch)
         into[0] += agree
         into[1] += n
@@ -121,34 +120,35 @@ def start_drafter_sync(drafter, local_steps):
 
 
 # -----------------------------------------------------------------------------
-# how hard the idle ranks train the drafter: its health decides
+# how hard the idle ranks train the drafter: its recent top-1 agreement decides
 
-HEALTHY, SICK = 0.98, 0.85  # health (teacher-forced top-1) where training is gentlest, hardest
-HEALTH_STEPS = 5  # RL steps whose figures make the health
+TOP1_GENTLE, TOP1_HARDEST = 0.98, 0.85  # top-1 at or above which training is gentlest; at or below, hardest
+TOP1_STEPS = 5  # RL steps whose figures make the recent top-1
 
 
-def drafter_health(recent):
-    """Top-1 agreement on the fresh rows of the last HEALTH_STEPS steps (`recent`: [agreeing,
+def mean_top1(recent):
+    """Top-1 agreement on the fresh rows of the last TOP1_STEPS steps (`recent`: [agreeing,
     positions] per step, summed over ranks); None before any."""
     n = sum(p for _, p in recent)
     return sum(a for a, _ in recent) / n if n else None
 
 
-def add_health(recent, top1, positions):
+def add_top1(recent, top1, positions):
     """`recent` with one more step's figure; a step with no position scored adds nothing."""
-    return (recent + [[top1 * positions, positions]])[-HEALTH_STEPS:] if positions else recent
+    return (recent + [[top1 * positions, positions]])[-TOP1_STEPS:] if positions else recent
 
 
-def drafter_schedule(args, step, health):
+def drafter_schedule(args, step, top1):
     """The idle ranks' drafter learning rate and depth at RL step `step`. A cold start
     (--drafter-warmup-steps 0) trains teacher-forced on a cosine from --drafter-cold-lr down to a
-    twentieth. A warmed-up drafter gets --drafter-online-lr while HEALTHY, rising geometrically to
-    --drafter-cold-lr at SICK and below, on --drafter-depth chained passes."""
+    twentieth. A warmed-up drafter gets --drafter-online-lr while its recent top-1 is at least
+    TOP1_GENTLE, rising geometrically to --drafter-cold-lr at TOP1_HARDEST and below, on
+    --drafter-depth chained passes."""
     if args.drafter_warmup_steps == 0:
         frac, peak = step / max(1, args.rl_steps - 1), args.drafter_cold_lr
         return peak / 20 + (peak - peak / 20) * 0.5 * (1 + math.cos(math.pi * frac)), 1
-    if health is None:
+    if top1 is None:
         return args.drafter_online_lr, args.drafter_depth
-    sick = min(1.0, max(0.0, (HEALTHY - health) / (HEALTHY - SICK)))
-    lr = args.drafter_online_lr * (args.drafter_cold_lr / args.drafter_online_lr) ** sick
+    hard = min(1.0, max(0.0, (TOP1_GENTLE - top1) / (TOP1_GENTLE - TOP1_HARDEST)))
+    lr = args.drafter_online_lr * (args.drafter_cold_lr / args.drafter_online_lr) ** hard
     return lr, args.drafter_depth

@@ -8,206 +8,20 @@ One speculative step, for every running row at once:
 3. accept: each row keeps its own number of drafts (ragged acceptance) and emits one token of the
    target's after them; rolling the rejected drafts back is assigning the cache lengths.
 
-Two samplers, both exact, chosen once per batch:
-- "rejection" (`verify`): draft d_i is kept with probability min(1, p(d_i) / q(d_i)); at the first
-  rejection the next token is drawn from normalise(max(p - q, 0)); the tokens emitted are
-  distributed exactly as the target's own samples (Leviathan et al. 2023, Chen et al. 2023).
-- "gumbel" (`verify_gumbel`), exact-token: the token at position t is argmax(logits / T + g), with
-  Gumbel noise g hashed from (row key, t, token id). That is a sample of softmax(logits / T)
-  fixed by where the token is, so plain and speculative decoding, any batch order and any rank
-  emit the same tokens. A draft is accepted iff it equals the target's noisy argmax at its position.
+The batch's sampler (sampling.py, one chosen per batch) picks every token and verifies the drafts;
+both its rules are exact, and with "gumbel" plain and speculative decoding emit the same tokens.
 
 `RunningBatch` holds the running rows; finished rows leave it (`compact`), so the batch really
 shrinks. The host keeps bounds instead of reading the device: a step reads it once, in `compact`.
 
 Test: python -m pytest tests/test_speculative.py
 """
-import functools
-from collections import defaultdict
-from dataclasses import asdict, dataclass, field
 from typing import NamedTuple
 
 import torch
-import torch.nn.functional as F
 
-SAMPLERS = ("gumbel", "rejection")
-MASK32 = 0xFFFFFFFF
-
-
-def probs(logits, temperature):
-    """(..., V) logits -> (..., V) float32 probabilities; temperature 0 gives one-hot argmax."""
-    if temperature == 0:
-        one = logits.argmax(-1, keepdim=True)
-        return torch.zeros_like(logits, dtype=torch.float32).scatter_(-1, one, 1.0)
-    return F.softmax(logits.float() if temperature == 1 else logits.float() / temperature, dim=-1)
-
-
-def draw(p, generator=None):
-    """(B, V) non-negative weights -> (B,) one draw per row, by an exponential race: E_v / p_v is
-    exponential with rate p_v, and the smallest is v's with probability p_v / sum(p). The same
-    kernels on every device, and a zero-weight token never wins."""
-    e = torch.empty_like(p, dtype=torch.float32).exponential_(generator=generator)  # (B, V)
-    return (p / e.clamp_(min=torch.finfo(torch.float32).tiny)).argmax(dim=-1)
-
-
-# -----------------------------------------------------------------------------
-# exact-token noise: a pure function of (row key, position, token id)
-
-def _mix32_(x):
-    """Wellons' 32-bit "lowbias32" hash, in place, on int64 holding 32-bit values (no product
-    overflows 2^63)."""
-    s = torch.empty_like(x)
-    x ^= torch.bitwise_right_shift(x, 16, out=s)
-    x.mul_(0x7FEB352D).bitwise_and_(MASK32)
-    x ^= torch.bitwise_right_shift(x, 15, out=s)
-    x.mul_(-0x7B935975).bitwise_and_(MASK32)  # times 0x846CA68B mod 2^32
-    x ^= torch.bitwise_right_shift(x, 16, out=s)
-    return x
-
-
-@functools.lru_cache(maxsize=8)
-def _token_hashes(vocab_size, device):
-    return _mix32_(torch.arange(vocab_size, device=device) + 0x9E3779B9)  # (V,), distinct
-
-
-def gumbel_seeds(keys, positions):
-    """keys (B,) int64 >= 0, positions (B, T) -> (B, T) 32-bit seeds: the position's hash, then the
-    key's low and high halves mixed in, one round each. Every bit of the 64-bit key reaches every
-    seed, and rows a few positions apart never share a shifted stream."""
-    seed = _mix32_(positions + 0x632BE5AB)  # (B, T)
-    seed = _mix32_(seed ^ (keys & MASK32)[:, None])
-    return _mix32_(seed ^ (keys >> 32)[:, None])
-
-
-def gumbel_noise(seeds, vocab_size):
-    """seeds (...) -> (..., V) float32 Gumbel(0, 1) noise, one value per token id: each seed hashed
-    with the token's hash, the top 23 bits a uniform in (0, 1), then -log(-log(u))."""
-    bits = seeds[..., None] ^ _token_hashes(vocab_size, seeds.device)  # (..., V)
-    _mix32_(bits)
-    u = bits.bitwise_right_shift_(9).float().add_(0.5).mul_(2.0 ** -23)  # never 0 or 1
-    return u.log_().neg_().log_().neg_()
-
-
-# noise values one pass makes at most: a CPU's pass stays in its caches, a GPU's is bound by memory
-NOISE_ELEMENTS = defaultdict(lambda: 2 ** 24, cpu=2 ** 20)
-
-
-def gumbel_choose(logits, temperature, seeds, noise=None, max_elements=None):
-    """logits (B, T, V) at the positions whose seeds are (B, T) -> tokens (B, T), the argmax of
-    logits / T + noise in float32 (temperature 0: plain argmax). `noise`: made already by the
-    caller; else made here over the whole vocabulary, a bounded number of rows per pass."""
-    if temperature == 0:
-        return logits.argmax(-1)
-    x = logits.float() if temperature == 1 else logits.float() / temperature
-    if noise is not None:
-        return (x + noise).argmax(-1)
-    x, s = x.flatten(0, -2), seeds.reshape(-1)  # (R, V), (R,): every position a row
-    rows = max(1, (max_elements or NOISE_ELEMENTS[x.device.type]) // x.shape[1])  # rows per pass
-    picks = [gumbel_noise(s[r:r + rows], x.shape[1]).add_(x[r:r + rows]).argmax(-1)
-             for r in range(0, s.shape[0], rows)]
-    return (picks[0] if len(picks) == 1 else torch.cat(picks)).view(seeds.shape)
-
-
-# -----------------------------------------------------------------------------
-# the verify rules
-
-def verify(draft_tokens, q, p, generator=None):
-    """Exact rejection sampling. draft_tokens (B, k) drawn from q (B, k, V); p (B, k+1, V) the
-    target's distributions. -> n_accepted (B,), each row's accepted prefix, and next_token (B,):
-    from the residual max(p - q, 0) at the first rejection, or from p[:, k] when all k pass."""
-    B, k = draft_tokens.shape
-    p_d = p[:, :k].gather(-1, draft_tokens[..., None]).squeeze(-1)  # (B, k)
-    q_d = q.gather(-1, draft_tokens[..., None]).squeeze(-1)  # (B, k)
-    u = torch.rand(B, k, generator=generator, device=p.device)
-    accept = u * q_d < p_d  # u < p / q without dividing; p >= q always accepts
-    n_accepted = accept.cummin(dim=1).values.sum(dim=1)  # (B,)
-    # at n_accepted == k, q is zero there, so the residual is p[:, k]
-    q_pad = torch.cat([q, q.new_zeros(B, 1, q.shape[-1])], dim=1)  # (B, k+1, V)
-    at = n_accepted[:, None, None].expand(B, 1, p.shape[-1])
-    p_at = p.gather(1, at).squeeze(1)  # (B, V)
-    residual = (p_at - q_pad.gather(1, at).squeeze(1)).clamp(min=0)  # draw() normalises
-    # all zero only where p == q, which rejects with probability 0: a guard against rounding
-    residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, p_at)
-    return n_accepted, draw(residual, generator)
-
-
-def verify_gumbel(draft_tokens, target_tokens):
-    """draft_tokens (B, k), target_tokens (B, k+1), the target's noisy argmax at the same positions
-    and one more -> n_accepted (B,): drafts up to the first that differs; the row then emits
-    target_tokens[b, :n_accepted[b] + 1], exactly what plain decoding would have."""
-    k = draft_tokens.shape[1]
-    return (draft_tokens == target_tokens[:, :k]).cummin(dim=1).values.sum(dim=1)  # (B,)
-
-
-@dataclass
-class Sampling:
-    """How a batch picks its tokens: the generate functions and the rollout take these by name."""
-    temperature: float = 1.0
-    eos_id: int = None
-    sampler: str = "rejection"  # or "gumbel"
-    keys: list = None  # "gumbel": one int64 >= 0 per row (None: random, from the generator)
-    generator: torch.Generator = None
-
-
-class RejectionSampler:
-    """Tokens drawn from softmax(logits / T) with the batch's generator; `verify` verifies."""
-
-    def __init__(self, temperature, generator):
-        self.temperature, self.generator = temperature, generator
-
-    def start_step(self, positions):
-        pass  # nothing is fixed by position
-
-    def keep(self, n, slots, rows):
-        pass  # no per-row state
-
-    def choose(self, logits, at=slice(None)):
-        """logits (B, T, V) -> tokens (B, T) and their distributions (B, T, V)."""
-        p = probs(logits, self.temperature)
-        return draw(p.flatten(0, 1), self.generator).view(p.shape[:-1]), p
-
-    def verify(self, draft, q, logits):
-        """-> the step's tokens (B, k+1), of which row b keeps n_acc[b] + 1, and n_acc (B,)."""
-        if q is None:  # deterministic proposals: a one-hot q
-            q = torch.zeros(*draft.shape, logits.shape[-1], device=draft.device)
-            q.scatter_(-1, draft[..., None], 1.0)  # (B, k, V)
-        n_acc, nxt = verify(draft, q, probs(logits, self.temperature), self.generator)
-        out = torch.cat([draft, nxt[:, None]], 1)
-        return out.scatter_(1, n_acc[:, None], nxt[:, None]), n_acc  # accepted drafts, then nxt
-
-
-class GumbelSampler:
-    """Exact-token sampling: every row's noise seed at every position is hashed once per batch."""
-
-    def __init__(self, temperature, keys, width, vocab_size):
-        positions = torch.arange(width, device=keys.device).expand(keys.shape[0], width)
-        self.seeds = gumbel_seeds(keys, positions)  # (B, width)
-        self.temperature, self.vocab_size = temperature, vocab_size
-
-    def start_step(self, positions):
-        """This step picks tokens at positions (B, T): keep their seeds and, where the noise of a
-        speculative step fits one pass, make it once for the drafts and the verify pass."""
-        self.step_seeds = self.noise = None
-        if self.temperature > 0:
-            self.step_seeds = self.seeds.gather(1, positions)  # (B, T)
-            fits = positions.numel() * self.vocab_size <= NOISE_ELEMENTS[positions.device.type]
-            if positions.shape[1] > 1 and fits:
-                self.noise = gumbel_noise(self.step_seeds, self.vocab_size)  # (B, T, V)
-
-    def keep(self, n, slots, rows):
-        self.seeds[slots] = self.seeds[rows]  # compaction, as the batch's rows move
-        self.seeds = self.seeds[:n]
-
-    def choose(self, logits, at=slice(None)):
-        """logits (B, T, V) at the step's positions [:, at] -> tokens (B, T), and None for q."""
-        if self.temperature == 0:
-            return logits.argmax(-1), None
-        noise = None if self.noise is None else self.noise[:, at]
-        return gumbel_choose(logits, self.temperature, self.step_seeds[:, at], noise), None
-
-    def verify(self, draft, q, logits):
-        out, _ = self.choose(logits)  # the target's own tokens: up to a mismatch, the drafts
-        return out, verify_gumbel(draft, out)
+# the verify rules and the samplers: `speculative.verify` and `.SAMPLERS` are this file's interface
+from sampling import SAMPLERS, GumbelSampler, RejectionSampler, Sampling, verify  # noqa: F401
 
 
 class FinishedRow(NamedTuple):
@@ -223,9 +37,11 @@ class RunningBatch:
 
     Row b holds tokens[b, :n_tokens[b]], prompt then response; its last token is *pending*, sampled
     but not yet read by the target, so the target's cache holds n_tokens - 1 positions, and
-    hidden[b, j] is the target's state after reading tokens[b, j]. On the host: `running`, the
-    original row of each slot; `longest` >= every n_tokens (it sizes the attention windows);
-    `unread` >= how many recorded states the drafter has not read (its catch-up width)."""
+    hidden[b, j] is the target's state after reading tokens[b, j]. The host keeps, without reading
+    the device: `running`, the original row of each slot; `tokens_bound` >= every n_tokens (it
+    sizes the attention windows); `unread_bound` >= how many recorded states the learned drafter
+    has not read (its catch-up width); and, as of the last `compact`, `generated`, the tokens the
+    batch has generated so far, all rows."""
 
     def __init__(self, target, prompts, max_new_tokens, *, max_draft=0, **sampling):
         s = Sampling(**sampling)
@@ -246,15 +62,15 @@ class RunningBatch:
         dev, B, width = target.wte.weight.device, len(prompts), need + 1
         self.target, self.eos_id, self.prompts = target, s.eos_id, prompts
         self.running, self.prompt_lens = list(range(B)), [len(p) for p in prompts]  # host only
-        self.cap = longest + max_new_tokens  # no row grows past it
-        self.counted = sum(self.prompt_lens)  # the running rows' tokens at the last compact
+        self.max_row_tokens = longest + max_new_tokens  # no row grows past it
+        self.generated, self._live_tokens = 0, sum(self.prompt_lens)  # see `compact`
         self.tokens = torch.tensor([p + [0] * (width - len(p)) for p in prompts], device=dev)
         self.hidden = torch.zeros(B, width, target.config.n_embd, device=dev,
                                   dtype=target.wte.weight.dtype)  # (B, width, C)
         self.row_id = torch.arange(B, device=dev)  # the device's `running`
         self.sampler = self._sampler(s, B, width, dev)
         self.cache = target.new_cache(B, max_len=need)
-        self.draft_cache = self.unread = None  # a learned drafter's, from its first draft
+        self.draft_cache = self.unread_bound = None  # a learned drafter's, from its first draft
         self.finished, self._unread_responses = [None] * B, []  # see `results`
         self._prefill(longest, max_new_tokens)
 
@@ -290,7 +106,7 @@ class RunningBatch:
         self.sampler.start_step(prompt_len[:, None])
         first, _ = self.sampler.choose(logits[inverse, prompt_len - 1][:, None])  # (B, 1)
         self._append(first)
-        self.longest = longest + 1
+        self.tokens_bound = longest + 1
 
     @property
     def batch_size(self):
@@ -317,14 +133,14 @@ class RunningBatch:
     def plain_step(self):
         """One token for every running row. Returns the tokens emitted per row (B,)."""
         L = self.n_tokens - 1  # (B,) the target cache's length; tokens[L] is pending
-        self.cache.window = self.longest  # the longest row after the append: no read
+        self.cache.window = self.tokens_bound  # the longest row after the append: no read
         logits, hidden = self.target(self.tokens.gather(1, L[:, None]), self.cache)  # (B, 1, .)
         self.hidden[self.cache.rows, L] = hidden[:, 0]
         self.sampler.start_step(self.n_tokens[:, None])
         nxt, _ = self.sampler.choose(logits)  # (B, 1)
-        self.longest = min(self.longest + 1, self.cap)
-        if self.unread is not None:
-            self.unread += 1
+        self.tokens_bound = min(self.tokens_bound + 1, self.max_row_tokens)
+        if self.unread_bound is not None:
+            self.unread_bound += 1
         return self._append(nxt)
 
     @torch.no_grad()
@@ -337,31 +153,32 @@ class RunningBatch:
         # 1. draft: k tokens per row, and q (B, k, V) or None (deterministic proposals)
         draft, q = drafter.propose(self, k)  # (B, k)
         # 2. verify: the target reads the pending token and the k drafts in one pass
-        self.cache.window = self.longest + k
+        self.cache.window = self.tokens_bound + k
         pending = self.tokens.gather(1, L[:, None])  # (B, 1)
         logits, hidden = self.target(torch.cat([pending, draft], 1), self.cache)  # (B, k+1, .)
         self.hidden[self.cache.rows[:, None], positions - 1] = hidden  # rejected ones: dead
         # 3. accept: row b keeps its first n_acc[b] drafts and one token of the target's
-        out, n_acc = self.sampler.verify(draft, q, logits)  # (B, k+1), (B,)
+        n_acc, out = self.sampler.verify(draft, q, logits)  # (B,), (B, k+1)
         n_emitted = self._append(out, n_acc + 1)
         self.cache.lengths = self.n_tokens - 1  # roll the rejected drafts back
-        self.longest = min(self.longest + k + 1, self.cap)
-        if self.unread is not None:  # whichever drafter drafted, the learned one has not read these
-            self.unread += k + 1
+        self.tokens_bound = min(self.tokens_bound + k + 1, self.max_row_tokens)
+        if self.unread_bound is not None:  # whichever drafter drafted, the learned one has not read these
+            self.unread_bound += k + 1
         return n_emitted, n_acc
 
     def compact(self):
         """Move finished rows to `finished` and out of every tensor and cache: the live rows past
         the new end fill the holes before it, so a few rows move, not the whole cache. Returns the
-        rows still running; sets `written`, the tokens written since the last compact."""
+        rows still running, and counts the tokens written since the last compact in `generated`."""
         B = self.batch_size
         if B == 0:
             return 0
         # sync: the step's one read: which rows finished, with every row's length
         done, n_tokens = torch.stack((self.done, self.n_tokens)).tolist()
         live = [b for b in range(B) if not done[b]]
-        self.written, self.counted = sum(n_tokens) - self.counted, sum(n_tokens[b] for b in live)
-        self.longest, n = max((n_tokens[b] for b in live), default=0), len(live)
+        self.generated += sum(n_tokens) - self._live_tokens
+        self._live_tokens = sum(n_tokens[b] for b in live)
+        self.tokens_bound, n = max((n_tokens[b] for b in live), default=0), len(live)
         if n == B:
             return B
         for b in (b for b in range(B) if done[b]):  # responses are read later, together
@@ -385,7 +202,7 @@ class RunningBatch:
             setattr(self, name, t[:n])
         for keeper in (self.cache, self.draft_cache, self.sampler):
             if keeper is not None:
-                keeper.keep(n, slots, rows)
+                keeper.compact(n, slots, rows)
         return n
 
     @property
@@ -405,117 +222,45 @@ class RunningBatch:
         return [r.response for r in self.results]
 
 
-@dataclass
-class DecodeStats:
-    """What a generate call or a rollout decoded, summed over its steps. The device's counts stay
-    there until `settle()` reads them all at once. By draft position, as EAGLE-style papers report
-    it: accepted_at[i] / drafted_at[i] is the chance that draft i + 1 is accepted given the ones
-    before it were."""
-    steps: int = 0  # decoding steps (plain or speculative)
-    tokens: int = 0  # tokens emitted, all rows
-    sd_row_steps: int = 0  # (row, speculative step) pairs
-    sd_tokens: int = 0  # tokens emitted by speculative steps
-    drafted: int = 0  # draft tokens proposed
-    accepted: int = 0  # draft tokens accepted
-    accept_hist: dict = field(default_factory=dict)  # drafts accepted in one row-step -> count
-    drafted_at: list = field(default_factory=list)  # per draft position: drafts decided there
-    accepted_at: list = field(default_factory=list)  # per draft position: drafts accepted there
-
-    def __post_init__(self):
-        self._pending = []  # (n_emitted (B,), n_acc (B,) or None, k), not read yet
-
-    def add_step(self, n_emitted):
-        self.steps += 1
-        self._pending.append((n_emitted, None, 0))
-
-    def add_speculative(self, n_emitted, n_acc, k):
-        self.sd_row_steps += n_emitted.numel()
-        self.drafted += k * n_acc.numel()
-        self._pending.append((n_emitted, n_acc, k))
-
-    def settle(self):
-        """Read the pending device counts into the fields (one read); returns self."""
-        if not self._pending:
-            return self
-        flat = [t for e, a, _ in self._pending for t in (e, a) if t is not None]
-        values, i = torch.cat(flat).tolist(), 0  # sync: one read
-        for emitted, acc, k in self._pending:
-            n_emitted, i = values[i:i + emitted.numel()], i + emitted.numel()
-            if acc is None:
-                self.tokens += sum(n_emitted)
-                continue
-            n_acc, i = values[i:i + acc.numel()], i + acc.numel()
-            self.sd_tokens += sum(n_emitted)
-            self.accepted += sum(n_acc)
-            for a in n_acc:
-                self.accept_hist[a] = self.accept_hist.get(a, 0) + 1
-            self._count_positions(n_emitted, n_acc, k)
-        self._pending = []
-        return self
-
-    def _count_positions(self, n_emitted, n_acc, k):
-        """A row keeps its accepted drafts, then the target's token; where it ended on an accepted
-        draft (n_emitted <= n_acc) the drafts after it were never decided."""
-        grow = k - len(self.drafted_at)
-        if grow > 0:
-            self.drafted_at += [0] * grow
-            self.accepted_at += [0] * grow
-        for emitted, acc in zip(n_emitted, n_acc):
-            used = min(acc, emitted)
-            for i in range(used):
-                self.drafted_at[i] += 1
-                self.accepted_at[i] += 1
-            if emitted > acc and used < k:  # it went on: the first rejected draft was decided
-                self.drafted_at[used] += 1
-
-    @property
-    def accept_len(self):  # tokens per row per verify step: accepted drafts plus the target's
-        self.settle()
-        return self.sd_tokens / self.sd_row_steps if self.sd_row_steps else None
-
-    @property
-    def accept_rate(self):  # accepted drafts per drafted token
-        self.settle()
-        return self.accepted / self.drafted if self.drafted else None
-
-    @property
-    def accept_by_position(self):  # per draft position: accepted given the earlier ones were
-        self.settle()
-        return [a / d if d else None for a, d in zip(self.accepted_at, self.drafted_at)]
-
-    def as_dict(self):
-        self.settle()
-        return {**asdict(self), "accept_hist": dict(sorted(self.accept_hist.items())),
-                "accept_len": self.accept_len, "accept_rate": self.accept_rate,
-                "accept_by_position": self.accept_by_position}
+class Step(NamedTuple):
+    """One decoding step, as the generate functions and the rollout tell an observer of it."""
+    batch_size: int  # running rows before the step
+    k: int  # drafts per row; 0: a plain step
+    n_emitted: torch.Tensor  # (batch_size,) tokens each row kept
+    n_accepted: torch.Tensor  # (batch_size,) drafts each row accepted; None for a plain step
 
 
 @torch.no_grad()
-def autoregressive_generate(target, prompts, max_new_tokens, *, progress=None, **sampling):
+def generate_batch(batch, drafter=None, k=0, observer=None):
+    """Run a RunningBatch until every row has finished: plain steps (k = 0) or speculative ones with
+    k drafts. observer(batch, step): after the prefill (step None) and after every step's
+    compaction (a Step); the harness counts and times there. -> (outputs, {"accept_len": tokens
+    per row per verify step, None without speculative steps}), counted from `generated`."""
+    running, row_steps = batch.compact(), 0  # sync: one read a step, in compact
+    first = batch.generated  # the prefill's tokens
+    if observer:
+        observer(batch, None)
+    while running:
+        B = batch.batch_size
+        n_emitted, n_acc = batch.speculative_step(drafter, k) if k else (batch.plain_step(), None)
+        running, row_steps = batch.compact(), row_steps + B
+        if observer:
+            observer(batch, Step(B, k, n_emitted, n_acc))
+    accept_len = (batch.generated - first) / row_steps if k and row_steps else None
+    return batch.outputs(), {"accept_len": accept_len}
+
+
+def autoregressive_generate(target, prompts, max_new_tokens, *, observer=None, **sampling):
     """Plain decoding, one token per row per target pass; finished rows leave the batch.
-    sampling: `Sampling`'s fields by name; progress(batch): called after every step."""
-    batch = RunningBatch(target, prompts, max_new_tokens, **sampling)
-    stats = DecodeStats()
-    while batch.compact() > 0:
-        stats.add_step(batch.plain_step())
-        if progress:
-            progress(batch)
-    return batch.outputs(), stats.as_dict()
+    sampling: `Sampling`'s fields by name; observer: see `generate_batch`."""
+    return generate_batch(RunningBatch(target, prompts, max_new_tokens, **sampling), observer=observer)
 
 
-@torch.no_grad()
-def speculative_generate(target, drafter, prompts, max_new_tokens, *, k=4, progress=None,
+def speculative_generate(target, drafter, prompts, max_new_tokens, *, k=4, observer=None,
                          **sampling):
     """Speculative decoding with the same k for every row and step. With sampler "gumbel" and the
     same keys it emits exactly autoregressive_generate's tokens."""
     if k < 1:
         raise ValueError(f"k must be >= 1, got {k}")
     batch = RunningBatch(target, prompts, max_new_tokens, max_draft=k, **sampling)
-    stats = DecodeStats()
-    while batch.compact() > 0:
-        n_emitted, n_acc = batch.speculative_step(drafter, k)
-        stats.add_step(n_emitted)
-        stats.add_speculative(n_emitted, n_acc, k)
-        if progress:
-            progress(batch)
-    return batch.outputs(), stats.as_dict()
+    return generate_batch(batch, drafter, k, observer)

@@ -192,8 +192,9 @@ def training_example(problem, cfg=None, rng=None):
 
 
 def derive_seed(*parts):
-    """A seed for (base seed, rank or row, step, purpose), or any tuple of integers: each random
-    stream gets its own seed, and nothing reseeds the global generator inside a loop."""
+    """A seed for any tuple of integers, such as (base seed, rank, step, purpose) (`Seed` says which
+    order each stream uses): each random stream gets its own seed, and nothing reseeds the global
+    generator inside a loop."""
     h = 0
     for x in parts:
         h = (h * 1_000_003 + int(x)) % (2 ** 61 - 1)
@@ -201,7 +202,8 @@ def derive_seed(*parts):
 
 
 class Seed(enum.IntEnum):
-    """What a derived seed is for, derive_seed(seed, rank or row, step, Seed.X): one stream each."""
+    """What a derived seed is for: one stream each. Most are derive_seed(seed, rank, step, Seed.X);
+    a row's key is derive_seed(seed, step, row, Seed.ROLLOUT_KEYS) or (seed, row, 0, Seed.EVAL_KEYS)."""
     TARGET_DATA = 1        # the target warm-up's reference traces
     DRAFTER_DATA = 2       # the drafter warm-up's prompts and batches
     DRAFTER_SAMPLES = 3    # the target's samples the drafter warms up on

@@ -27,16 +27,16 @@ import task
 from checkpoint import load_on_rank0, save_on_rank0
 from common import check_out_dir, machine, sync
 from config import autocast, parse_args, task_config
-from distributed import COLLECTIVE_TIMEOUT_S, all_sum, compute_init, gather_ranks, print0
+from distributed import COLLECTIVE_TIMEOUT_S, compute_init, gather_ranks, print0
 from drafter import DrafterBuffer, make_optimizer
 from evaluate import evaluate_both
-from instrument import TimedDrafter, progress_hook
+from instrument import RolloutStats, TimedDrafter, observers, progress_hook
 from liveness import Liveness, beat, watched_barrier
 from model_free import LEARNED, proposer
-from report import log_step, position_counts, step_record, summary
+from report import log_step, step_record, summary
 from rollout import Bandit, rollout
-from scheduler import (IdleWork, add_health, drafter_health, drafter_schedule, health_chores,
-                       idle_train, start_drafter_sync)
+from scheduler import (IdleWork, add_top1, drafter_schedule, idle_train, mean_top1,
+                       start_drafter_sync, top1_pieces)
 from warmup import drafter_meta, prepare_models
 
 
@@ -56,7 +56,7 @@ class RunState:
     world_size: int
     device: torch.device
     ref_model: torch.nn.Module = None  # the frozen warm-up target, for --kl-coef
-    health: list = field(default_factory=list)  # the drafter's recent top-1 figures
+    recent_top1: list = field(default_factory=list)  # the drafter's last top-1 figures
 
 
 def main(argv=None):
@@ -105,7 +105,7 @@ def run(args, rank, world_size, device):
     for step in range(start, args.rl_steps):
         with autocast(args, device):  # rollout, drafter training, GRPO update
             rec, ranks = rl_step(step, s)
-        s.health = add_health(s.health, rec["drafter_top1"], rec["drafter_top1_positions"])
+        s.recent_top1 = add_top1(s.recent_top1, rec["drafter_top1"], rec["drafter_top1_positions"])
         if rank == 0:
             with open(metrics_path, "a") as f:
                 f.write(json.dumps(rec) + "\n")
@@ -148,7 +148,7 @@ def save(path, meta, step, s):
     bandits = gather_ranks(s.bandit.state_dict())
     save_on_rank0({"meta": meta, "step": step, "model": s.model.state_dict(),
                    "drafter": s.drafter.state_dict(), "opt": s.opt.state_dict(),
-                   "d_opt": s.d_opt.state_dict(), "bandits": bandits, "drafter_health": s.health},
+                   "d_opt": s.d_opt.state_dict(), "bandits": bandits, "drafter_health": s.recent_top1},
                   path)
 
 
@@ -165,7 +165,7 @@ def resume(path, meta, s):
         s.d_opt.load_state_dict(ck["d_opt"])
         if s.rank < len(ck["bandits"]):
             s.bandit.load_state_dict(ck["bandits"][s.rank])
-        s.health = ck["drafter_health"]
+        s.recent_top1 = ck["drafter_health"]
     except (KeyError, TypeError, ValueError, RuntimeError) as e:  # an older layout of the state
         raise SystemExit(f"error: checkpoint {path} does not fit this version of the code "
                          f"({type(e).__name__}: {e}); delete it or use another --out-dir")
@@ -189,84 +189,69 @@ def rl_step(step, s):
     # 1. this rank's rows of the step's global batch, each with its key
     problems, keys, _ = rl.step_rows(args, s.task_cfg, step, s.rank, s.world_size)
     # 2. roll out: plain steps while the running batch is large, speculative ones in the tail
-    rows, st, rollout_time = roll_out(s, step, problems, keys)
+    rows, stats = roll_out(s, step, problems, keys)
     texts = [task.decode(r.response) for r in rows]
     rewards = torch.tensor([task.reward(p.prompt(), t, args.careful_bonus)
                             for p, t in zip(problems, texts)]).tolist()  # float32, as logged
     # 3-5. the rows to the drafter; idle time for it until the last rank arrives; the drafter sync
-    top1, t_idle = [0, 0], time.perf_counter() - t0
-    idle, finish_sync = idle_phase(s, step, rows, top1)
+    idle_start = time.perf_counter() - t0
+    idle, finish_sync = idle_phase(s, step, rows)
     # 6. advantages over the global batch, one GRPO update of the target under DDP
-    t_update, all_rewards, responses, update = update_target(s, rows, rewards)
+    t_update, update = update_target(s, rows, rewards)
     finish_sync()
     sync(s.device)  # the optimizer step may still be queued on a GPU
-    t1 = time.perf_counter()
-    # 7. the step's record (rank 0 logs it): this rank's part, then every rank's
-    local = {"rank": s.rank, "rollout_time": rollout_time, "draft_time": st.draft_time,
-             "idle_time": idle["seconds"], "drafter_steps": idle["steps"],
-             "wait_to_update": t_update - t0 - rollout_time, "drafter_skipped": idle["skipped"],
-             "tokens": st.tokens, "drafter_checksum": s.drafter.checksum(), "rows": len(rows),
-             "tail_share": st.tail_share, "buffer_tokens": s.buffer.held_tokens(),
-             "segments": st.segments + [[k, a + t_idle, b + t_idle]
-                                        for k, a, b in idle["segments"]]}
-    counts = {"tokens": st.tokens, "sd_tokens": st.sd_tokens, "sd_row_steps": st.sd_row_steps,
-              "accepted": st.accepted, "drafted": st.drafted, "top1_agree": top1[0],
-              "top1_positions": top1[1], "careful": sum(map(task.careful_share, texts)),
-              "response_tokens": sum(len(r.response) for r in rows),
-              **position_counts(st, max(args.draft_ks))}
-    rec, ranks = step_record(step, local, all_sum(counts, s.device), all_rewards, responses,
-                             t1 - t0, t1 - t_update)
-    loss, clip, skipped = update
-    rec.update(loss=loss, clip_frac=clip, skipped_update=skipped, drafter_lr=idle["lr"],
-               drafter_depth=idle["depth"], drafter_health=drafter_health(s.health),
-               bandit_best=s.bandit.best())
-    return rec, ranks
+    # 7. the step's record (rank 0 logs it), from this rank's part and every rank's
+    times = (t0, idle_start, t_update, time.perf_counter())
+    return step_record(s, step, rows, texts, stats, idle, update, times)
 
 
-def idle_phase(s, step, rows, top1):
+def roll_out(s, step, problems, keys):
+    """Step 2: this rank's rollout -> (its finished rows, its instrument.RolloutStats)."""
+    args = s.args
+    seed = task.derive_seed(args.rl_seed, s.rank, step, task.Seed.ROLLOUT)
+    gen = torch.Generator(device=s.device).manual_seed(seed)
+    drafter = TimedDrafter(proposer(args.drafter, s.drafter), s.device) if args.tlt else None
+    prompts = [task.encode(p.prompt()) for p in problems]
+    stats = RolloutStats()  # its clock starts here
+    rows = rollout(s.model, drafter, prompts, s.task_cfg.max_response_len,
+                   sd_threshold=args.sd_threshold, bandit=s.bandit,
+                   observer=observers(stats, progress_hook(beat)),
+                   temperature=args.temperature, eos_id=task.EOS_ID, generator=gen,
+                   sampler=args.sampler, keys=keys)
+    stats.finish(len(prompts))
+    stats.draft_time = drafter.seconds() if drafter else 0.0
+    return rows, stats
+
+
+def idle_phase(s, step, rows):
     """Steps 3-5: the rows staged for the drafter buffer (no copy); on idle time the drafter's
-    health on them (into `top1`), then its training, until the last rank has finished its
-    rollout (the last rank does none of it); then the weighted sync starts, to overlap the update.
+    top-1 agreement on them, then its training, until the last rank has finished its rollout (the
+    last rank does none of it); then the weighted sync starts, to overlap the update.
     -> (what idle time did, the sync's finish)."""
     args = s.args
     learned = args.tlt and args.drafter in LEARNED
     train_drafter = learned and args.drafter_updates
     if train_drafter:
         s.buffer.add_rows(step, rows)
-    lr, depth = drafter_schedule(args, step, drafter_health(s.health))
+    lr, depth = drafter_schedule(args, step, mean_top1(s.recent_top1))
     for g in s.d_opt.param_groups:
         g["lr"] = lr
-    chores = health_chores(s.drafter, rows, top1, args.drafter_idle_tokens) if learned else ()
+    top1 = [0, 0]  # agreeing positions, positions: filled by the scoring pieces
+    scoring = top1_pieces(s.drafter, rows, top1, args.drafter_idle_tokens) if learned else ()
     work = IdleWork(train_drafter, args.drafter_batch, depth, args.drafter_idle_tokens)
     rng = random.Random(task.derive_seed(args.rl_seed, s.rank, step, task.Seed.DRAFTER_TRAINING))
-    steps, skipped, seconds, segments = idle_train(s.drafter, s.d_opt, s.buffer, rng, work, chores,
-                                                   barrier=watched_barrier)
+    steps, skipped, seconds, busy = idle_train(s.drafter, s.d_opt, s.buffer, rng, work, scoring,
+                                               barrier=watched_barrier)
     finish_sync = start_drafter_sync(s.drafter, steps if train_drafter else 0)
-    return dict(steps=steps, skipped=skipped, seconds=seconds, segments=segments, lr=lr,
+    return dict(steps=steps, skipped=skipped, seconds=seconds, busy=busy, top1=top1, lr=lr,
                 depth=depth), finish_sync
-
-
-def roll_out(s, step, problems, keys):
-    """Step 2: this rank's rollout -> (its finished rows, its RolloutStats, its seconds)."""
-    args, t0 = s.args, time.perf_counter()
-    seed = task.derive_seed(args.rl_seed, s.rank, step, task.Seed.ROLLOUT)
-    gen = torch.Generator(device=s.device).manual_seed(seed)
-    drafter = TimedDrafter(proposer(args.drafter, s.drafter), s.device) if args.tlt else None
-    prompts = [task.encode(p.prompt()) for p in problems]
-    rows, st = rollout(s.model, drafter, prompts, s.task_cfg.max_response_len,
-                       sd_threshold=args.sd_threshold, bandit=s.bandit,
-                       progress=progress_hook(beat),
-                       temperature=args.temperature, eos_id=task.EOS_ID, generator=gen,
-                       sampler=args.sampler, keys=keys)
-    st.draft_time = drafter.seconds() if drafter else 0.0
-    return rows, st, time.perf_counter() - t0
 
 
 def update_target(s, rows, rewards):
     """Step 6: every rank's rewards and sequences (a group may span ranks), group-normalised
     advantages, and one GRPO update on the rows that carry a gradient, re-dealt so that every rank
-    updates about as many tokens -> (when the update began, every reward and response in global
-    row order, (loss, clip fraction, skipped))."""
+    updates about as many tokens -> (when the update began, (every reward and response in global
+    row order, (loss, clip fraction, skipped)))."""
     args = s.args
     everyone = gather_ranks((rewards, [r.tokens.tolist() for r in rows],
                              [r.prompt_len for r in rows]))
@@ -285,7 +270,7 @@ def update_target(s, rows, rewards):
     update = rl.grpo_update(s.net, s.opt, [seqs[i] for i in ours], [plens[i] for i in ours],
                             adv[ours], cfg, s.ref_model, n_total=n_total)
     s.model.eval()
-    return t_update, all_rewards, [q[p:] for q, p in zip(seqs, plens)], update
+    return t_update, (all_rewards, [q[p:] for q, p in zip(seqs, plens)], update)
 
 
 if __name__ == "__main__":

@@ -38,7 +38,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import rl
 import task
-from drafter import Drafter, DrafterBuffer, chain_masks, chained_states, make_optimizer, pairs, train_step
+from drafter import Drafter, DrafterBuffer, chain_loss_masks, chained_states, make_optimizer, pair_batch, train_step
 from model import GPT, GPTConfig
 from rollout import ARMS, rollout
 from instrument import progress_hook
@@ -153,8 +153,8 @@ def sample_drafter_data(model, args, task_cfg, rank, world_size, device):
     n_local = n_held + len(range(rank, args.drafter_warmup_seqs, world_size))
     for i in range(0, n_local, 64):
         problems = [task.sample_problem(rng, task_cfg) for _ in range(min(64, n_local - i))]
-        results, _ = rollout(model, None, [task.encode(p.prompt()) for p in problems], task_cfg.max_response_len,
-                             temperature=args.temperature, eos_id=task.EOS_ID, generator=gen, progress=progress_hook(beat))
+        results = rollout(model, None, [task.encode(p.prompt()) for p in problems], task_cfg.max_response_len,
+                            temperature=args.temperature, eos_id=task.EOS_ID, generator=gen, observer=progress_hook(beat))
         for j, s in enumerate(results):
             (held if i + j < n_held else train).add(0, s.tokens, s.hidden, s.prompt_len)
     return train, held, rng
@@ -170,7 +170,7 @@ def chain_figures(drafter, h_in, x_next, h_tgt, mask, depth):
     target = F.linear(h_tgt, drafter.target.lm_head.weight)  # (B, T, V)
     p = F.softmax(target.float(), dim=-1)
     agree, accept, n = [], [], []
-    for h_pred, m in zip(chained_states(drafter, h_in, x_next, depth), chain_masks(mask, depth)):
+    for h_pred, m in zip(chained_states(drafter, h_in, x_next, depth), chain_loss_masks(mask, depth)):
         logits = F.linear(h_pred, drafter.target.lm_head.weight)
         q = F.softmax(logits.float(), dim=-1)
         agree.append(((logits.argmax(-1) == target.argmax(-1)) & m).sum())
@@ -196,7 +196,7 @@ def held_out_figures(drafter, held, device, chunk=32):
     items = sorted(held.items, key=lambda it: it[1].shape[0])  # similar lengths together: little padding
     total = torch.zeros(3, SCORE_DEPTH, dtype=torch.float64, device=device)
     for i in range(0, len(items), chunk):
-        total += torch.stack(chain_figures(drafter, *pairs([it[1:] for it in items[i:i + chunk]], device), SCORE_DEPTH))
+        total += torch.stack(chain_figures(drafter, *pair_batch([it[1:] for it in items[i:i + chunk]], device), SCORE_DEPTH))
     if multi_rank():
         dist.all_reduce(total)
     return total

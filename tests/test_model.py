@@ -256,7 +256,7 @@ def test_keep_compacts_rows_and_decoding_continues(gpt64):
             keep = {2: [3, 2, 0],  # drop row 1 and reverse the order of the others
                     4: [1, 2]}.get(step)  # drop (original) row 3, now at position 0
             if keep is not None:  # every slot gets a row: slots 0..n-1 get rows keep
-                cache.keep(len(keep), torch.arange(len(keep)), torch.tensor(keep))
+                cache.compact(len(keep), torch.arange(len(keep)), torch.tensor(keep))
                 live = [live[i] for i in keep]
                 assert cache.batch_size == len(live)
                 assert cache.lengths.tolist() == [len(seqs[r]) for r in live]
@@ -393,6 +393,7 @@ def test_bf16_plain_and_speculative_generate_run():
     rounds differently from one-token passes, so only the distribution is exact, not every token."""
     from conftest import randomize
     from drafter import Drafter
+    from instrument import DecodeStats
     from speculative import RunningBatch, autoregressive_generate, speculative_generate
     torch.manual_seed(11)
     m = randomize(GPT(tiny_config()).eval(), 11, 0.5)
@@ -407,7 +408,9 @@ def test_bf16_plain_and_speculative_generate_run():
         assert batch.cache.kv.dtype == torch.bfloat16 and batch.draft_cache.kv.dtype == torch.bfloat16
         assert batch.hidden.dtype == torch.float32
         plain, _ = autoregressive_generate(m, prompts, 12, sampler="gumbel", keys=keys)
-        sd, st = speculative_generate(m, d, prompts, 12, k=3, sampler="gumbel", keys=keys)
+        st = DecodeStats()
+        sd, _ = speculative_generate(m, d, prompts, 12, k=3, sampler="gumbel", keys=keys, observer=st)
+        st = st.as_dict()
     assert [len(o) for o in plain] == [len(o) for o in sd] == [12] * len(prompts)
     assert all(0 <= t < V for o in sd for t in o)
     assert [o[0] for o in sd] == [o[0] for o in plain]
@@ -471,4 +474,4 @@ def test_bf16_autocast_runs_the_matmuls_in_bf16_and_keeps_residuals_and_norms_fl
     # every layer was seen: the target's and the drafter's blocks, norms and linear layers
     assert {n for n, _ in seen["residual"]} >= {"1.stack.blocks.0 in", "0.stack.blocks.1 out"}
     assert {n for n, _ in seen["norm"]} >= {"0.norm", "1.norm", "1.stack.blocks.0.norm2"}
-    assert {n for n, _ in seen["linear"]} >= {"0.lm_head", "1.fuse", "0.stack.blocks.0.attn.qkv"}
+    assert {n for n, _ in seen["linear"]} >= {"0.lm_head", "1.in_proj", "0.stack.blocks.0.attn.qkv"}

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import instrument
-from instrument import HostTraffic
+from instrument import DecodeStats, HostTraffic
 from conftest import N_NEW, make_greedy_setup
 from model_free import NgramDrafter, SiblingDrafter, SiblingOrLearned
 from speculative import RunningBatch, autoregressive_generate, speculative_generate
@@ -209,7 +209,9 @@ def test_every_drafter_is_lossless(greedy_setup, name, sampler, temperature):
                                          **how)
     siblings = [[earlier[i]] if i % 2 else [] for i in range(len(prompts))]
     drafter = every_drafter(learned, siblings)[name]
-    out, st = speculative_generate(target, drafter, prompts, N_NEW, k=3, keys=keys, **how)
+    st = DecodeStats()
+    out, _ = speculative_generate(target, drafter, prompts, N_NEW, k=3, keys=keys, observer=st, **how)
+    st = st.as_dict()
     assert out == plain
     assert st["accepted"] > 0
     if not (name == "sibling" and temperature == 0):  # greedy siblings are copies: all drafts right

@@ -8,8 +8,9 @@ import torch
 
 from drafter import Drafter
 from model import GPT, GPTConfig
-from instrument import HostTraffic, TimedDrafter
-from rollout import ARMS, Bandit, rollout, tail_share
+from instrument import HostTraffic, RolloutStats, TimedDrafter, observers, tail_share
+from report import best_arms, bucket_sizes
+from rollout import ARMS, Bandit, rollout
 
 EOS = 3
 
@@ -27,6 +28,13 @@ def tiny_models(seed=0):
     return target.eval(), drafter.eval()
 
 
+def observed(*args, n_rows=None, **kwargs):
+    """rollout(*args, **kwargs) with a RolloutStats observing it -> (results, the stats)."""
+    stats = RolloutStats()
+    results = rollout(*args, observer=observers(stats, kwargs.pop("observer", None)), **kwargs)
+    return results, stats.finish(len(args[2]))
+
+
 def prompts(n, seed=1):
     rng = random.Random(seed)
     return [[rng.randrange(4, 12) for _ in range(rng.randint(1, 6))] for _ in range(n)]
@@ -36,9 +44,9 @@ def prompts(n, seed=1):
 def test_tlt_greedy_rollout_equals_plain(threshold):
     target, drafter = tiny_models()
     ps = prompts(12)
-    plain, st_plain = rollout(target, None, ps, 40, temperature=0, eos_id=EOS)
+    plain, st_plain = observed(target, None, ps, 40, temperature=0, eos_id=EOS)
     timed = TimedDrafter(drafter, torch.device("cpu"))
-    tlt, st_tlt = rollout(target, timed, ps, 40, temperature=0, eos_id=EOS, sd_threshold=threshold,
+    tlt, st_tlt = observed(target, timed, ps, 40, temperature=0, eos_id=EOS, sd_threshold=threshold,
                           bandit=Bandit(seed=3))
     assert [r[0] for r in tlt] == [r[0] for r in plain]
     assert len({tuple(r[0]) for r in plain}) > 3  # outputs are not trivial
@@ -60,11 +68,11 @@ def test_gumbel_rollout_is_token_identical_to_plain_for_any_threshold(temperatur
     ps = prompts(12, seed=4)
     keys = [1000 + 7 * i for i in range(len(ps))]
     how = dict(temperature=temperature, eos_id=EOS, sampler="gumbel", keys=keys)
-    plain, _ = rollout(target, None, ps, 40, **how)
+    plain = rollout(target, None, ps, 40, **how)
     assert len({tuple(r[0]) for r in plain}) == len(ps)  # sampled, varied outputs
     for threshold in (7, 100):  # a switch mid-rollout, and speculation from the first step
         bandit = Bandit(arms=(3, 0, 1, 6), seed=threshold)  # speculates first, then tries plain steps too
-        tlt, st = rollout(target, drafter, ps, 40, sd_threshold=threshold, bandit=bandit, **how)
+        tlt, st = observed(target, drafter, ps, 40, sd_threshold=threshold, bandit=bandit, **how)
         assert st.sd_row_steps > 0 and st.accept_hist.get(0, 0) > 0  # speculated, and rejected some drafts
         assert [r[0] for r in tlt] == [r[0] for r in plain]
 
@@ -75,7 +83,7 @@ def test_hidden_states_align_with_tokens(tlt):
     target, drafter = tiny_models(1)
     ps = prompts(6, seed=2)
     gen = torch.Generator().manual_seed(0)
-    results, st = rollout(target, drafter if tlt else None, ps, 30, temperature=1.0, eos_id=EOS, generator=gen,
+    results, st = observed(target, drafter if tlt else None, ps, 30, temperature=1.0, eos_id=EOS, generator=gen,
                           sd_threshold=4, bandit=Bandit(seed=0))
     if tlt:
         assert st.sd_row_steps > 0
@@ -90,9 +98,10 @@ def test_hidden_states_align_with_tokens(tlt):
 @pytest.mark.parametrize("sampler", ["gumbel", "rejection"])
 def test_a_rollout_reads_once_per_step_and_copies_nothing_in_its_loop(sampler, monkeypatch):
     """The budget of a rollout's hot path, as a GPU would pay it (instrument.HostTraffic): per decoding
-    step, compaction and the bandit's clock included, one read (which rows finished) and no copy from
-    the host; the prefill reads nothing and copies a few host lists; the end reads three times (the
-    last compact, the stats, the responses). The bandit is scored with every step's tokens, which that one read brings."""
+    step, its compaction and the bandit's clock included, one read (which rows finished) and no copy
+    from the host; the prefill reads once (its compaction) and copies a few host lists; the end reads
+    twice (the responses, and the observer's counts). The bandit is scored with every step's tokens,
+    which that one read brings."""
     target, drafter = tiny_models(3)
     ps = [p for p in prompts(6, seed=8) for _ in range(4)]  # 6 GRPO groups of 4
     scored = []
@@ -102,14 +111,14 @@ def test_a_rollout_reads_once_per_step_and_copies_nothing_in_its_loop(sampler, m
             scored.append(tokens)
             super().update(batch_size, arm, tokens, seconds)
     counter = HostTraffic()
-    with counter:  # segments: the prefill, one per decoding step, the end
-        results, st = rollout(target, drafter, ps, 40, temperature=1.0, eos_id=EOS, sampler=sampler, sd_threshold=100,
-                              bandit=Spy(arms=(0, 2, 3), seed=1), generator=torch.Generator().manual_seed(0),
-                              keys=list(range(len(ps))), progress=lambda batch: counter.mark())
+    with counter:  # segments: the prefill, one per decoding step (each with its compaction), the end
+        results, st = observed(target, drafter, ps, 40, temperature=1.0, eos_id=EOS, sampler=sampler, sd_threshold=100,
+                               bandit=Spy(arms=(0, 2, 3), seed=1), generator=torch.Generator().manual_seed(0),
+                               keys=list(range(len(ps))), observer=lambda batch, step: counter.mark())
     reads, copies = counter.counts("read"), counter.counts("copy")
     assert len(reads) == st.steps + 2
     assert reads[1:-1] == [1] * st.steps and copies[1:-1] == [0] * st.steps, counter.segments
-    assert reads[0] == 0 and reads[-1] == 3 and copies[-1] == 0, (counter.segments[0], counter.segments[-1])
+    assert reads[0] == 1 and reads[-1] == 2 and copies[-1] == 0, (counter.segments[0], counter.segments[-1])
     assert copies[0] <= 8  # the prefill: a few host lists, each in one copy, not one per prompt
     sizes = st.batch_sizes
     assert st.sd_row_steps > 0 and st.accept_hist.get(0, 0) > 0 and st.sd_row_steps < sum(sizes)  # plain steps too
@@ -120,7 +129,7 @@ def test_a_rollout_reads_once_per_step_and_copies_nothing_in_its_loop(sampler, m
 
 def test_batch_shrinks_as_rows_finish():
     target, drafter = tiny_models(2)
-    _, st = rollout(target, None, prompts(10, seed=5), 40, temperature=0, eos_id=EOS)
+    _, st = observed(target, None, prompts(10, seed=5), 40, temperature=0, eos_id=EOS)
     sizes = st.batch_sizes
     assert sizes[0] <= 10 and sizes[-1] >= 1
     assert all(a >= b for a, b in zip(sizes, sizes[1:]))
@@ -138,8 +147,8 @@ def test_tail_share_counts_the_time_after_90_percent_of_rows_finished():
 
 def test_empty_rollout():
     target, drafter = tiny_models()
-    results, st = rollout(target, drafter, [], 10)
-    assert results == [] and st.tokens == 0
+    results, st = observed(target, drafter, [], 10)
+    assert results == [] and st.tokens == 0 and st.steps == 0
 
 
 def test_bandit_converges_to_best_arm_per_bucket():
@@ -158,7 +167,7 @@ def test_bandit_converges_to_best_arm_per_bucket():
             bandit.update(bs, k, table[b][k] * (1 + 0.1 * noise.gauss(0, 1)), 1.0)
     for b in table:
         best = max(table[b], key=table[b].get)
-        assert bandit.best()[b] == best
+        assert best_arms(bandit)[b] == best
         late = picks[b][-200:]
         assert late.count(best) / len(late) > 0.8  # epsilon = 0.1 explores ~10% of the time
 
@@ -199,7 +208,7 @@ def test_bandit_tries_every_arm_first_and_round_trips_state():
 
 def test_bucket_sizes_name_the_batch_sizes_of_each_bucket():
     for n in range(1, 130):
-        label = Bandit.bucket_sizes(Bandit.bucket(n))
+        label = bucket_sizes(Bandit.bucket(n))
         lo, hi = (int(x) for x in label.split("-")) if "-" in label else (int(label), int(label))
         assert lo <= n <= hi
-    assert [Bandit.bucket_sizes(b) for b in range(5)] == ["1", "2", "3-4", "5-8", "9-16"]
+    assert [bucket_sizes(b) for b in range(5)] == ["1", "2", "3-4", "5-8", "9-16"]

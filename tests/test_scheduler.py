@@ -20,6 +20,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.nn.utils import parameters_to_vector
 
 from drafter import Drafter, DrafterBuffer, make_optimizer
+from instrument import checksum
 from model import GPT, GPTConfig
 from rollout import rollout
 from distributed import gather_ranks
@@ -48,20 +49,20 @@ def _worker(rank, world, port, loads, out_path):
     target, drafter = _models()
     net = DistributedDataParallel(target)
     target_opt = torch.optim.SGD(target.parameters(), lr=0.1)
-    before = drafter.checksum()
+    before = checksum(drafter)
     opt = make_optimizer(drafter)
     buffer = DrafterBuffer()
     load = loads[rank]
     prompts = [[1 + (i + rank) % 9] for i in range(4)] if load is not None else []
     gen = torch.Generator().manual_seed(rank)
-    results, _ = rollout(target, None, prompts, 20, generator=gen)
+    results = rollout(target, None, prompts, 20, generator=gen)
     for _, tokens, hidden, plen in results:
         buffer.add(0, tokens, hidden, plen)
     dist.barrier()  # everyone starts the simulated rollout together
     t0 = time.perf_counter()
     time.sleep(load or 0.0)  # the rollout of a skewed load
     rollout_time = time.perf_counter() - t0
-    steps, _, idle, segments = idle_train(drafter, opt, buffer, random.Random(rank), IdleWork(batch_size=4))
+    steps, _, idle, busy = idle_train(drafter, opt, buffer, random.Random(rank), IdleWork(batch_size=4))
     trained = parameters_to_vector(drafter.parameters()).double()
     finish = start_drafter_sync(drafter, steps)
     # the target's update runs between the sync's start and its finish, its all-reduces beside the sync's
@@ -76,12 +77,13 @@ def _worker(rank, world, port, loads, out_path):
     unweighted = sum(torch.tensor(w, dtype=torch.float64) for w, _ in everyone) / len(everyone)
     synced = parameters_to_vector(drafter.parameters()).double()
     recs = gather_ranks({"rank": rank, "rollout_time": rollout_time, "idle_time": idle, "drafter_steps": steps,
-                         "checksum": drafter.checksum(), "before": before,
+                         "checksum": checksum(drafter), "before": before,
                          "off_weighted": float((synced - weighted).abs().max()),
                          "unweighted_gap": float((unweighted - weighted).abs().max()),
                          "rank0_gap": float((torch.tensor(everyone[0][0], dtype=torch.float64) - weighted).abs().max()),
-                         "segments": [["plain", 0.0, rollout_time]] + [[k, a + rollout_time, b + rollout_time]
-                                                                         for k, a, b in segments]})
+                         "segments": [["plain", 0.0, rollout_time]]
+                         + ([["train", busy[0] + rollout_time, busy[1] + rollout_time]] if busy else [])
+                         + [["wait", (busy[1] if busy else 0.0) + rollout_time, idle + rollout_time]]})
     if rank == 0:
         with open(out_path, "w") as f:
             json.dump({"records": recs, "timeline": render_timeline(recs)}, f)
@@ -162,7 +164,7 @@ def _always_last_worker(rank, world, port, out_path):
     gen = torch.Generator().manual_seed(rank)
     held, steps = [], 0
     for step in range(10):
-        rows, _ = rollout(target, None, [[1 + (i + step) % 9] for i in range(4)], 20, generator=gen)
+        rows = rollout(target, None, [[1 + (i + step) % 9] for i in range(4)], 20, generator=gen)
         time.sleep(0.05 + 0.15 * rank)  # rank 1's rollout is always the long one
         buffer.add_rows(step, [Sample([], tokens, hidden, plen) for _, tokens, hidden, plen in rows])
         steps += idle_train(drafter, opt, buffer, random.Random(step), IdleWork(batch_size=4, piece_tokens=40))[0]
@@ -256,7 +258,7 @@ def _idle(rank, world, fault):
     from liveness import Liveness, beat
     target, drafter = _models()
     if rank == world - 1:
-        _late_work(fault, beat)  # beat: what rollout() is given as progress
+        _late_work(fault, beat)  # beat: what rollout()'s observer calls
     idle_train(drafter, make_optimizer(drafter), DrafterBuffer(), random.Random(0), IdleWork(),
                barrier=lambda: watched_barrier(Liveness.current))
 
@@ -278,9 +280,9 @@ def _drafter_warmup(rank, world, fault):
     if rank == world - 1:
         real = warmup.rollout
 
-        def late_rollout(*a, progress=None, **kw):
-            _late_work(fault, lambda: progress(None))  # fails if warmup_drafter passes no progress
-            return real(*a, progress=progress, **kw)
+        def late_rollout(*a, observer=None, **kw):
+            _late_work(fault, lambda: observer(None, None))  # fails if warmup_drafter passes no observer
+            return real(*a, observer=observer, **kw)
         warmup.rollout = late_rollout
     torch.manual_seed(0)
     target = GPT(GPTConfig(vocab_size=task.VOCAB_SIZE, block_size=24, n_layer=1, n_head=2, n_embd=16)).eval()
@@ -578,24 +580,24 @@ def test_successive_groups_on_one_store_agree_on_fresh_prefixes():
     assert groups[0][0][0] != groups[1][0][0]
 
 
-def test_the_idle_ranks_train_the_drafter_as_hard_as_its_health_asks():
-    """scheduler.add_health keeps the last HEALTH_STEPS steps' figures and skips a step nobody scored;
-    drafter_schedule: --drafter-online-lr at HEALTHY and above, --drafter-cold-lr at SICK and below,
+def test_the_idle_ranks_train_the_drafter_as_hard_as_its_top1_asks():
+    """scheduler.add_top1 keeps the last TOP1_STEPS steps' figures and skips a step nobody scored;
+    drafter_schedule: --drafter-online-lr at TOP1_GENTLE and above, --drafter-cold-lr at TOP1_HARDEST and below,
     geometric in between, on --drafter-depth passes; a cold start follows a cosine from the cold rate
-    down to a twentieth of it, teacher-forced (depth 1), whatever the health."""
+    down to a twentieth of it, teacher-forced (depth 1), whatever the top-1."""
     import math
     from types import SimpleNamespace
-    from scheduler import HEALTH_STEPS, HEALTHY, SICK, add_health, drafter_health, drafter_schedule
+    from scheduler import TOP1_STEPS, TOP1_GENTLE, TOP1_HARDEST, add_top1, drafter_health, drafter_schedule
     recent = []
-    for i in range(HEALTH_STEPS + 2):
-        recent = add_health(recent, 0.5 if i < 2 else 1.0, 10)  # the two weak steps fall out of the window
-    assert add_health(recent, None, 0) == recent  # no rank had time to score: the figure is unchanged
-    assert len(recent) == HEALTH_STEPS and drafter_health(recent) == 1.0 and drafter_health([]) is None
-    assert drafter_health(add_health([[5.0, 10]], 1.0, 30)) == 35 / 40  # weighted by positions scored
+    for i in range(TOP1_STEPS + 2):
+        recent = add_top1(recent, 0.5 if i < 2 else 1.0, 10)  # the two weak steps fall out of the window
+    assert add_top1(recent, None, 0) == recent  # no rank had time to score: the figure is unchanged
+    assert len(recent) == TOP1_STEPS and mean_top1(recent) == 1.0 and mean_top1([]) is None
+    assert mean_top1(add_top1([[5.0, 10]], 1.0, 30)) == 35 / 40  # weighted by positions scored
     warm = SimpleNamespace(drafter_warmup_steps=100, drafter_online_lr=1e-4, drafter_cold_lr=1e-2, drafter_depth=3, rl_steps=11)
-    assert drafter_schedule(warm, 5, None) == (1e-4, 3) and drafter_schedule(warm, 5, HEALTHY + 0.01) == (1e-4, 3)
-    assert drafter_schedule(warm, 5, SICK - 0.1) == (pytest.approx(1e-2), 3)
-    assert drafter_schedule(warm, 5, (HEALTHY + SICK) / 2) == (pytest.approx(1e-3), 3)  # the geometric mean
+    assert drafter_schedule(warm, 5, None) == (1e-4, 3) and drafter_schedule(warm, 5, TOP1_GENTLE + 0.01) == (1e-4, 3)
+    assert drafter_schedule(warm, 5, TOP1_HARDEST - 0.1) == (pytest.approx(1e-2), 3)
+    assert drafter_schedule(warm, 5, (TOP1_GENTLE + TOP1_HARDEST) / 2) == (pytest.approx(1e-3), 3)  # the geometric mean
     cold = SimpleNamespace(**{**vars(warm), "drafter_warmup_steps": 0, "rl_steps": 5})
     assert drafter_schedule(cold, 0, 0.99) == (pytest.approx(1e-2), 1)
     quarter = 1e-2 / 20 + (1e-2 - 1e-2 / 20) * (1 + math.cos(math.pi / 4)) / 2  # a quarter of the way: a cosine, not a line

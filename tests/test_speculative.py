@@ -1,4 +1,4 @@
-"""Tests for speculative.py: the verify rule, greedy and sampled losslessness, stats, compaction.
+"""Tests for sampling.py and speculative.py: the verify rules, greedy and sampled losslessness, stats, compaction.
 
 How they can fail, and why they are not weak:
 
@@ -26,12 +26,11 @@ import pytest
 import torch
 
 import instrument
-import speculative
 from drafter import Drafter
 from conftest import N_NEW, V_G, make_greedy_setup, randomize, tiny
-from instrument import HostTraffic
-from speculative import (DecodeStats, RunningBatch, _mix32_, autoregressive_generate, gumbel_choose, gumbel_noise, gumbel_seeds,
-                         probs, draw, speculative_generate, verify, verify_gumbel)
+from instrument import DecodeStats, HostTraffic
+from sampling import _mix32_, draw, gumbel_choose, gumbel_noise, gumbel_seeds, probs, verify, verify_gumbel
+from speculative import RunningBatch, Step, autoregressive_generate, speculative_generate
 
 
 def gumbel_argmax(logits, temperature, noise):
@@ -87,15 +86,20 @@ def truncate_at(o, eos):
 def test_greedy_speculative_equals_autoregressive(greedy_setup, B, k):
     target, drafter, pool, free, eos = greedy_setup
     prompts = pool[:B]
-    ar, ar_stats = autoregressive_generate(target, prompts, N_NEW, temperature=0, eos_id=eos)
+    ar, ar_core = autoregressive_generate(target, prompts, N_NEW, temperature=0, eos_id=eos,
+                                          observer=(ar_stats := DecodeStats()))
+    ar_stats = ar_stats.as_dict()
     # the reference itself: greedy with eos is greedy without eos cut after the first eos
     assert ar == [truncate_at(o, eos) for o in free[:B]]
     assert any(o[-1] == eos and len(o) < N_NEW for o in ar), "eos never stops a row early"
     if B > 1:
         assert any(len(o) == N_NEW and eos not in o for o in ar), "no row runs to max_new_tokens"
 
-    sd, stats = speculative_generate(target, drafter, prompts, N_NEW, k=k, temperature=0, eos_id=eos)
+    sd, core = speculative_generate(target, drafter, prompts, N_NEW, k=k, temperature=0, eos_id=eos,
+                                    observer=(stats := DecodeStats()))
     assert sd == ar
+    stats = stats.as_dict()
+    assert core["accept_len"] == pytest.approx(stats["accept_len"])  # counted by the core, and outside
 
     # stats: accept_len is tokens emitted per (row, verify step); the first token of every row
     # comes from the prefill, every other one from a verify step
@@ -117,7 +121,7 @@ def test_greedy_speculative_equals_autoregressive(greedy_setup, B, k):
     assert stats["sd_tokens"] - stats["sd_row_steps"] <= sum(accepted) <= stats["sd_tokens"]
     # plain decoding: one token per row per step, no SD stats
     assert ar_stats["tokens"] == sum(len(o) for o in ar) - B
-    assert ar_stats["accept_len"] is None
+    assert ar_stats["accept_len"] is None and ar_core["accept_len"] is None
 
 
 def test_acceptance_by_position_counts_decided_drafts_only():
@@ -126,12 +130,11 @@ def test_acceptance_by_position_counts_decided_drafts_only():
     st = DecodeStats()
     n_acc = torch.tensor([3, 0, 2, 4, 3])
     n_emitted = torch.tensor([4, 1, 2, 5, 1])  # rows 2 and 4 end on their 2nd and 1st accepted draft
-    st.add_step(n_emitted)
-    st.add_speculative(n_emitted, n_acc, 4)
+    st(None, Step(5, 4, n_emitted, n_acc))
     st.settle()  # the counts are read from the device at once
     assert st.drafted_at == [5, 3, 2, 2] and st.accepted_at == [4, 3, 2, 1]
     assert st.accept_by_position == [0.8, 1.0, 1.0, 0.5]
-    st.add_speculative(torch.tensor([1]), torch.tensor([0]), 6)  # a longer k grows the lists
+    st(None, Step(1, 6, torch.tensor([1]), torch.tensor([0])))  # a longer k grows the lists
     assert st.as_dict()["drafted_at"] == [6, 3, 2, 2, 0, 0] and st.accept_by_position[4] is None
 
 
@@ -162,18 +165,18 @@ def test_drafts_come_from_the_drafter_on_the_recorded_history(greedy_setup, monk
     forward over the pairs (h_j, x_{j+1}), j < L, and q_i (i > 1) the one after appending
     (h~, d_{i-1}) with h~ the drafter's own previous prediction; speculative steps of a model-free
     drafter in between (rollout.py's combination) leave it states to catch up on like plain steps."""
-    import speculative
+    import sampling
     from model_free import SiblingDrafter
 
     target, drafter, pool, free, eos = greedy_setup
     seen = []
-    real_verify = speculative.verify
+    real_verify = sampling.verify
 
     def spy(draft_tokens, q, p, generator=None):
         seen.append((draft_tokens.clone(), q.clone()))
         return real_verify(draft_tokens, q, p, generator)
 
-    monkeypatch.setattr(speculative, "verify", spy)
+    monkeypatch.setattr(sampling, "verify", spy)
     g = torch.Generator().manual_seed(6)
     temperature = 0.7  # the drafter samples at the generation's temperature too
     gen = RunningBatch(target, pool * 2, N_NEW, temperature=temperature, eos_id=eos, generator=g, max_draft=3)
@@ -266,21 +269,21 @@ def test_compact_moves_marked_rows_to_results():
 
 
 def test_debug_checks_catch_a_broken_invariant(greedy_setup, monkeypatch):
-    """instrument.BatchChecker (the progress callback under TLT_DEBUG=1): a whole run passes its
+    """instrument.BatchChecker (the observer under TLT_DEBUG=1): a whole run passes its
     checks, and each invariant that the steps rely on, broken by hand, is caught at the next check."""
     from model import KVCache
     target, drafter, pool, free, eos = greedy_setup
     checked = []
-    checker = instrument.BatchChecker(then=checked.append)
-    assert speculative_generate(target, drafter, pool, N_NEW, k=3, temperature=0, progress=checker)[0] == free
+    checker = instrument.BatchChecker(then=lambda batch, step: checked.append(step))
+    assert speculative_generate(target, drafter, pool, N_NEW, k=3, temperature=0, observer=checker)[0] == free
     assert len(checked) > 3  # no false alarm, at every step
     monkeypatch.setattr(instrument, "DEBUG", True)
     assert isinstance(instrument.progress_hook(), instrument.BatchChecker)  # TLT_DEBUG=1 turns it on
     breaks = {"n_tokens - 1 positions": lambda g: setattr(g.cache, "lengths", g.cache.lengths + 1),
-              "longest bounds": lambda g: setattr(g, "longest", g.longest - 1),
-              "unread bounds": lambda g: setattr(g, "unread", 0),
+              "tokens_bound bounds": lambda g: setattr(g, "tokens_bound", g.tokens_bound - 1),
+              "unread_bound bounds": lambda g: setattr(g, "unread_bound", 0),
               "host's rows": lambda g: g.running.reverse(),
-              "keys with its tokens": lambda g: monkeypatch.setattr(g.cache, "keep", lambda n, *_: KVCache.keep(g.cache, n))}
+              "keys with its tokens": lambda g: monkeypatch.setattr(g.cache, "compact", lambda n, *_: KVCache.compact(g.cache, n))}
     for what, brake in breaks.items():
         gen, check = RunningBatch(target, pool, N_NEW, temperature=0, max_draft=3), instrument.BatchChecker()
         gen.compact()
@@ -504,9 +507,10 @@ def test_sequence_distribution_is_the_targets(sampling_setup, method, k, tempera
     outputs, hist = [], {}
     for _ in range(CALLS):
         if method != "autoregressive":  # one GRPO group of 8000 rows: each row drafts from its 15 nearest siblings
-            out, stats = speculative_generate(target, every_drafter(drafter).get(method, drafter), [PROMPT_S] * ROWS, LEN_S,
-                                              k=k, temperature=temperature, generator=g, sampler=sampler)
-            for a, c in stats["accept_hist"].items():
+            stats = DecodeStats()
+            out, _ = speculative_generate(target, every_drafter(drafter).get(method, drafter), [PROMPT_S] * ROWS, LEN_S,
+                                          k=k, temperature=temperature, generator=g, sampler=sampler, observer=stats)
+            for a, c in stats.settle().accept_hist.items():
                 hist[a] = hist.get(a, 0) + c
         else:
             out, _ = autoregressive_generate(target, [PROMPT_S] * ROWS, LEN_S, temperature=temperature,
@@ -614,9 +618,10 @@ def test_gumbel_speculative_is_token_identical_to_plain(greedy_setup, which, tem
     assert any(o[-1] == eos for o in plain) and any(len(o) == N_NEW for o in plain)  # the batch shrinks
     rejected = 0
     for k in range(1, 9):
-        out, st = speculative_generate(target, drafter, prompts, N_NEW, k=k, keys=keys, **how)
+        st = DecodeStats()
+        out, _ = speculative_generate(target, drafter, prompts, N_NEW, k=k, keys=keys, observer=st, **how)
         assert out == plain, k
-        rejected += sum(c for a, c in st["accept_hist"].items() if a < k)
+        rejected += sum(c for a, c in st.settle().accept_hist.items() if a < k)
     assert rejected > 0  # some drafts were rejected: the check is not vacuous
     order = list(reversed(range(len(prompts))))
     out, _ = speculative_generate(target, drafter, [prompts[i] for i in order], N_NEW, k=3,
@@ -750,15 +755,16 @@ def test_steps_read_nothing_from_the_device(greedy_setup, sampler, temperature, 
     assert counter.segments == [[("read", "_local_scalar_dense"), ("copy", "lift_fresh")]]
 
 
-def test_generate_functions_report_progress_every_decoding_step(greedy_setup):
-    """progress (liveness.beat in evaluation) is called after every decoding step, not once per
-    call: a call longer than the liveness timeout must not look like a silent rank."""
+def test_generate_functions_call_the_observer_every_decoding_step(greedy_setup):
+    """The observer (liveness.beat in evaluation) is called after the prefill and after every
+    decoding step, not once per call: a call longer than the liveness timeout must not look like a
+    silent rank."""
     target, drafter, pool, _, eos = greedy_setup
     for generate in (lambda **kw: autoregressive_generate(target, pool[:3], N_NEW, temperature=0, eos_id=eos, **kw),
                      lambda **kw: speculative_generate(target, drafter, pool[:3], N_NEW, k=2, temperature=0, eos_id=eos, **kw)):
-        calls = []
-        out, stats = generate(progress=lambda batch: calls.append(1))
-        assert len(calls) == stats["steps"] > 1
+        calls, stats = [], DecodeStats()
+        out, _ = generate(observer=lambda batch, step: calls.append(step) or stats(batch, step))
+        assert calls[0] is None and len(calls) == stats.steps + 1 > 2
         assert generate()[0] == out  # and it changes nothing
 
 

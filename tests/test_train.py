@@ -17,6 +17,7 @@ import checkpoint  # noqa: E402
 import config  # noqa: E402
 import train  # noqa: E402
 import warmup  # noqa: E402
+from instrument import checksum  # noqa: E402
 
 TINY = ["--max-n", "4", "--max-passes", "1", "--block-size", "40", "--n-layer", "1", "--n-head", "2", "--n-embd", "16",
         "--warmup-steps", "10", "--warmup-tokens", "256", "--drafter-warmup-seqs", "16", "--drafter-warmup-steps", "5",
@@ -413,7 +414,7 @@ def _cache_worker(rank, port, warmup_dir, out):
     args = config.parse_args(TINY + ["--warmup-dir", warmup_dir])
     _, model, drafter = warmup.prepare_models(args, config.task_config(args), config.task_config(args, warmup=True),
                                               True, rank, 2, torch.device("cpu"))
-    torch.save({"model": model.state_dict(), "drafter": drafter.checksum()}, f"{out}.{rank}")
+    torch.save({"model": model.state_dict(), "drafter": checksum(drafter)}, f"{out}.{rank}")
     dist.barrier()
     dist.destroy_process_group()
 
