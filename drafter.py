@@ -185,8 +185,8 @@ class DrafterBuffer:
         return self.stored_tokens
 
     def sample(self, batch_size, rng, device="cpu", max_tokens=None):
-        """A padded batch (`pair_batch`) of a window of the length-ordered sequences: long-tailed lengths
-        batched uniformly would be mostly padding. The window's start is uniform over
+        """A padded batch (`pair_batch`) of a window of the length-ordered sequences: long-tailed
+        lengths batched uniformly would be mostly padding. The window's start is uniform over
         -(batch_size - 1) .. len - 1, so every sequence, the longest too, is drawn equally often.
         max_tokens: only the window's longest that fit in that many padded positions (>= 1)."""
         start = rng.randrange(-(batch_size - 1), len(self.by_len))
@@ -198,8 +198,8 @@ class DrafterBuffer:
 
 
 def pair_batch(seqs, device="cpu"):
-    """A batch of the training pairs of whole sequences, one per row, right-padded. seqs: (tokens (N,),
-    hidden (N-1, C), prompt_len). Row b, position t holds (h_t, x_{t+1}) with target h_{t+1}:
+    """A batch of the training pairs of whole sequences, one per row, right-padded. seqs: (tokens
+    (N,), hidden (N-1, C), prompt_len). Row b, position t holds (h_t, x_{t+1}) with target h_{t+1}:
 
         tokens   x_0  x_1  x_2 ... x_{N-1}         (x_{N-1}, the last, is never read)
         hidden   h_0  h_1  h_2 ... h_{N-2}
@@ -240,7 +240,8 @@ def chained_states(drafter, h_in, x_next, depth):
     h_feed = h_in
     for d in range(depth):
         x = drafter.project_in(h_feed, emb)
-        state = drafter.norm(drafter.stack(x, chain=(past, chain_attention_mask(T, d, h_in.device))))
+        mask = chain_attention_mask(T, d, h_in.device)
+        state = drafter.norm(drafter.stack(x, chain=(past, mask)))
         yield state
         # the next pass sees, at position t, this pass's guess of h_t (made at t - 1)
         h_feed = torch.cat([h_in[:, :1], state[:, :-1].detach()], dim=1)
@@ -308,8 +309,9 @@ def train_step(drafter, optimizer, batch, depth=DEPTH, sync_grads=False, preempt
 
 @torch.no_grad()
 def top1_agreement(drafter, h_in, x_next, h_tgt, mask):
-    """Teacher-forced top-1 agreement, the drafter's health: over the masked positions, how often
-    its argmax for x_{t+2} is the target's. -> (agreeing positions, positions)."""
+    """Teacher-forced top-1 agreement (it sets the drafter's online rate): over the masked
+    positions, how often its argmax for x_{t+2} is the target's.
+    -> (agreeing positions, positions)."""
     logits, _ = drafter(h_in, x_next)
     target = F.linear(h_tgt[mask], drafter.target.lm_head.weight)  # (positions, V)
     agree = (logits[mask].argmax(-1) == target.argmax(-1)).sum()

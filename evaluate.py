@@ -15,7 +15,7 @@ import torch
 
 import task
 from distributed import gather_ranks, print0
-from instrument import progress_hook
+from instrument import liveness_observer
 from liveness import beat, wait_for_all
 from speculative import autoregressive_generate, speculative_generate
 
@@ -35,7 +35,7 @@ def evaluate(model, problems, rank=0, world_size=1, drafter=None, temperature=0.
         idx = mine[i:i + batch_size]
         prompts = [task.encode(problems[j].prompt()) for j in idx]
         max_new = task_cfg.response_len(max(problems[j].size for j in idx), task_cfg.max_passes)
-        how = dict(temperature=temperature, eos_id=task.EOS_ID, generator=gen, sampler=sampler, observer=progress_hook(beat),
+        how = dict(temperature=temperature, eos_id=task.EOS_ID, generator=gen, sampler=sampler, observer=liveness_observer(beat),
                    keys=[task.derive_seed(seed, j, 0, task.Seed.EVAL_KEYS) for j in idx])
         if drafter is None:
             outs, _ = autoregressive_generate(model, prompts, max_new, **how)

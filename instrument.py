@@ -233,7 +233,7 @@ class BatchChecker:
             self.then(batch, step)
 
 
-def progress_hook(beat=None):
+def liveness_observer(beat=None):
     """The observer a run gives the core: liveness's beat (slow, not dead), and under TLT_DEBUG=1
     the running batch's invariants after every step."""
     step = (lambda batch, step: beat()) if beat else None

@@ -122,7 +122,8 @@ def start_drafter_sync(drafter, local_steps):
 # -----------------------------------------------------------------------------
 # how hard the idle ranks train the drafter: its recent top-1 agreement decides
 
-TOP1_GENTLE, TOP1_HARDEST = 0.98, 0.85  # top-1 at or above which training is gentlest; at or below, hardest
+TOP1_GENTLE = 0.98  # recent top-1 at or above which the idle ranks train the drafter gentlest
+TOP1_HARDEST = 0.85  # and at or below which they train it hardest
 TOP1_STEPS = 5  # RL steps whose figures make the recent top-1
 
 

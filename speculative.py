@@ -53,16 +53,16 @@ class RunningBatch:
             raise ValueError(f"keys must be {len(prompts)} non-negative integers, one per prompt")
         if max_new_tokens <= 0:
             raise ValueError(f"max_new_tokens must be positive, got {max_new_tokens}")
-        longest = max(len(p) for p in prompts)
-        need = longest + max_new_tokens + max_draft  # a verify pass writes k positions past the end
+        longest_prompt = max(len(p) for p in prompts)
+        need = longest_prompt + max_new_tokens + max_draft  # a verify pass writes k past the end
         if need > target.config.block_size:
-            raise ValueError(f"prompt ({longest}) + max_new_tokens ({max_new_tokens}) + draft "
-                             f"({max_draft}) = {need} exceeds block_size "
+            raise ValueError(f"prompt ({longest_prompt}) + max_new_tokens ({max_new_tokens}) + "
+                             f"draft ({max_draft}) = {need} exceeds block_size "
                              f"{target.config.block_size}")
         dev, B, width = target.wte.weight.device, len(prompts), need + 1
         self.target, self.eos_id, self.prompts = target, s.eos_id, prompts
         self.running, self.prompt_lens = list(range(B)), [len(p) for p in prompts]  # host only
-        self.max_row_tokens = longest + max_new_tokens  # no row grows past it
+        self.max_row_tokens = longest_prompt + max_new_tokens  # no row grows past it
         self.generated, self._live_tokens = 0, sum(self.prompt_lens)  # see `compact`
         self.tokens = torch.tensor([p + [0] * (width - len(p)) for p in prompts], device=dev)
         self.hidden = torch.zeros(B, width, target.config.n_embd, device=dev,
@@ -72,7 +72,7 @@ class RunningBatch:
         self.cache = target.new_cache(B, max_len=need)
         self.draft_cache = self.unread_bound = None  # a learned drafter's, from its first draft
         self.finished, self._unread_responses = [None] * B, []  # see `results`
-        self._prefill(longest, max_new_tokens)
+        self._prefill(longest_prompt, max_new_tokens)
 
     def _sampler(self, s, B, width, dev):
         """The batch's one sampler, chosen here, once."""
@@ -85,7 +85,7 @@ class RunningBatch:
             keys = torch.as_tensor(s.keys, dtype=torch.long, device=dev)
         return GumbelSampler(s.temperature, keys, width, self.target.config.vocab_size)
 
-    def _prefill(self, longest, max_new_tokens):
+    def _prefill(self, longest_prompt, max_new_tokens):
         """Each distinct prompt once (a GRPO group repeats its prompt G times), in one padded
         pass; its cache entries go to the rows that share it; each row samples its first token."""
         dev = self.tokens.device
@@ -94,19 +94,19 @@ class RunningBatch:
         firsts = torch.tensor([self.group.index(u) for u in range(len(index))], device=dev)
         inverse = torch.tensor(self.group, device=dev)
         prompt_len = torch.tensor(self.prompt_lens, device=dev)  # (B,)
-        once = self.target.new_cache(len(index), max_len=longest)
-        once.window = longest
-        logits, hidden = self.target(self.tokens[firsts, :longest], once)  # (U, T, V), (U, T, C)
-        self.cache.kv[..., :longest, :] = once.kv[:, :, inverse]
+        once = self.target.new_cache(len(index), max_len=longest_prompt)
+        once.window = longest_prompt
+        logits, hidden = self.target(self.tokens[firsts, :longest_prompt], once)  # (U, T, V|C)
+        self.cache.kv[..., :longest_prompt, :] = once.kv[:, :, inverse]
         self.cache.lengths = prompt_len  # the padding's entries are dead
-        self.hidden[:, :longest] = hidden[inverse]
+        self.hidden[:, :longest_prompt] = hidden[inverse]
         self.end = prompt_len + max_new_tokens  # (B,) a row is done at this many tokens
         self.n_tokens = prompt_len.clone()
         self.done = torch.zeros(len(self.prompts), dtype=torch.bool, device=dev)
         self.sampler.start_step(prompt_len[:, None])
         first, _ = self.sampler.choose(logits[inverse, prompt_len - 1][:, None])  # (B, 1)
         self._append(first)
-        self.tokens_bound = longest + 1
+        self.tokens_bound = longest_prompt + 1
 
     @property
     def batch_size(self):
@@ -162,7 +162,7 @@ class RunningBatch:
         n_emitted = self._append(out, n_acc + 1)
         self.cache.lengths = self.n_tokens - 1  # roll the rejected drafts back
         self.tokens_bound = min(self.tokens_bound + k + 1, self.max_row_tokens)
-        if self.unread_bound is not None:  # whichever drafter drafted, the learned one has not read these
+        if self.unread_bound is not None:  # whoever drafted, the learned drafter has not read these
             self.unread_bound += k + 1
         return n_emitted, n_acc
 
@@ -253,7 +253,8 @@ def generate_batch(batch, drafter=None, k=0, observer=None):
 def autoregressive_generate(target, prompts, max_new_tokens, *, observer=None, **sampling):
     """Plain decoding, one token per row per target pass; finished rows leave the batch.
     sampling: `Sampling`'s fields by name; observer: see `generate_batch`."""
-    return generate_batch(RunningBatch(target, prompts, max_new_tokens, **sampling), observer=observer)
+    batch = RunningBatch(target, prompts, max_new_tokens, **sampling)
+    return generate_batch(batch, observer=observer)
 
 
 def speculative_generate(target, drafter, prompts, max_new_tokens, *, k=4, observer=None,

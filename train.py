@@ -30,7 +30,7 @@ from config import autocast, parse_args, task_config
 from distributed import COLLECTIVE_TIMEOUT_S, compute_init, gather_ranks, print0
 from drafter import DrafterBuffer, make_optimizer
 from evaluate import evaluate_both
-from instrument import RolloutStats, TimedDrafter, observers, progress_hook
+from instrument import RolloutStats, TimedDrafter, observers, liveness_observer
 from liveness import Liveness, beat, watched_barrier
 from model_free import LEARNED, proposer
 from report import log_step, step_record, summary
@@ -148,7 +148,8 @@ def save(path, meta, step, s):
     bandits = gather_ranks(s.bandit.state_dict())
     save_on_rank0({"meta": meta, "step": step, "model": s.model.state_dict(),
                    "drafter": s.drafter.state_dict(), "opt": s.opt.state_dict(),
-                   "d_opt": s.d_opt.state_dict(), "bandits": bandits, "drafter_health": s.recent_top1},
+                   "d_opt": s.d_opt.state_dict(), "bandits": bandits,
+                   "drafter_health": s.recent_top1},
                   path)
 
 
@@ -215,7 +216,7 @@ def roll_out(s, step, problems, keys):
     stats = RolloutStats()  # its clock starts here
     rows = rollout(s.model, drafter, prompts, s.task_cfg.max_response_len,
                    sd_threshold=args.sd_threshold, bandit=s.bandit,
-                   observer=observers(stats, progress_hook(beat)),
+                   observer=observers(stats, liveness_observer(beat)),
                    temperature=args.temperature, eos_id=task.EOS_ID, generator=gen,
                    sampler=args.sampler, keys=keys)
     stats.finish(len(prompts))

@@ -41,7 +41,7 @@ import task
 from drafter import Drafter, DrafterBuffer, chain_loss_masks, chained_states, make_optimizer, pair_batch, train_step
 from model import GPT, GPTConfig
 from rollout import ARMS, rollout
-from instrument import progress_hook
+from instrument import liveness_observer
 from checkpoint import load_on_rank0, save_on_rank0
 from distributed import multi_rank, print0
 from liveness import beat, beating, wait_for_all
@@ -154,7 +154,7 @@ def sample_drafter_data(model, args, task_cfg, rank, world_size, device):
     for i in range(0, n_local, 64):
         problems = [task.sample_problem(rng, task_cfg) for _ in range(min(64, n_local - i))]
         results = rollout(model, None, [task.encode(p.prompt()) for p in problems], task_cfg.max_response_len,
-                            temperature=args.temperature, eos_id=task.EOS_ID, generator=gen, observer=progress_hook(beat))
+                            temperature=args.temperature, eos_id=task.EOS_ID, generator=gen, observer=liveness_observer(beat))
         for j, s in enumerate(results):
             (held if i + j < n_held else train).add(0, s.tokens, s.hidden, s.prompt_len)
     return train, held, rng

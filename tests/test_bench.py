@@ -61,7 +61,8 @@ def test_expected_steps_counts_verify_steps_to_emit_a_row():
 
 def test_host_traffic_report_of_a_rollout_like_train_py(capsys, monkeypatch):
     """The report python bench.py prints: a rollout of train.py's rows for step 0 on one rank, one
-    read per decoding step and no copy from the host, as a JSON-ready figure."""
+    read per decoding step (its compaction) and no copy from the host, the prefill's one read its
+    compaction, as a JSON-ready figure."""
     import json
     from types import SimpleNamespace
 
@@ -79,5 +80,5 @@ def test_host_traffic_report_of_a_rollout_like_train_py(capsys, monkeypatch):
     out = bench.rollout_host_traffic(SimpleNamespace(targs=targs, sampler=targs.sampler),
                                      task.TaskConfig(max_n=4, max_passes=1), target, drafter)
     assert out["steps"] > 0 and out["reads_per_step"] == 1 and out["max_reads_in_a_step"] == 1
-    assert out["copies_in_steps"] == 0 and out["prefill"]["reads"] == 0
+    assert out["copies_in_steps"] == 0 and out["prefill"]["reads"] == 1
     assert json.loads(json.dumps(out)) == out and "reads per decoding step" in capsys.readouterr().out

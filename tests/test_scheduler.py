@@ -587,7 +587,7 @@ def test_the_idle_ranks_train_the_drafter_as_hard_as_its_top1_asks():
     down to a twentieth of it, teacher-forced (depth 1), whatever the top-1."""
     import math
     from types import SimpleNamespace
-    from scheduler import TOP1_STEPS, TOP1_GENTLE, TOP1_HARDEST, add_top1, drafter_health, drafter_schedule
+    from scheduler import TOP1_STEPS, TOP1_GENTLE, TOP1_HARDEST, add_top1, drafter_schedule, mean_top1
     recent = []
     for i in range(TOP1_STEPS + 2):
         recent = add_top1(recent, 0.5 if i < 2 else 1.0, 10)  # the two weak steps fall out of the window

@@ -278,7 +278,7 @@ def test_debug_checks_catch_a_broken_invariant(greedy_setup, monkeypatch):
     assert speculative_generate(target, drafter, pool, N_NEW, k=3, temperature=0, observer=checker)[0] == free
     assert len(checked) > 3  # no false alarm, at every step
     monkeypatch.setattr(instrument, "DEBUG", True)
-    assert isinstance(instrument.progress_hook(), instrument.BatchChecker)  # TLT_DEBUG=1 turns it on
+    assert isinstance(instrument.liveness_observer(), instrument.BatchChecker)  # TLT_DEBUG=1 turns it on
     breaks = {"n_tokens - 1 positions": lambda g: setattr(g.cache, "lengths", g.cache.lengths + 1),
               "tokens_bound bounds": lambda g: setattr(g, "tokens_bound", g.tokens_bound - 1),
               "unread_bound bounds": lambda g: setattr(g, "unread_bound", 0),
