@@ -82,7 +82,7 @@ class Bandit:
 def rollout(target, drafter, prompts, max_new_tokens, *, sd_threshold=64, bandit=None,
             observer=None, **sampling):
     """Generate for every prompt -> results[i], row i's speculative.FinishedRow (tokens, hidden
-    states, response). drafter None: plain decoding only. sampling: speculative.Sampling's fields
+    states, response). drafter None: plain decoding only. sampling: sampling.Sampling's fields
     by name; with "gumbel" the tokens depend on neither the drafter, the threshold nor the bandit.
     observer(batch, step): after the prefill (step None) and after every step's compaction."""
     if not prompts:
