@@ -150,6 +150,7 @@ class RolloutStats(DecodeStats):
     plain_time: float = 0.0
     spec_time: float = 0.0
     tail_share: float = 0.0
+    draft_time: float = 0.0  # spent drafting, set by its caller (a TimedDrafter's seconds)
     batch_sizes: list = field(default_factory=list)
     step_times: list = field(default_factory=list)
     segments: list = field(default_factory=list)

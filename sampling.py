@@ -139,6 +139,21 @@ class Sampling:
     keys: list = None  # "gumbel": one int64 >= 0 per row (None: random, from the generator)
     generator: torch.Generator = None
 
+    def new_sampler(self, batch_size, width, vocab_size, device):
+        """The batch's one sampler, chosen here, once, for rows of up to `width` positions."""
+        if self.sampler not in SAMPLERS:
+            raise ValueError(f"sampler must be one of {SAMPLERS}, got {self.sampler!r}")
+        if self.keys is not None and (len(self.keys) != batch_size or min(self.keys) < 0):
+            raise ValueError(f"keys must be {batch_size} non-negative integers, one per prompt")
+        if self.sampler == "rejection":
+            return RejectionSampler(self.temperature, self.generator)
+        if self.keys is None:
+            keys = torch.arange(batch_size, device=device) + torch.randint(
+                2 ** 62, (1,), generator=self.generator, device=device)
+        else:
+            keys = torch.as_tensor(self.keys, dtype=torch.long, device=device)
+        return GumbelSampler(self.temperature, keys, width, vocab_size)
+
 
 class RejectionSampler:
     """Tokens drawn from softmax(logits / T) with the batch's generator; `verify` verifies."""

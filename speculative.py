@@ -20,8 +20,8 @@ from typing import NamedTuple
 
 import torch
 
-# the verify rules and the samplers: `speculative.verify` and `.SAMPLERS` are this file's interface
-from sampling import SAMPLERS, GumbelSampler, RejectionSampler, Sampling, verify  # noqa: F401
+from sampling import Sampling
+from sampling import verify  # noqa: F401  (the reference rule is also speculative.verify)
 
 
 class FinishedRow(NamedTuple):
@@ -47,10 +47,6 @@ class RunningBatch:
         s = Sampling(**sampling)
         if not prompts or any(len(p) == 0 for p in prompts):
             raise ValueError("prompts must be a non-empty list of non-empty token lists")
-        if s.sampler not in SAMPLERS:
-            raise ValueError(f"sampler must be one of {SAMPLERS}, got {s.sampler!r}")
-        if s.keys is not None and (len(s.keys) != len(prompts) or min(s.keys) < 0):
-            raise ValueError(f"keys must be {len(prompts)} non-negative integers, one per prompt")
         if max_new_tokens <= 0:
             raise ValueError(f"max_new_tokens must be positive, got {max_new_tokens}")
         longest_prompt = max(len(p) for p in prompts)
@@ -68,22 +64,11 @@ class RunningBatch:
         self.hidden = torch.zeros(B, width, target.config.n_embd, device=dev,
                                   dtype=target.wte.weight.dtype)  # (B, width, C)
         self.row_id = torch.arange(B, device=dev)  # the device's `running`
-        self.sampler = self._sampler(s, B, width, dev)
+        self.sampler = s.new_sampler(B, width, target.config.vocab_size, dev)
         self.cache = target.new_cache(B, max_len=need)
         self.draft_cache = self.unread_bound = None  # a learned drafter's, from its first draft
         self.finished, self._unread_responses = [None] * B, []  # see `results`
         self._prefill(longest_prompt, max_new_tokens)
-
-    def _sampler(self, s, B, width, dev):
-        """The batch's one sampler, chosen here, once."""
-        if s.sampler == "rejection":
-            return RejectionSampler(s.temperature, s.generator)
-        if s.keys is None:
-            keys = torch.arange(B, device=dev) + torch.randint(2 ** 62, (1,), generator=s.generator,
-                                                               device=dev)
-        else:
-            keys = torch.as_tensor(s.keys, dtype=torch.long, device=dev)
-        return GumbelSampler(s.temperature, keys, width, self.target.config.vocab_size)
 
     def _prefill(self, longest_prompt, max_new_tokens):
         """Each distinct prompt once (a GRPO group repeats its prompt G times), in one padded

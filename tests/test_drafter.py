@@ -493,7 +493,7 @@ def test_non_finite_step_is_not_applied(target, buffers):
     assert all(torch.equal(p, before[n]) for n, p in drafter.named_parameters())
 
 
-def test_top1_scoringcount_the_drafted_positions(target, buffers):
+def test_top1_pieces_count_the_drafted_positions(target, buffers):
     """Over a rollout's rows, scheduler.top1_pieces sum top1_agreement over each chunk's pairs from
     prompt_len - 1 on: the same figure as one padded batch of the same sequences; a piece not run
     leaves its chunk out."""
