@@ -22,8 +22,7 @@ from sampling import SAMPLERS
 
 def task_config(args, warmup=False):
     """The task as the flags define it; warmup=True: with the warm-up's problem-size exponent."""
-    return task.TaskConfig(max_n=args.max_n, alpha=args.warmup_alpha if warmup else args.alpha,
-                           recheck=args.recheck, max_passes=args.max_passes, noise=args.noise, careful=args.careful)
+    return task.TaskConfig(max_n=args.max_n, alpha=args.warmup_alpha if warmup else args.alpha, strides=args.strides)
 
 
 def autocast(args, device):
@@ -68,19 +67,20 @@ def run_flags(p):
                    "rollouts, GRPO update, evaluation) under bf16 autocast, weights and optimizer state kept in float32")
 
 
+def floats(v):
+    try:
+        return tuple(float(x) for x in v.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {v!r}")
+
+
 def task_flags(p):
-    """The task: problem sizes, what the reference traces look like, the reward."""
+    """The task: problem sizes and how the warm-up traces choose their steps."""
     p.add_argument("--max-n", type=int, default=task.TaskConfig.max_n, help="largest problem size (digits to sum)")
     p.add_argument("--alpha", type=float, default=task.TaskConfig.alpha, help="tail exponent of the problem-size distribution")
-    p.add_argument("--recheck", type=float, default=task.TaskConfig.recheck, help="reference traces: probability of one more re-check "
-                   "pass after each answer (lengths then vary between samples of one prompt)")
-    p.add_argument("--max-passes", type=int, default=task.TaskConfig.max_passes, help="reference traces: at most this many passes")
-    p.add_argument("--noise", type=float, default=task.TaskConfig.noise, help="reference traces: probability that a running-sum step "
-                   "is written wrong (the warmed-up target then errs at about this rate when sampling)")
-    p.add_argument("--careful", type=float, default=task.TaskConfig.careful, help="reference traces: probability that a step "
-                   "is written out carefully, b7=3+7=0 instead of b7=0, with a quarter of the noise (0: never)")
-    p.add_argument("--careful-bonus", type=float, default=0.0, help="RL reward: a correct answer earns this times its share of "
-                   "careful steps on top of 1 (a format reward: RL then changes how the target writes)")
+    p.add_argument("--strides", type=floats, default=task.TaskConfig.strides, metavar="P1,P2,...,PX",
+                   help="warm-up traces: the probability, at every step, of a single step (b7=3+7=0), a jump over 2 "
+                   "digits (c1=1), over 3 (d5=6), ..., and last of the answer outright (>8)")
     p.add_argument("--warmup-alpha", type=float, default=2.0, help="tail exponent of the problem sizes at the start "
                    "of the target warm-up: mostly small problems, where the look-up is learned")
     p.add_argument("--warmup-alpha-end", type=float, default=0.5, help="the exponent moves linearly from "
@@ -126,7 +126,7 @@ def rl_flags(p):
     p.add_argument("--rl-steps", type=int, default=200, help="GRPO steps")
     p.add_argument("--prompts-per-step", type=int, default=4, help="prompts per RL step, all ranks together")
     p.add_argument("--group-size", type=int, default=8, help="responses per prompt (the GRPO group)")
-    p.add_argument("--rl-lr", type=float, default=1e-4, help="learning rate of the GRPO updates")
+    p.add_argument("--rl-lr", type=float, default=3e-4, help="learning rate of the GRPO updates")
     p.add_argument("--rl-epochs", type=int, default=1, help="optimizer passes over each rollout")
     p.add_argument("--clip-eps", type=float, default=0.2, help="PPO clip range")
     p.add_argument("--kl-coef", type=float, default=0.0, help="weight of the KL to the warmed-up target (0: off)")
@@ -168,7 +168,7 @@ def check_args(p, args):
                 "drafter_keep", "drafter_keep_tokens", "drafter_lr", "drafter_cold_lr", "drafter_online_lr", "prompts_per_step", "group_size", "rl_epochs", "rl_lr",
                 "clip_eps", "update_tokens", "ckpt_every", "eval_samples", "io_deadline",
                 "temperature")  # temperature: GRPO scores its samples at it; greedy rollouts teach nothing
-    non_negative = ("rl_steps", "drafter_warmup_steps", "careful_bonus", "kl_coef", "sd_threshold", "timeline_every", "eval_per_bucket")
+    non_negative = ("rl_steps", "drafter_warmup_steps", "kl_coef", "sd_threshold", "timeline_every", "eval_per_bucket")
     for names, ok, what in ((positive, lambda v: v > 0, "positive"), (non_negative, lambda v: v >= 0, "non-negative")):
         for name in names:
             if not ok(getattr(args, name)):  # written so that NaN fails too

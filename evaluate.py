@@ -34,7 +34,7 @@ def evaluate(model, problems, rank=0, world_size=1, drafter=None, temperature=0.
     for i in range(0, len(mine), batch_size):
         idx = mine[i:i + batch_size]
         prompts = [task.encode(problems[j].prompt()) for j in idx]
-        max_new = task_cfg.response_len(max(problems[j].size for j in idx), task_cfg.max_passes)
+        max_new = task_cfg.response_len(max(problems[j].size for j in idx))
         how = dict(temperature=temperature, eos_id=task.EOS_ID, generator=gen, sampler=sampler, observer=liveness_observer(beat),
                    keys=[task.derive_seed(seed, j, 0, task.Seed.EVAL_KEYS) for j in idx])
         if drafter is None:
@@ -47,7 +47,7 @@ def evaluate(model, problems, rank=0, world_size=1, drafter=None, temperature=0.
     for part in gather_ranks(outputs):  # each rank filled its own indices
         outputs = [o if o is not None else p for o, p in zip(outputs, part)]
     rewards = [task.reward(p.prompt(), task.decode(o)) for p, o in zip(problems, outputs)]
-    return task.accuracy_by_size(problems, rewards), outputs
+    return task.mean_by_size(problems, rewards), outputs
 
 
 def evaluate_both(model, drafter, problems, args, task_cfg, rank, world_size, when, check=False):
@@ -63,10 +63,12 @@ def evaluate_both(model, drafter, problems, args, task_cfg, rank, world_size, wh
     k = max(args.draft_ks)
     drafter = drafter if k > 0 else None
     greedy, plain_out = evaluate(model, problems, rank, world_size, task_cfg=task_cfg)
-    sampled, _ = evaluate(model, problems * args.eval_samples, rank, world_size, drafter=drafter if args.tlt else None,
-                          temperature=args.temperature, seed=args.seed, sampler=args.sampler, task_cfg=task_cfg, k=k)
+    sampled, outs = evaluate(model, problems * args.eval_samples, rank, world_size, drafter=drafter if args.tlt else None,
+                             temperature=args.temperature, seed=args.seed, sampler=args.sampler, task_cfg=task_cfg, k=k)
+    length = task.mean_by_size(problems * args.eval_samples, [len(o) for o in outs])
     print0(f"held-out accuracy {when} ({len(problems)} problems), greedy:  {format_accuracy(greedy)}")
     print0(f"held-out accuracy {when}, sampled at T={args.temperature:g}: {format_accuracy(sampled)}")
+    print0(f"held-out response length {when}, sampled (tokens): {format_lengths(length)}")
     if check and drafter is not None:  # lossless in practice: speculative decoding gives the plain responses, token for token
         _, sd_greedy = evaluate(model, problems, rank, world_size, drafter=drafter, task_cfg=task_cfg, k=k)
         how = dict(temperature=args.temperature, seed=args.seed + 1, sampler="gumbel", task_cfg=task_cfg, k=k)
@@ -77,8 +79,12 @@ def evaluate_both(model, drafter, problems, args, task_cfg, rank, world_size, wh
         for name, a, b in (("greedy", plain_out, sd_greedy), (f"sampled at T={args.temperature:g}", plain_sampled, sd_sampled)):
             print0(f"speculative vs plain decoding, {name}: {sum(x != y for x, y in zip(a, b))} of {len(a)} "
                    f"held-out responses differ")
-    return {"greedy": greedy, "sampled": sampled}
+    return {"greedy": greedy, "sampled": sampled, "length": length}
 
 
 def format_accuracy(acc):
     return " | ".join(f"{k} {100 * v:5.1f}%" for k, v in acc.items())
+
+
+def format_lengths(length):
+    return " | ".join(f"{k} {v:5.1f}" for k, v in length.items())

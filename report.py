@@ -32,7 +32,7 @@ import warnings
 import task
 from common import OneLineParser
 from distributed import all_sum, gather_ranks, print0
-from evaluate import format_accuracy
+from evaluate import format_accuracy, format_lengths
 from instrument import checksum
 from scheduler import mean_top1
 
@@ -58,7 +58,7 @@ PICTURE_ROWS = (("response_len", "response length", "{:.1f}".format, "tokens", "
 # what the summary and the picture read from each record (the CLI checks them before it draws)
 NEEDED = ("step", "step_time", "rollout_time", "update_time", "rollout_share", "slowest_wait",
           "tail_share", "reward", "accept_len", "accept_rate", "sd_token_frac", "drafter_top1",
-          "drafted_at", "accepted_at", "bandit_best", "response_len", "careful_share",
+          "drafted_at", "accepted_at", "bandit_best", "response_len", "single_share",
           "skipped_update", "drafter_skipped")
 
 
@@ -83,7 +83,7 @@ def step_record(s, step, rows, texts, stats, idle, update, times):
              "tail_share": stats.tail_share, "buffer_tokens": s.buffer.held_tokens(), "segments": segments}
     counts = {"tokens": stats.tokens, "sd_tokens": stats.sd_tokens, "sd_row_steps": stats.sd_row_steps,
               "accepted": stats.accepted, "drafted": stats.drafted, "top1_agree": idle["top1"][0],
-              "top1_positions": idle["top1"][1], "careful": sum(map(task.careful_share, texts)),
+              "top1_positions": idle["top1"][1], "single": sum(map(task.single_share, texts)),
               "response_tokens": sum(len(r.response) for r in rows),
               **position_counts(stats, max(s.args.draft_ks))}
     rec, ranks = rank_record(step, local, all_sum(counts, s.device), all_rewards, responses,
@@ -119,8 +119,8 @@ def rank_record(step, local, total, all_rewards, responses, step_time, update_ti
         "drafted_at": [int(v) for k, v in total.items() if k.startswith("drafted_at")],
         "accepted_at": [int(v) for k, v in total.items() if k.startswith("accepted_at")],
         "drafter_top1_positions": int(total["top1_positions"]),  # scored on idle time: the last rank's rows are left out
-        # what the target writes: mean response length and share of careful steps
-        "response_len": total["response_tokens"] / n_rows, "careful_share": total["careful"] / n_rows,
+        # what the target writes: mean response length and share of single steps
+        "response_len": total["response_tokens"] / n_rows, "single_share": total["single"] / n_rows,
         "sd_token_frac": total["sd_tokens"] / max(total["tokens"], 1), "tok_s": total["tokens"] / max(rollout_max, 1e-9),
         "idle_time": max(r["idle_time"] for r in ranks), "drafter_steps": sum(r["drafter_steps"] for r in ranks),
         "drafter_skipped": sum(r["drafter_skipped"] for r in ranks), "drafter_checksum": local["drafter_checksum"],
@@ -219,6 +219,8 @@ def summary(history, acc0, acc1, total_time):
         for kind in ("greedy", "sampled"):
             for name, acc in (("before RL", acc0), ("after RL", acc1)):
                 print0(f"  {kind:7s} {name:9s}     {format_accuracy(acc[kind])}")
+        for name, acc in (("before RL", acc0), ("after RL", acc1)):
+            print0(f"  length  {name:9s}     {format_lengths(acc['length'])} tokens (sampled)")
     print0(skipped_line(history))
     print0(f"  wall time             {total_time:.0f}s")
     for line in picture(history):
@@ -255,10 +257,11 @@ def record_lines(history):
     if any(drafted):
         lines.append(f"  accepted by position  {format_positions(rates)} % (draft 1..{len(rates)}, "
                      f"given the earlier ones were; {sum(drafted):,} drafts decided)")
-    best = history[-1]["bandit_best"]
-    if best:
-        ks = ", ".join(f"{bucket_sizes(int(b))}: {k}" for b, k in best.items())
-        lines.append(f"  bandit's k per batch  {ks} (rank 0, end of run)")
+    n = max(1, len(history) // 10)
+    for when, rec in ((f"after step {history[n - 1]['step']}", history[n - 1]), ("end of run", history[-1])):
+        if rec["bandit_best"]:
+            ks = ", ".join(f"{bucket_sizes(int(b))}: {k}" for b, k in rec["bandit_best"].items())
+            lines.append(f"  bandit's k per batch  {ks} (rank 0, {when})")
     return lines + trend_lines(history)
 
 
@@ -271,8 +274,8 @@ def trend_lines(history):
         return sum(h[key] for h in history[:n]) / n, sum(h[key] for h in history[-n:]) / n
     reward = "  reward                {:.3f} -> {:.3f}".format(*tenths("reward"))
     length = "  response length       {:.1f} -> {:.1f} tokens".format(*tenths("response_len"))
-    if any(h["careful_share"] for h in history):
-        length += ", careful steps {:.0%} -> {:.0%}".format(*tenths("careful_share"))
+    if any(h["single_share"] for h in history):
+        length += ", single steps {:.0%} -> {:.0%}".format(*tenths("single_share"))
     return [reward + f" (means of the first and the last {n} steps)",
             length + f" (first and last {n} steps)"]
 
@@ -362,7 +365,23 @@ def position_bars(history):
                 lines.append(f"{head}|{' ' * BAR_WIDTH}|   -   no drafts")
             else:
                 lines.append(f"{head}|{bar(rate)}| {100 * rate:5.1f}% of {drafted[i]:,}")
+    implied = [accept_len_at(rates) for _, (rates, _) in parts]
+    if None not in implied:
+        lines.append(f"  at k = 4 these give {implied[0]:.2f} -> {implied[1]:.2f} tokens per verify step "
+                     f"(1 + a1 + a1 a2 + ...)")
     return lines
+
+
+def accept_len_at(rates, k=4):
+    """The tokens per verify step that drafts of k tokens would give at these acceptance rates by
+    position: 1 + a1 + a1 a2 + ... + a1 ... ak. None without a rate at each of the k positions."""
+    if len(rates) < k or None in rates[:k]:
+        return None
+    out, kept = 1.0, 1.0
+    for a in rates[:k]:
+        kept *= a
+        out += kept
+    return out
 
 
 # -----------------------------------------------------------------------------

@@ -57,7 +57,7 @@ def parse_args(argv=None):
         problem = task.parse_prompt(text)
         if problem is None:
             p.error(f"{text!r} is not a problem of this task: labelled digits then a colon, like \"a3 b7 c1:\"")
-        need = len(task.encode(text)) + task_cfg.response_len(problem.size, task_cfg.max_passes) + args.k
+        need = len(task.encode(text)) + task_cfg.response_len(problem.size) + args.k
         if need > config.block_size:
             p.error(f"{text!r} is too long for the model: {problem.size} digits need {need} positions with k = {args.k}, "
                     f"it holds {config.block_size}")
@@ -91,7 +91,7 @@ def main(argv=None):
     target.load_state_dict(args.ckpt["model"])
     drafters = load_drafters(args, target)
     prompts = [task.encode(q.prompt()) for q in args.problems]
-    max_new = task_cfg.response_len(max(q.size for q in args.problems), task_cfg.max_passes)
+    max_new = task_cfg.response_len(max(q.size for q in args.problems))
     common = dict(temperature=args.temperature, eos_id=task.EOS_ID, sampler=args.sampler,
                   keys=[args.seed * 100_000 + i for i in range(len(prompts))])
     gen = lambda: torch.Generator().manual_seed(args.seed)  # noqa: E731  (rejection sampling's stream)

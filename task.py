@@ -1,14 +1,21 @@
-"""The synthetic reasoning task: a running sum modulo 10, worked step by step.
+"""The synthetic reasoning task: a running sum modulo 10, written in steps of a chosen size.
 
-    prompt:    a3 b7 c1:
-    response:  a3=3 b7=0 c1=1 >1<|eos|>
+    prompt:    a3 b7 c1 d5 e2:
+    response:  a3=0+3=3 d5=6 e2=6+2=8 >8<|eos|>
 
-Each step looks a digit up by its label and adds it, so one wrong step spoils the answer, and most
-tokens follow from what came before, so a drafter can guess ahead. The long tail: n follows a
-power law P(n) ~ n^-alpha, and a trace goes over the sum again (" | ") with probability `recheck`,
-so one prompt's samples differ in length. Warm-up traces err per step with probability `noise`:
-room for RL. Simplified on purpose: a tiktoken Encoding built in-process (no download), one merge
-per labelled digit, so that finding digit b in the prompt is a single attention look-up.
+A single step ("e2=6+2=8") copies a digit and the sum so far and adds them: one easy addition per
+written step. A jump ("d5=6") adds three digits at once and writes only the last one; the answer
+outright (">8") skips the rest. After its warm-up the target gets a single step right 98% of the
+time, a jump 12% (about chance): written steps buy computation that one forward pass cannot do, as
+in reasoning models. The warm-up traces choose at every step, mostly jumps (as base models answer
+quickly), with single steps common enough for RL to find them. Rewarded only for the final answer,
+RL shifts the choice toward single steps, and the responses grow longest on the largest problems.
+The choice is one token (the label, or ">"), so RL moves the target at those tokens while the
+arithmetic that follows stays what it was. No jumps over two digits by default: RL learns to make
+those right instead of writing more (RESULTS.md). The long tail: n follows a power law
+P(n) ~ n^-alpha, and one prompt's samples differ in length by their choices. Simplified on purpose:
+a tiktoken Encoding built in-process (no download), one merge per labelled digit, so that finding
+digit b in the prompt is a single attention look-up.
 
 Test: python -m pytest tests/test_task.py
 """
@@ -68,44 +75,33 @@ class Problem:
     def prompt(self):
         return " ".join(f"{LABELS[i]}{d}" for i, d in enumerate(self.digits)) + ":"
 
-    def response(self, rng=None, noise=0.0, careful=0.0):
-        """One pass: the running sum step by step, then the answer. A step is written wrong with
-        probability noise (the sum goes on from the written value, as a careless solver's would),
-        in full ("b7=3+7=0") with probability careful, and then errs with a quarter of the noise."""
-        steps, s = [], 0
-        for i, d in enumerate(self.digits):
-            prev, s = s, (s + d) % 10
-            slow = careful and rng.random() < careful  # careful = 0 draws nothing
-            if noise and rng.random() < (noise / 4 if slow else noise):
-                s = (s + rng.randrange(1, 10)) % 10
-            steps.append(f"{LABELS[i]}{d}={prev}+{d}={s}" if slow else f"{LABELS[i]}{d}={s}")
-        return " ".join(steps) + f" >{s}"
-
-
-def reference_response(problem, cfg, rng):
-    """A training trace: passes (" | " between), one more with probability cfg.recheck."""
-    passes = [problem.response(rng, cfg.noise, cfg.careful)]
-    while len(passes) < cfg.max_passes and rng.random() < cfg.recheck:
-        passes.append(problem.response(rng, cfg.noise, cfg.careful))
-    return " | ".join(passes)
+    def response(self, rng=None, strides=(1.0,)):
+        """The running sum in steps whose size is drawn at every step from `strides`: P(single step),
+        P(jump of 2), P(jump of 3), ..., and last P(the answer outright). No rng: single steps only."""
+        steps, s, i = [], 0, 0
+        while i < self.size:
+            k = rng.choices(range(len(strides)), weights=strides)[0] if rng else 0
+            if k == len(strides) - 1 and k > 0:  # the answer outright
+                break
+            j = min(i + k, self.size - 1)  # the last digit this step adds
+            prev, s = s, (s + sum(self.digits[i:j + 1])) % 10
+            d = self.digits[j]
+            steps.append(f"{LABELS[j]}{d}={prev}+{d}={s}" if j == i else f"{LABELS[j]}{d}={s}")
+            i = j + 1
+        return " ".join(steps + [f">{self.answer}"])
 
 
 @dataclass(frozen=True)
 class TaskConfig:
     max_n: int = 10       # largest problem; at most len(LABELS)
     alpha: float = 0.5    # tail exponent of P(n) ~ n^-alpha (smaller: heavier tail)
-    recheck: float = 0.4  # reference traces: probability of one more re-check pass after an answer
-    max_passes: int = 4   # reference traces: at most this many passes (the first plus re-checks)
-    noise: float = 0.12   # reference traces: probability that a running-sum step is written wrong
-    careful: float = 0.0  # reference traces: probability that a step is written out in full
+    strides: tuple = (0.40, 0.0, 0.55, 0.05)  # warm-up traces: P(single), P(jump 2), P(jump 3), P(outright)
 
     def __post_init__(self):  # NaN fails every rule
         for name, ok, rule in (("max_n", 1 <= self.max_n <= len(LABELS), f"in 1..{len(LABELS)}"),
                                ("alpha", self.alpha >= 0, ">= 0"),
-                               ("recheck", 0 <= self.recheck < 1, "in [0, 1)"),
-                               ("max_passes", self.max_passes >= 1, ">= 1"),
-                               ("noise", 0 <= self.noise < 1, "in [0, 1)"),
-                               ("careful", 0 <= self.careful <= 1, "in [0, 1]")):
+                               ("strides", len(self.strides) >= 1 and all(p >= 0 for p in self.strides)
+                                and self.strides[0] > 0, "probabilities, P(single) > 0")):
             if not ok:
                 raise ValueError(f"{name} must be {rule}, got {getattr(self, name)}")
 
@@ -113,13 +109,13 @@ class TaskConfig:
     def max_prompt_len(self):
         return 2 * self.max_n
 
-    def response_len(self, n, passes=1):  # the longest reference response, <|eos|> included
-        step = 9 if self.careful else 5  # "b7=0 " or "b7=3+7=0 "
-        return passes * (step * n + 5) - 2  # a pass: step * n + 2 tokens; " | " between; <|eos|>
+    @staticmethod
+    def response_len(n):  # the longest response (single steps only), <|eos|> included
+        return 9 * n + 3  # "b7=3+7=0 " is 9 tokens, ">1" 2, then <|eos|>
 
     @property
-    def max_response_len(self):  # tokens, <|eos|> included
-        return self.response_len(self.max_n, self.max_passes)
+    def max_response_len(self):
+        return self.response_len(self.max_n)
 
     @property
     def max_seq_len(self):
@@ -142,22 +138,20 @@ def parse_prompt(prompt):
     return Problem(tuple(int(d) for d in re.findall(r"[a-zA-Z]([0-9])", m.group(1))))
 
 
-def careful_share(response):
-    """The share of a response's running-sum steps written out carefully ("b7=3+7=0")."""
-    careful = len(re.findall(r"[a-zA-Z][0-9]=[0-9]\+[0-9]=[0-9]", response))
-    terse = len(re.findall(r"[a-zA-Z][0-9]=[0-9](?![+0-9])", response))
-    return careful / (careful + terse) if careful + terse else 0.0
+def single_share(response):
+    """The share of a response's steps written as single steps ("b7=3+7=0", not "d5=5" or ">1")."""
+    singles = len(re.findall(r"[a-zA-Z][0-9]=[0-9]\+", response))
+    steps = singles + len(re.findall(r"[a-zA-Z][0-9]=[0-9](?![+0-9])", response))
+    return singles / steps if steps else 0.0
 
 
-def reward(prompt, response, careful_bonus=0.0):
+def reward(prompt, response):
     """1.0 when the final answer (after the last '>') is right, even after a wrong scratchpad (as
-    with verifiable rewards), else 0.0; a right one earns careful_bonus times its share of careful
-    steps on top, a format reward that makes RL change how the model writes. Never raises."""
+    with verifiable rewards), else 0.0. Never raises."""
     try:
         problem = parse_prompt(prompt)
         m = re.search(r">([0-9]+)\s*$", response)
-        right = problem is not None and m is not None and int(m.group(1)) == problem.answer
-        return float(right) * (1.0 + careful_bonus * careful_share(response))
+        return float(problem is not None and m is not None and int(m.group(1)) == problem.answer)
     except Exception:  # the contract is "never raises"; a broken input is simply wrong
         return 0.0
 
@@ -175,18 +169,18 @@ def bucket_of(n):
     return next(inside, f">{SIZE_BUCKETS[-1][1]}")
 
 
-def accuracy_by_size(problems, rewards):
-    """-> {"overall": acc, "1-2": acc, ...} over the buckets present."""
-    table = {"overall": list(rewards)}
-    for p, r in zip(problems, rewards):
-        table.setdefault(bucket_of(p.size), []).append(r)
+def mean_by_size(problems, values):
+    """-> {"overall": mean, "1-2": mean, ...} over the buckets present (of rewards: the accuracy)."""
+    table = {"overall": list(values)}
+    for p, v in zip(problems, values):
+        table.setdefault(bucket_of(p.size), []).append(v)
     return {k: sum(v) / max(len(v), 1) for k, v in table.items()}
 
 
 def training_example(problem, cfg=None, rng=None):
     """Token ids of prompt + response + <|eos|>, and where the response starts. Given a config and
-    an rng, the response is a reference trace with its re-checks and noise; else the clean pass."""
-    response = problem.response() if cfg is None else reference_response(problem, cfg, rng)
+    an rng, the response is a warm-up trace with its strides drawn; else single steps only."""
+    response = problem.response() if cfg is None else problem.response(rng, cfg.strides)
     p, r = encode(problem.prompt()), encode(response) + [EOS_ID]
     return p + r, len(p)
 
@@ -205,7 +199,7 @@ class Seed(enum.IntEnum):
     """What a derived seed is for: one stream each. Most are derive_seed(seed, rank, step, Seed.X);
     a row's key is derive_seed(seed, step, row, Seed.ROLLOUT_KEYS) or (seed, row, 0,
     Seed.EVAL_KEYS)."""
-    TARGET_DATA = 1        # the target warm-up's reference traces
+    TARGET_DATA = 1        # the target warm-up's warm-up traces
     DRAFTER_DATA = 2       # the drafter warm-up's prompts and batches
     DRAFTER_SAMPLES = 3    # the target's samples the drafter warms up on
     INIT = 4               # initial weights, the same on every rank

@@ -136,7 +136,7 @@ def new_state(args, task_cfg, model, drafter, rank, world_size, device):
 
 def rl_meta(args, config, task_cfg):
     """What an RL checkpoint depends on: the warm-ups it started from and every RL setting."""
-    keys = ("rl_seed", "careful_bonus", "drafter", "drafter_cold_lr", "drafter_online_lr",
+    keys = ("rl_seed", "drafter", "drafter_cold_lr", "drafter_online_lr",
             "prompts_per_step", "group_size", "rl_lr", "rl_epochs", "clip_eps", "kl_coef", "tlt",
             "drafter_updates", "sd_threshold", "drafter_keep", "drafter_keep_tokens",
             "drafter_idle_tokens", "update_tokens", "sampler")
@@ -192,8 +192,7 @@ def rl_step(step, s):
     # 2. roll out: plain steps while the running batch is large, speculative ones in the tail
     rows, stats = roll_out(s, step, problems, keys)
     texts = [task.decode(r.response) for r in rows]
-    rewards = torch.tensor([task.reward(p.prompt(), t, args.careful_bonus)
-                            for p, t in zip(problems, texts)]).tolist()  # float32, as logged
+    rewards = torch.tensor([task.reward(p.prompt(), t) for p, t in zip(problems, texts)]).tolist()  # float32, as logged
     # 3-5. the rows to the drafter; idle time for it until the last rank arrives; the drafter sync
     idle_start = time.perf_counter() - t0
     idle, finish_sync = idle_phase(s, step, rows)

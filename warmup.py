@@ -1,7 +1,7 @@
-"""The warm-ups, cached: supervised training of the target on reference traces, then training of
+"""The warm-ups, cached: supervised training of the target on warm-up traces, then training of
 the drafter on the target's own samples. RL starts from both.
 
-    target:  reference traces (task.reference_response: re-check passes, noisy steps) -> next-token loss
+    target:  warm-up traces (task.Problem.response: strides drawn at every step) -> next-token loss
     drafter: the warmed-up target's samples of RL prompts, hidden states kept -> drafter.train_step
 
 The drafter's warm-up ends at its plateau on held-out samples, not at a step count (see
@@ -48,10 +48,10 @@ from liveness import beat, beating, wait_for_all
 
 
 # -----------------------------------------------------------------------------
-# target warm-up: supervised training on reference traces
+# target warm-up: supervised training on warm-up traces
 
 def sft_batches(rng, task_cfg, n_batches, token_budget):
-    """n_batches length-grouped batches of reference traces (token ids, prompt length), shuffled."""
+    """n_batches length-grouped batches of warm-up traces (token ids, prompt length), shuffled."""
     pool = [task.training_example(task.sample_problem(rng, task_cfg), task_cfg, rng) for _ in range(n_batches * 64)]
     batches = rl.group_by_length(pool, lambda e: len(e[0]), token_budget)
     rng.shuffle(batches)
@@ -102,7 +102,7 @@ def init_merged_embeddings(model):
 
 
 def warmup_target(model, args, warmup_cfg, ddp, rank, world_size, device):
-    """Supervised training on reference traces of the warm-up's task config, all ranks under DDP."""
+    """Supervised training on warm-up traces of the warm-up's task config, all ranks under DDP."""
     if args.merge_init:
         init_merged_embeddings(model)  # deterministic, so still the same weights on every rank
     model.train()

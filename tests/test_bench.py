@@ -71,14 +71,14 @@ def test_host_traffic_report_of_a_rollout_like_train_py(capsys, monkeypatch):
     from conftest import randomize
     from drafter import Drafter
     from model import GPT, GPTConfig
-    targs = config.parse_args(["--device", "cpu", "--max-n", "4", "--max-passes", "1", "--block-size", "40",
+    targs = config.parse_args(["--device", "cpu", "--max-n", "4", "--block-size", "56",
                                "--draft-ks", "0,2,3"])
     torch.manual_seed(0)
-    target = GPT(GPTConfig(vocab_size=task.VOCAB_SIZE, block_size=40, n_layer=1, n_head=2, n_embd=16)).eval()
+    target = GPT(GPTConfig(vocab_size=task.VOCAB_SIZE, block_size=56, n_layer=1, n_head=2, n_embd=16)).eval()
     drafter = Drafter(target).eval()
     randomize(target, 0, std=0.3)
     out = bench.rollout_host_traffic(SimpleNamespace(targs=targs, sampler=targs.sampler),
-                                     task.TaskConfig(max_n=4, max_passes=1), target, drafter)
+                                     task.TaskConfig(max_n=4), target, drafter)
     assert out["steps"] > 0 and out["reads_per_step"] == 1 and out["max_reads_in_a_step"] == 1
     assert out["copies_in_steps"] == 0 and out["prefill"]["reads"] == 1
     assert json.loads(json.dumps(out)) == out and "reads per decoding step" in capsys.readouterr().out

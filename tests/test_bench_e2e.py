@@ -18,12 +18,12 @@ from conftest import randomize  # noqa: E402
 
 def tiny_pair(seed):
     torch.manual_seed(seed)
-    target = GPT(GPTConfig(vocab_size=task.VOCAB_SIZE, block_size=40, n_layer=1, n_head=2, n_embd=16)).eval()
+    target = GPT(GPTConfig(vocab_size=task.VOCAB_SIZE, block_size=56, n_layer=1, n_head=2, n_embd=16)).eval()
     return target, Drafter(target).eval()
 
 
 def test_drafter_comparison_shares_prompts_and_random_stream(tmp_path):
-    task_cfg = task.TaskConfig(max_n=4, max_passes=1)  # fits the tiny block
+    task_cfg = task.TaskConfig(max_n=4)  # fits the tiny block
     target, drafter = tiny_pair(0)
     randomize(target, 0, std=0.3)  # near their uniform init, the noise alone would pick every token
     torch.save({"model": target.state_dict(), "drafter": drafter.state_dict()}, tmp_path / "ckpt.pt")
@@ -39,12 +39,12 @@ def test_drafter_comparison_shares_prompts_and_random_stream(tmp_path):
 
 
 def test_drift_moves_a_copy_of_the_target_and_trains_a_copy_of_the_drafter():
-    task_cfg = task.TaskConfig(max_n=4, max_passes=1)  # fits the tiny block
+    task_cfg = task.TaskConfig(max_n=4)  # fits the tiny block
     target, drafter = tiny_pair(0)
     randomize(target, 0, std=0.3)  # far from the near-uniform init, where every draft is accepted before and after
     before = {k: v.clone() for k, v in target.state_dict().items()}
     d_before = {k: v.clone() for k, v in drafter.state_dict().items()}
-    targs = config.parse_args(["--device", "cpu", "--max-n", "4", "--max-passes", "1", "--block-size", "40", "--warmup-tokens", "256",
+    targs = config.parse_args(["--device", "cpu", "--max-n", "4", "--block-size", "56", "--warmup-tokens", "256",
                               "--drafter-batch", "4"])
     out = bench_e2e.drift_bench(targs, task_cfg, target, drafter, sft_steps=3, n_seqs=64, online_steps=3, n_prompts=8,
                             seeds=(0, 1))["drift"]

@@ -26,7 +26,7 @@ def record(step, **over):
            "rollout_share": 0.85, "tail_share": 0.4, "slowest_wait": 0.002, "reward": 0.5,
            "accept_len": 2.5, "accept_rate": 0.6, "sd_token_frac": 0.3, "drafter_top1": 0.7,
            "drafted_at": [10, 6], "accepted_at": [8, 3], "bandit_best": {"0": 4, "2": 0},
-           "response_len": 40.0, "careful_share": 0.0, "skipped_update": False,
+           "response_len": 40.0, "single_share": 0.0, "skipped_update": False,
            "drafter_skipped": 0, "tok_s": 1234.5, "idle_time": 0.25, "drafter_steps": 7,
            "ranks": [{"rank": 0, "rollout_time": 1.7, "idle_time": 0.0, "drafter_steps": 7,
                       "tokens": 100, "drafter_checksum": "abc"}]}
@@ -86,23 +86,27 @@ summary
   drafter top-1         70.0% -> 80.0% (teacher-forced agreement with the target on each step's fresh rows, before training on them; first and last 1 steps)
   mean accept length    2.50 tokens per verify step, 60% of drafted tokens accepted, SD token share 30%
   accepted by position  80.0 50.0 % (draft 1..2, given the earlier ones were; 48 drafts decided)
+  bandit's k per batch  1: 4, 3-4: 0 (rank 0, after step 0)
   bandit's k per batch  1: 4, 3-4: 0 (rank 0, end of run)
   reward                0.000 -> 0.200 (means of the first and the last 1 steps)
-  response length       40.0 -> 42.0 tokens, careful steps 0% -> 10% (first and last 1 steps)
+  response length       40.0 -> 42.0 tokens, single steps 0% -> 10% (first and last 1 steps)
   greedy  before RL     overall  50.0% | 1-2  75.0%
   greedy  after RL      overall  50.0% | 1-2  75.0%
   sampled before RL     overall  25.0% | 1-2  50.0%
   sampled after RL      overall  25.0% | 1-2  50.0%
+  length  before RL     overall  12.0 | 1-2   8.5 tokens (sampled)
+  length  after RL      overall  12.0 | 1-2   8.5 tokens (sampled)
   skipped updates       0 of the target, 3 drafter steps (non-finite loss or gradient)
   wall time             61s
 """  # noqa: E501
 
 
 def test_summary_keeps_its_lines_then_draws_the_picture(capsys):
-    history = [record(s, reward=0.1 * s, response_len=40.0 + s, careful_share=0.05 * s,
+    history = [record(s, reward=0.1 * s, response_len=40.0 + s, single_share=0.05 * s,
                       drafter_skipped=s, drafter_top1=None if s == 0 else 0.6 + 0.1 * s)
                for s in range(3)]
-    acc = {"greedy": {"overall": 0.5, "1-2": 0.75}, "sampled": {"overall": 0.25, "1-2": 0.5}}
+    acc = {"greedy": {"overall": 0.5, "1-2": 0.75}, "sampled": {"overall": 0.25, "1-2": 0.5},
+           "length": {"overall": 12.0, "1-2": 8.5}}
     report.summary(history, acc, acc, 61.2)
     out = capsys.readouterr().out
     assert out.startswith(SUMMARY)
@@ -228,3 +232,12 @@ def test_cli_rejects_bad_bins(tmp_path, capsys):
         report.main([write_run(tmp_path / "run", [record(0)]), "--bins", "0"])
     err = capsys.readouterr().err
     assert e.value.code == 2 and err.startswith("error:") and len(err.splitlines()) == 1
+
+
+def test_accept_length_at_k4_is_implied_by_the_acceptance_by_position():
+    assert report.accept_len_at([0.5, 0.5, 0.5, 0.5, 0.1]) == pytest.approx(1 + 0.5 + 0.25 + 0.125 + 0.0625)
+    assert report.accept_len_at([1.0, 1.0, 1.0, 1.0]) == 5.0
+    assert report.accept_len_at([0.9, 0.8, 0.7]) is None and report.accept_len_at([0.9, None, 0.7, 0.5]) is None
+    # the picture's line: first tenth at a1..a4 = 1.0, last tenth at 0.5
+    history = [record(s, drafted_at=[10] * 4, accepted_at=[10 if s < 10 else 5] * 4) for s in range(100)]
+    assert "at k = 4 these give 5.00 -> 1.94 tokens per verify step" in "\n".join(report.picture(history))

@@ -15,14 +15,14 @@ from conftest import randomize  # noqa: E402
 from drafter import Drafter  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
 
-TASK = task.TaskConfig(max_n=4, max_passes=1)  # fits the tiny block
+TASK = task.TaskConfig(max_n=4)  # fits the tiny block
 
 
 @pytest.fixture
 def run_dir(tmp_path):
     """What train.py leaves: ckpt.pt (meta, step, target, drafter) and the warm-up drafter."""
     torch.manual_seed(0)
-    config = GPTConfig(vocab_size=task.VOCAB_SIZE, block_size=48, n_layer=1, n_head=2, n_embd=16)
+    config = GPTConfig(vocab_size=task.VOCAB_SIZE, block_size=56, n_layer=1, n_head=2, n_embd=16)
     target = randomize(GPT(config).eval(), 0, std=0.3)
     run, warm = randomize(Drafter(target), 1, std=0.3), randomize(Drafter(target), 2, std=0.3)
     meta = {"model": config.to_dict(), "rl_task": asdict(TASK)}

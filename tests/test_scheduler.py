@@ -285,9 +285,9 @@ def _drafter_warmup(rank, world, fault):
             return real(*a, observer=observer, **kw)
         warmup.rollout = late_rollout
     torch.manual_seed(0)
-    target = GPT(GPTConfig(vocab_size=task.VOCAB_SIZE, block_size=24, n_layer=1, n_head=2, n_embd=16)).eval()
+    target = GPT(GPTConfig(vocab_size=task.VOCAB_SIZE, block_size=48, n_layer=1, n_head=2, n_embd=16)).eval()
     args = config.parse_args(["--drafter-warmup-seqs", "4", "--drafter-warmup-steps", "2", "--drafter-batch", "2"])
-    warmup.warmup_drafter(Drafter(target), target, args, task.TaskConfig(max_n=3, max_passes=1), True, rank, world,
+    warmup.warmup_drafter(Drafter(target), target, args, task.TaskConfig(max_n=3), True, rank, world,
                           torch.device("cpu"))
 
 
@@ -317,11 +317,11 @@ def _evaluate(rank, world, fault):
     import evaluate
     import task
     torch.manual_seed(0)
-    model = GPT(GPTConfig(vocab_size=task.VOCAB_SIZE, block_size=32, n_layer=1, n_head=2, n_embd=16)).eval()
-    cfg = task.TaskConfig(max_n=3, max_passes=1)
+    model = GPT(GPTConfig(vocab_size=task.VOCAB_SIZE, block_size=48, n_layer=1, n_head=2, n_embd=16)).eval()
+    cfg = task.TaskConfig(max_n=3)
     problems = [task.sample_problem(random.Random(i), cfg, size=3) for i in range(world)]
     if rank == world - 1:
-        real, steps = model.forward, cfg.response_len(3, 1)
+        real, steps = model.forward, cfg.response_len(3)
 
         def slow_forward(*a, **kw):
             time.sleep(3 * SHORT_S / steps)

@@ -19,7 +19,7 @@ import train  # noqa: E402
 import warmup  # noqa: E402
 from instrument import checksum  # noqa: E402
 
-TINY = ["--max-n", "4", "--max-passes", "1", "--block-size", "40", "--n-layer", "1", "--n-head", "2", "--n-embd", "16",
+TINY = ["--max-n", "4", "--block-size", "56", "--n-layer", "1", "--n-head", "2", "--n-embd", "16",
         "--warmup-steps", "10", "--warmup-tokens", "256", "--drafter-warmup-seqs", "16", "--drafter-warmup-steps", "5",
         "--drafter-batch", "4", "--prompts-per-step", "4", "--group-size", "2", "--eval-per-bucket", "2",
         "--ckpt-every", "1", "--timeline-every", "0"]
@@ -150,10 +150,10 @@ def test_draft_ks_fixes_the_arms_and_sizes_the_block():
     args = config.parse_args(TINY + ["--draft-ks", "3"])
     bandit = train.Bandit(args.draft_ks)
     assert args.draft_ks == (3,) and {bandit.choose(b) for b in (1, 2, 5, 64) for _ in range(20)} == {3}
-    # max-n 4 needs 31 positions plus the longest draft: 40 holds k = 8, 34 only k <= 3
+    # max-n 4 needs 47 positions plus the longest draft: 56 holds k = 8, 50 only k <= 3
     with pytest.raises(SystemExit):
-        config.parse_args(TINY + ["--block-size", "34"])
-    assert config.parse_args(TINY + ["--block-size", "34", "--draft-ks", "0,1,3"]).draft_ks == (0, 1, 3)
+        config.parse_args(TINY + ["--block-size", "50"])
+    assert config.parse_args(TINY + ["--block-size", "50", "--draft-ks", "0,1,3"]).draft_ks == (0, 1, 3)
 
 
 def test_rl_prompts_are_a_function_of_seed_and_step():
@@ -239,20 +239,20 @@ def test_dtype_keys_the_warmups_and_float32_keeps_the_old_meta():
 
 
 def test_a_block_that_fits_the_longest_draft_fits_the_evaluation(tmp_path):
-    """--block-size 34 holds max-n 4's 31 positions plus --draft-ks 0,1,3's longest draft. The
-    evaluations draft that many tokens, not a fixed 4 (which needs 35 and failed before RL)."""
-    r = run_train(TINY + ["--out-dir", str(tmp_path), "--rl-steps", "1", "--block-size", "34", "--draft-ks", "0,1,3"])
+    """--block-size 50 holds max-n 4's 47 positions plus --draft-ks 0,1,3's longest draft. The
+    evaluations draft that many tokens, not a fixed 4 (which needs 51 and failed before RL)."""
+    r = run_train(TINY + ["--out-dir", str(tmp_path), "--rl-steps", "1", "--block-size", "50", "--draft-ks", "0,1,3"])
     assert r.returncode == 0, r.stderr[-2000:]
     assert "held-out accuracy after RL" in r.stdout and "speculative vs plain decoding, greedy" in r.stdout
 
 
 def test_evaluation_without_drafts_decodes_plainly():
     """--draft-ks 0 never speculates: the evaluation decodes plainly and skips the speculative check."""
-    args = config.parse_args(TINY + ["--draft-ks", "0", "--block-size", "31", "--eval-samples", "1"])
+    args = config.parse_args(TINY + ["--draft-ks", "0", "--block-size", "47", "--eval-samples", "1"])
     model, drafter = _tiny_models(args)
     task_cfg = config.task_config(args)
     acc = train.evaluate_both(model, drafter, train.task.eval_set(task_cfg, 1), args, task_cfg, 0, 1, "now", check=True)
-    assert set(acc) == {"greedy", "sampled"}
+    assert set(acc) == {"greedy", "sampled", "length"}
 
 
 def test_unwritable_out_dir(tmp_path):
@@ -310,12 +310,12 @@ def test_merged_embeddings_start_as_label_plus_digit():
 
 
 def test_task_flags_reach_the_task_config():
-    args = config.parse_args(TINY + ["--recheck", "0.3", "--max-passes", "2", "--noise", "0.05", "--warmup-alpha", "0.5",
-                                    "--block-size", "80"])
+    args = config.parse_args(TINY + ["--strides", "0.5,0.3,0.2", "--warmup-alpha", "0.5"])
     cfg, wcfg = config.task_config(args), config.task_config(args, warmup=True)
-    assert (cfg.recheck, cfg.max_passes, cfg.noise, cfg.alpha, wcfg.alpha) == (0.3, 2, 0.05, args.alpha, 0.5)
-    with pytest.raises(SystemExit):  # two passes do not fit the tiny block
-        config.parse_args(TINY + ["--max-passes", "2"])
+    assert (cfg.strides, wcfg.strides, cfg.alpha, wcfg.alpha) == ((0.5, 0.3, 0.2), (0.5, 0.3, 0.2), args.alpha, 0.5)
+    for bad in (["--strides", "0.5,x"], ["--strides", "0,1"], ["--max-n", "5"]):  # 5 digits do not fit the tiny block
+        with pytest.raises(SystemExit):
+            config.parse_args(TINY + bad)
 
 
 def test_warmup_curriculum_keys_the_cache():
@@ -449,8 +449,8 @@ def test_one_process_holds_at_most_keep_tokens_in_every_configuration(flags, tmp
     --drafter-keep-tokens, and a run that never trains the drafter holds nothing."""
     out = str(tmp_path / "run")
     r = run_train(TINY + flags + ["--out-dir", out, "--rl-steps", "8", "--eval-per-bucket", "0", "--ckpt-every", "8",
-                                  "--drafter-keep", "2", "--drafter-keep-tokens", "40"])
+                                  "--drafter-keep", "2", "--drafter-keep-tokens", "56"])
     assert r.returncode == 0, r.stderr[-2000:]
     held = [m["ranks"][0]["buffer_tokens"] for m in metrics(out)]
-    assert len(held) == 8 and max(held) <= 40, held
+    assert len(held) == 8 and max(held) <= 56, held
     assert (min(held) > 0) if not flags else (max(held) == 0), held
