@@ -74,7 +74,7 @@ def parse_args(argv=None):
                    "with the warm-up drafter, on that run's final target")
     p.add_argument("--e2e-steps", type=int, default=30, help="RL steps per end-to-end run")
     p.add_argument("--train-args", default="", help="train.py flags for the checkpoints' config, the long-tail workload "
-                   "and every --e2e run, e.g. --train-args='--rl-lr 3e-4'")
+                   "and every --e2e run, e.g. --train-args='--rl-lr 2e-4'")
     p.add_argument("--nproc", type=int, default=2, help="ranks per end-to-end run")
     args = p.parse_args(argv)
     try:

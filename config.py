@@ -110,7 +110,7 @@ def drafter_flags(p):
     p.add_argument("--drafter-lr", type=float, default=2e-3, help="peak drafter learning rate of the warm-up")
     p.add_argument("--drafter-cold-lr", type=float, default=4e-3, help="a cold start's drafter learning rate on idle ranks: "
                    "it decays on a cosine from this to a twentieth of it over the RL steps")
-    p.add_argument("--drafter-online-lr", type=float, default=5e-5, help="drafter learning rate on idle ranks during RL")
+    p.add_argument("--drafter-online-lr", type=float, default=1e-4, help="drafter learning rate on idle ranks during RL")
     p.add_argument("--drafter-batch", type=int, default=8, help="sequences per drafter training step")
     p.add_argument("--drafter-depth", type=int, default=3, help="chained passes per drafter training step: the drafter "
                    "trains on its own predictions this many drafts deep (1: teacher forcing alone)")
@@ -126,7 +126,7 @@ def rl_flags(p):
     p.add_argument("--rl-steps", type=int, default=200, help="GRPO steps")
     p.add_argument("--prompts-per-step", type=int, default=4, help="prompts per RL step, all ranks together")
     p.add_argument("--group-size", type=int, default=8, help="responses per prompt (the GRPO group)")
-    p.add_argument("--rl-lr", type=float, default=3e-4, help="learning rate of the GRPO updates")
+    p.add_argument("--rl-lr", type=float, default=4e-4, help="learning rate of the GRPO updates")
     p.add_argument("--rl-epochs", type=int, default=1, help="optimizer passes over each rollout")
     p.add_argument("--clip-eps", type=float, default=0.2, help="PPO clip range")
     p.add_argument("--kl-coef", type=float, default=0.0, help="weight of the KL to the warmed-up target (0: off)")
