@@ -13,9 +13,11 @@ one JSON line holding every figure. Checkpoints made with other flags need the s
 --train-args "--dtype bfloat16" runs every forward under bf16 autocast, as train.py does; its
 warm-ups are bf16 ones, so it needs a --out-dir of its own.
 
-Decoding bench. Fresh prompts (not the training ones) whose reference responses are longer than
---max-new tokens, so every row decodes exactly --max-new tokens (no row leaves early and the batch
-size is what the table says). Temperature 1.0, as in the RL rollouts. Each cell is the median of --repeats rounds
+Decoding bench. Fresh prompts (not the training ones) whose responses, sampled with each row's key,
+are longer than --max-new tokens, as a rollout's tail rows are: every row decodes exactly --max-new
+tokens of its response (no row leaves early, none decodes past its end, and the batch size is what
+the table says). The rejection sampler draws its own tokens on the same prompts, so its rows may
+run past their end. Temperature 1.0, as in the RL rollouts. Each cell is the median of --repeats rounds
 in which plain decoding and every k take turns, so a slow spell of a shared machine hits them alike.
 The cost ratio c is the drafter's time per one-token forward over the target's, at batch 1. The
 standard formula predicts a speedup of accept_len / (1 + k c), assuming a verify pass of k+1
@@ -213,14 +215,14 @@ def rollout_host_traffic(args, task_cfg, model, drafter):
                         bandit=Bandit(args.targs.draft_ks), sampler=args.sampler, keys=keys)
 
 
-def decode_row(args, model, drafter, prompts, sampler):
-    """Plain decoding and speculative decoding at every k of args.ks on `prompts`, interleaved;
-    -> the table row for this batch size."""
+def decode_row(args, model, drafter, prompts, sampler, keys):
+    """Plain decoding and speculative decoding at every k of args.ks on `prompts` (their rows' keys
+    for exact-token sampling), interleaved; -> the table row for this batch size."""
     gen = generator(model, 0)
-    runs = {0: lambda: autoregressive_generate(model, prompts, args.max_new, generator=gen, sampler=sampler)}
+    runs = {0: lambda: autoregressive_generate(model, prompts, args.max_new, generator=gen, sampler=sampler, keys=keys)}
     for k in args.ks:
         runs[k] = lambda k=k: speculative_generate(model, drafter, prompts, args.max_new, k=k, generator=gen,
-                                                   sampler=sampler)
+                                                   sampler=sampler, keys=keys)
     times, outs = interleaved(runs, args.repeats, model.wte.weight.device)
     ar = sum(len(o) for o in outs[0][0]) / times[0]
     per_k = {k: (sum(len(o) for o in outs[k][0]) / times[k], outs[k][1]["accept_len"]) for k in args.ks}
@@ -230,15 +232,32 @@ def decode_row(args, model, drafter, prompts, sampler):
             "per_k": {str(k): {"tok_s": v[0], "accept_len": v[1], "speedup": v[0] / ar} for k, v in per_k.items()}}
 
 
-def decode_bench(args, task_cfg, model, drafter):
-    rng = random.Random(4321)
+def long_rows(args, task_cfg, model, n):
+    """n rows as a rollout's tail holds them: prompts whose response (exact-token sampling, with the
+    row's key) is longer than --max-new tokens, so that no row of the tables decodes past its
+    <|eos|>, where the target writes what no drafter learned. -> (prompts, keys)."""
+    rng, prompts, keys = random.Random(4321), [], []
     min_n = min_size(args.max_new, task_cfg)
-    pool = [task.encode(task.sample_problem(rng, task_cfg, rng.randint(min_n, task_cfg.max_n)).prompt())
-            for _ in range(max(max(args.batches), 64))]
+    for start in range(0, 64 * n, 64):  # about 1 in 6 rows is long enough here; give up after 64 n
+        batch = [task.encode(task.sample_problem(rng, task_cfg, rng.randint(min_n, task_cfg.max_n)).prompt())
+                 for _ in range(64)]
+        done, _ = autoregressive_generate(model, batch, args.max_new + 1, eos_id=task.EOS_ID, sampler="gumbel",
+                                          keys=list(range(start, start + 64)))
+        for i, (p, d) in enumerate(zip(batch, done)):
+            if task.EOS_ID not in d[:args.max_new + 1] and len(prompts) < n:
+                prompts.append(p)
+                keys.append(start + i)
+        if len(prompts) == n:
+            return prompts, keys
+    raise SystemExit(f"error: fewer than {n} of {64 * n} prompts have responses longer than --max-new {args.max_new}")
+
+
+def decode_bench(args, task_cfg, model, drafter):
+    pool, keys = long_rows(args, task_cfg, model, max(max(args.batches), 64))
     t1 = forward_time(model, 1)
     c = forward_time(model, 1, drafter) / t1
     print(f"sampler {args.sampler}, temperature 1.0, {args.max_new} tokens per row")
-    rows = decode_table(args, model, drafter, pool)
+    rows = decode_table(args, model, drafter, pool, keys)
     print("cells: speculative tok/s (accept length = tokens per verify step)")
     # the crossover: the first batch size at which speculation is no faster than plain decoding
     crossover = next((r["batch"] for r in rows if r["speedup"] <= 1), None)
@@ -246,7 +265,7 @@ def decode_bench(args, task_cfg, model, drafter):
         print(f"crossover: speculation pays at every batch size measured (1 to {rows[-1]['batch']})")
     else:
         print(f"crossover: speculation stops paying at batch {crossover}")
-    price = sampler_price(args, model, drafter, pool, rows)
+    price = sampler_price(args, model, drafter, pool, keys, rows)
     acceptance = acceptance_table(args, task_cfg, model, drafter)
     b1 = rows[0]
     k1 = b1["best_k"]
@@ -263,27 +282,27 @@ def decode_bench(args, task_cfg, model, drafter):
           f"{100 * b1['speedup'] / predicted:.0f}% of the prediction")
     syncs = count_syncs(model, drafter, k=k1, sampler=args.sampler)
     tail = tail_workload(args, task_cfg, model, drafter)
-    sibling_rows = sibling_table(args, task_cfg, model, pool, rows)
+    sibling_rows = sibling_table(args, task_cfg, model, pool, keys, rows)
     return {"decode": rows, "acceptance": {str(k): v for k, v in acceptance.items()}, "sibling_decode": sibling_rows,
             "cost_ratio": c, "verify_cost_ratio": verify, "formula_speedup_b1": ideal, "predicted_speedup_b1": predicted, "temperature": 1.0, "sampler": args.sampler, "crossover": crossover,
             "samplers": price, "max_new": args.max_new, "rollout": tail, "syncs_per_step": syncs}
 
 
-def decode_table(args, model, drafter, pool, siblings=None):
+def decode_table(args, model, drafter, pool, keys, siblings=None):
     """decode_row for every batch size of args.batches, printed as it goes. With `siblings` (per
     prompt of the pool, its group's finished responses) it drafts with a SiblingDrafter of them."""
     rows = []
     print(f"{'batch':>5} {'plain tok/s':>11} " + " ".join(f"{'k=' + str(k):>13}" for k in args.ks) + f" {'best':>6} {'speedup':>7}")
     for B in args.batches:
         at_b = SiblingDrafter(finished=siblings[:B]) if siblings else drafter
-        rows.append(decode_row(args, model, at_b, pool[:B], args.sampler))
+        rows.append(decode_row(args, model, at_b, pool[:B], args.sampler, keys[:B]))
         r = rows[-1]
         cells = " ".join(f"{v['tok_s']:7.0f} ({v['accept_len']:.2f})" for v in r["per_k"].values())
         print(f"{B:5d} {r['ar_tok_s']:11.0f} {cells} {r['best_k']:6d} {r['speedup']:6.2f}x", flush=True)
     return rows
 
 
-def sibling_table(args, task_cfg, model, pool, learned_rows, group=8):
+def sibling_table(args, task_cfg, model, pool, keys, learned_rows, group=8):
     """The decoding table again with sibling drafts, as in the tail of a GRPO rollout: each row is the
     last of its group, whose other group - 1 responses (sampled by the target, other keys) have
     finished. Beside it, the learned drafter's best speedup per batch size from the first table."""
@@ -294,14 +313,14 @@ def sibling_table(args, task_cfg, model, pool, learned_rows, group=8):
     siblings = [done[i * (group - 1):(i + 1) * (group - 1)] for i in range(n)]
     print(f"\nsibling drafts (SiblingDrafter), each row the last of a group of {group} whose {group - 1} other responses "
           f"have finished, {args.max_new} tokens per row:")
-    rows = decode_table(args, model, None, pool, siblings)
+    rows = decode_table(args, model, None, pool, keys, siblings)
     print("best speedup per batch size, learned drafter / sibling drafts: " + ", ".join(
         f"{a['batch']}: {a['speedup']:.2f}x / {b['speedup']:.2f}x" for a, b in zip(learned_rows, rows)))
     return rows
 
 
 @torch.no_grad()
-def sampler_price(args, model, drafter, pool, rows, k=4, n_prompts=64):
+def sampler_price(args, model, drafter, pool, keys, rows, k=4, n_prompts=64):
     """What exact tokens cost: the accept length at k = 4 and temperature 1 of both samplers on the
     same 64 prompts, and each sampler's best-k speedup at batch 1 (from the table for this
     sampler, measured the same way for the other)."""
@@ -309,9 +328,9 @@ def sampler_price(args, model, drafter, pool, rows, k=4, n_prompts=64):
     for sampler in SAMPLERS:
         st = DecodeStats()
         speculative_generate(model, drafter, pool[:n_prompts], args.max_new, k=k, generator=generator(model, 1),
-                             sampler=sampler, observer=st)
+                             sampler=sampler, keys=keys[:n_prompts], observer=st)
         st = st.as_dict()
-        b1 = rows[0] if rows[0]["batch"] == 1 and sampler == args.sampler else decode_row(args, model, drafter, pool[:1], sampler)
+        b1 = rows[0] if rows[0]["batch"] == 1 and sampler == args.sampler else decode_row(args, model, drafter, pool[:1], sampler, keys[:1])
         out[sampler] = {"accept_len_k4": st["accept_len"], "accept_rate_k4": st["accept_rate"],
                         "best_k_b1": b1["best_k"], "speedup_b1": b1["speedup"]}
     print(f"the samplers' price at temperature 1.0 (accept length at k = {k} on the same {n_prompts} prompts; best speedup at batch 1):")

@@ -60,26 +60,28 @@ class DecodeStats:
     accept_hist: dict = field(default_factory=dict)  # drafts accepted in one row-step -> count
     drafted_at: list = field(default_factory=list)  # per draft position: drafts decided there
     accepted_at: list = field(default_factory=list)  # per draft position: drafts accepted there
+    by_prompt_len: dict = field(default_factory=dict)  # a row's prompt length -> [drafts decided, accepted]
 
     def __post_init__(self):
-        self._pending = []  # the steps whose device counts are not read yet
+        self._pending = []  # the steps whose device counts are not read yet, with their rows' prompt lengths
+        self._rows = []  # the prompt length of each row in the batch, slot by slot, as the next step finds it
 
     def __call__(self, batch, step):
-        if step is None:  # the prefill
-            return
-        self.steps += 1
-        if step.k:
-            self.sd_row_steps += step.batch_size
-            self.drafted += step.k * step.batch_size
-        self._pending.append(step)
+        if step is not None:  # not the prefill
+            self.steps += 1
+            if step.k:
+                self.sd_row_steps += step.batch_size
+                self.drafted += step.k * step.batch_size
+            self._pending.append((step, self._rows))
+        self._rows = [] if batch is None else [batch.prompt_lens[r] for r in batch.running]
 
     def settle(self):
         """Read the pending device counts into the fields (one read); returns self."""
         if not self._pending:
             return self
-        flat = [t for s in self._pending for t in (s.n_emitted, s.n_accepted) if t is not None]
+        flat = [t for s, _ in self._pending for t in (s.n_emitted, s.n_accepted) if t is not None]
         values, i = torch.cat(flat).tolist(), 0  # sync: one read
-        for s in self._pending:
+        for s, rows in self._pending:
             n_emitted, i = values[i:i + s.batch_size], i + s.batch_size
             self.tokens += sum(n_emitted)
             if not s.k:
@@ -89,24 +91,30 @@ class DecodeStats:
             self.accepted += sum(n_acc)
             for a in n_acc:
                 self.accept_hist[a] = self.accept_hist.get(a, 0) + 1
-            self._count_positions(n_emitted, n_acc, s.k)
+            self._count_positions(n_emitted, n_acc, s.k, rows)
         self._pending = []
         return self
 
-    def _count_positions(self, n_emitted, n_acc, k):
+    def _count_positions(self, n_emitted, n_acc, k, rows):
         """A row keeps its accepted drafts, then the target's token; where it ended on an accepted
-        draft (n_emitted <= n_acc) the drafts after it were never decided."""
+        draft (n_emitted <= n_acc) the drafts after it were never decided. rows: the rows' prompt
+        lengths (empty when the batch was not given)."""
         grow = k - len(self.drafted_at)
         if grow > 0:
             self.drafted_at += [0] * grow
             self.accepted_at += [0] * grow
-        for emitted, acc in zip(n_emitted, n_acc):
+        for b, (emitted, acc) in enumerate(zip(n_emitted, n_acc)):
             used = min(acc, emitted)
             for i in range(used):
                 self.drafted_at[i] += 1
                 self.accepted_at[i] += 1
-            if emitted > acc and used < k:  # it went on: the first rejected draft was decided
+            decided = used + (emitted > acc and used < k)  # it went on: the first rejected draft was decided
+            if decided > used:
                 self.drafted_at[used] += 1
+            if rows:
+                counts = self.by_prompt_len.setdefault(rows[b], [0, 0])
+                counts[0] += decided
+                counts[1] += used
 
     @property
     def accept_len(self):  # tokens per row per verify step: accepted drafts plus the target's

@@ -85,7 +85,7 @@ def step_record(s, step, rows, texts, stats, idle, update, times):
               "accepted": stats.accepted, "drafted": stats.drafted, "top1_agree": idle["top1"][0],
               "top1_positions": idle["top1"][1], "single": sum(map(task.single_share, texts)),
               "response_tokens": sum(len(r.response) for r in rows),
-              **position_counts(stats, max(s.args.draft_ks))}
+              **position_counts(stats, max(s.args.draft_ks)), **size_counts(stats, s.task_cfg.max_n)}
     rec, ranks = rank_record(step, local, all_sum(counts, s.device), all_rewards, responses,
                              t1 - t0, t1 - t_update)
     rec.update(loss=loss, clip_frac=clip, skipped_update=skipped, drafter_lr=idle["lr"],
@@ -118,6 +118,9 @@ def rank_record(step, local, total, all_rewards, responses, step_time, update_ti
         # per draft position: drafts decided there (the earlier ones accepted) and accepted
         "drafted_at": [int(v) for k, v in total.items() if k.startswith("drafted_at")],
         "accepted_at": [int(v) for k, v in total.items() if k.startswith("accepted_at")],
+        # per problem-size bucket (task.SIZE_BUCKETS up to max_n): drafts decided and accepted
+        "drafted_by_size": [int(v) for k, v in total.items() if k.startswith("drafted_size")],
+        "accepted_by_size": [int(v) for k, v in total.items() if k.startswith("accepted_size")],
         "drafter_top1_positions": int(total["top1_positions"]),  # scored on idle time: the last rank's rows are left out
         # what the target writes: mean response length and share of single steps
         "response_len": total["response_tokens"] / n_rows, "single_share": total["single"] / n_rows,
@@ -138,6 +141,17 @@ def position_counts(stats, k_max):
     pad = lambda v: v + [0] * (k_max - len(v))  # noqa: E731
     return {**{f"drafted_at{i}": v for i, v in enumerate(pad(stats.drafted_at))},
             **{f"accepted_at{i}": v for i, v in enumerate(pad(stats.accepted_at))}}
+
+
+def size_counts(stats, max_n):
+    """A rollout's drafts decided and accepted by problem-size bucket, as {name: count}. A prompt
+    of n digits is 2n tokens (task.Problem.prompt), so the size is half the prompt length."""
+    out = {}
+    for i, (lo, hi) in enumerate(b for b in task.SIZE_BUCKETS if b[0] <= max_n):
+        rows = [v for n_tokens, v in stats.by_prompt_len.items() if lo <= n_tokens // 2 <= hi]
+        out[f"drafted_size{i}"] = sum(v[0] for v in rows)
+        out[f"accepted_size{i}"] = sum(v[1] for v in rows)
+    return out
 
 
 def by_position(records):
@@ -369,7 +383,26 @@ def position_bars(history):
     if None not in implied:
         lines.append(f"  at k = 4 these give {implied[0]:.2f} -> {implied[1]:.2f} tokens per verify step "
                      f"(1 + a1 + a1 a2 + ...)")
-    return lines
+    return lines + size_line(history[:n], history[-n:])
+
+
+def size_line(first, last):
+    """Drafts accepted by problem-size bucket, first records against last; none for records
+    written before the counts existed."""
+    sums = []
+    for part in (first, last):
+        if any("drafted_by_size" not in r for r in part):
+            return []
+        sums.append([(sum(c[0]), sum(c[1])) for c in zip(zip(*(r["drafted_by_size"] for r in part)),
+                                                        zip(*(r["accepted_by_size"] for r in part)))])
+    names = [f"{lo}-{hi}" for lo, hi in task.SIZE_BUCKETS]
+    cells = [f"{name} {fmt(a)} -> {fmt(b)}" for name, a, b in zip(names, *sums) if a[0] or b[0]]
+    return [f"  accepted by size      {' | '.join(cells)}"] if cells else []
+
+
+def fmt(counts):
+    """(drafts decided, accepted) as a percentage."""
+    return f"{100 * counts[1] / counts[0]:.1f}%" if counts[0] else "-"
 
 
 def accept_len_at(rates, k=4):

@@ -241,3 +241,12 @@ def test_accept_length_at_k4_is_implied_by_the_acceptance_by_position():
     # the picture's line: first tenth at a1..a4 = 1.0, last tenth at 0.5
     history = [record(s, drafted_at=[10] * 4, accepted_at=[10 if s < 10 else 5] * 4) for s in range(100)]
     assert "at k = 4 these give 5.00 -> 1.94 tokens per verify step" in "\n".join(report.picture(history))
+
+
+def test_the_picture_shows_acceptance_by_problem_size_first_and_last():
+    early = {"drafted_by_size": [10, 20, 0], "accepted_by_size": [10, 19, 0]}
+    late = {"drafted_by_size": [10, 40, 30], "accepted_by_size": [9, 30, 15]}
+    history = [record(s, **(early if s < 10 else late)) for s in range(100)]
+    line = row(report.picture(history), "accepted by size")
+    assert line == "  accepted by size      1-2 100.0% -> 90.0% | 3-5 95.0% -> 75.0% | 6-10 - -> 50.0%"
+    assert not any("accepted by size" in x for x in report.picture([record(s) for s in range(20)]))  # older records
