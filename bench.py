@@ -102,7 +102,7 @@ def parse_args(argv=None):
 
 
 def min_size(max_new, task_cfg):
-    """Smallest problem whose reference response, a single pass, is longer than max_new tokens."""
+    """Smallest problem whose longest response (single steps only) is longer than max_new tokens."""
     return next((n for n in range(1, task_cfg.max_n + 1) if task_cfg.response_len(n) > max_new), task_cfg.max_n + 1)
 
 
@@ -243,10 +243,9 @@ def long_rows(args, task_cfg, model, n):
                  for _ in range(64)]
         done, _ = autoregressive_generate(model, batch, args.max_new + 1, eos_id=task.EOS_ID, sampler="gumbel",
                                           keys=list(range(start, start + 64)))
-        for i, (p, d) in enumerate(zip(batch, done)):
-            if task.EOS_ID not in d[:args.max_new + 1] and len(prompts) < n:
-                prompts.append(p)
-                keys.append(start + i)
+        long = [i for i, d in enumerate(done) if task.EOS_ID not in d][:n - len(prompts)]
+        prompts += [batch[i] for i in long]
+        keys += [start + i for i in long]
         if len(prompts) == n:
             return prompts, keys
     raise SystemExit(f"error: fewer than {n} of {64 * n} prompts have responses longer than --max-new {args.max_new}")

@@ -60,11 +60,11 @@ class DecodeStats:
     accept_hist: dict = field(default_factory=dict)  # drafts accepted in one row-step -> count
     drafted_at: list = field(default_factory=list)  # per draft position: drafts decided there
     accepted_at: list = field(default_factory=list)  # per draft position: drafts accepted there
-    by_prompt_len: dict = field(default_factory=dict)  # a row's prompt length -> [drafts decided, accepted]
+    by_prompt_len: dict = field(default_factory=dict)  # a row's prompt length -> [decided, accepted]
 
     def __post_init__(self):
-        self._pending = []  # the steps whose device counts are not read yet, with their rows' prompt lengths
-        self._rows = []  # the prompt length of each row in the batch, slot by slot, as the next step finds it
+        self._pending = []  # the steps whose device counts are not read yet, each with its rows
+        self._rows = None  # (original row per slot, prompt lengths), as the next step finds them
 
     def __call__(self, batch, step):
         if step is not None:  # not the prefill
@@ -73,7 +73,8 @@ class DecodeStats:
                 self.sd_row_steps += step.batch_size
                 self.drafted += step.k * step.batch_size
             self._pending.append((step, self._rows))
-        self._rows = [] if batch is None else [batch.prompt_lens[r] for r in batch.running]
+        # references only, read in `settle`: compact replaces `running` rather than changing it
+        self._rows = None if batch is None else (batch.running, batch.prompt_lens)
 
     def settle(self):
         """Read the pending device counts into the fields (one read); returns self."""
@@ -91,7 +92,8 @@ class DecodeStats:
             self.accepted += sum(n_acc)
             for a in n_acc:
                 self.accept_hist[a] = self.accept_hist.get(a, 0) + 1
-            self._count_positions(n_emitted, n_acc, s.k, rows)
+            lens = [] if rows is None else [rows[1][r] for r in rows[0]]
+            self._count_positions(n_emitted, n_acc, s.k, lens)
         self._pending = []
         return self
 
@@ -108,7 +110,7 @@ class DecodeStats:
             for i in range(used):
                 self.drafted_at[i] += 1
                 self.accepted_at[i] += 1
-            decided = used + (emitted > acc and used < k)  # it went on: the first rejected draft was decided
+            decided = used + (emitted > acc and used < k)  # went on: its first rejection was decided
             if decided > used:
                 self.drafted_at[used] += 1
             if rows:

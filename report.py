@@ -157,9 +157,13 @@ def size_counts(stats, max_n):
 def by_position(records):
     """Acceptance at each draft position summed over records (metrics.jsonl's, with their
     `drafted_at` and `accepted_at`) -> ([rates or None], [drafts decided])."""
-    drafted = [sum(c) for c in zip(*(r["drafted_at"] for r in records))]
-    accepted = [sum(c) for c in zip(*(r["accepted_at"] for r in records))]
+    drafted, accepted = column_sums(records, "drafted_at"), column_sums(records, "accepted_at")
     return [a / d if d else None for a, d in zip(accepted, drafted)], drafted
+
+
+def column_sums(records, key):
+    """The sum over records of a per-position (or per-bucket) list, position by position."""
+    return [sum(c) for c in zip(*(r[key] for r in records))]
 
 
 def format_positions(rates):
@@ -389,20 +393,17 @@ def position_bars(history):
 def size_line(first, last):
     """Drafts accepted by problem-size bucket, first records against last; none for records
     written before the counts existed."""
-    sums = []
-    for part in (first, last):
-        if any("drafted_by_size" not in r for r in part):
-            return []
-        sums.append([(sum(c[0]), sum(c[1])) for c in zip(zip(*(r["drafted_by_size"] for r in part)),
-                                                        zip(*(r["accepted_by_size"] for r in part)))])
+    if any("drafted_by_size" not in r for r in first + last):
+        return []
     names = [f"{lo}-{hi}" for lo, hi in task.SIZE_BUCKETS]
-    cells = [f"{name} {fmt(a)} -> {fmt(b)}" for name, a, b in zip(names, *sums) if a[0] or b[0]]
+    sums = [column_sums(part, key) for part in (first, last) for key in ("drafted_by_size", "accepted_by_size")]
+    cells = [f"{name} {percent(a0, d0)} -> {percent(a1, d1)}"
+             for name, d0, a0, d1, a1 in zip(names, *sums) if d0 or d1]
     return [f"  accepted by size      {' | '.join(cells)}"] if cells else []
 
 
-def fmt(counts):
-    """(drafts decided, accepted) as a percentage."""
-    return f"{100 * counts[1] / counts[0]:.1f}%" if counts[0] else "-"
+def percent(accepted, drafted):
+    return f"{100 * accepted / drafted:.1f}%" if drafted else "-"
 
 
 def accept_len_at(rates, k=4):

@@ -76,8 +76,9 @@ class Problem:
         return " ".join(f"{LABELS[i]}{d}" for i, d in enumerate(self.digits)) + ":"
 
     def response(self, rng=None, strides=(1.0,)):
-        """The running sum in steps whose size is drawn at every step from `strides`: P(single step),
-        P(jump of 2), P(jump of 3), ..., and last P(the answer outright). No rng: single steps only."""
+        """The running sum in steps whose size is drawn at every step from `strides`: P(single
+        step), P(jump of 2), P(jump of 3), ..., and last P(the answer outright). No rng: single
+        steps only."""
         steps, s, i = [], 0, 0
         while i < self.size:
             k = rng.choices(range(len(strides)), weights=strides)[0] if rng else 0
@@ -95,13 +96,14 @@ class Problem:
 class TaskConfig:
     max_n: int = 10       # largest problem; at most len(LABELS)
     alpha: float = 0.5    # tail exponent of P(n) ~ n^-alpha (smaller: heavier tail)
-    strides: tuple = (0.40, 0.0, 0.55, 0.05)  # warm-up traces: P(single), P(jump 2), P(jump 3), P(outright)
+    # warm-up traces: P(single step), P(jump of 2), P(jump of 3), P(the answer outright)
+    strides: tuple = (0.40, 0.0, 0.55, 0.05)
 
     def __post_init__(self):  # NaN fails every rule
         for name, ok, rule in (("max_n", 1 <= self.max_n <= len(LABELS), f"in 1..{len(LABELS)}"),
                                ("alpha", self.alpha >= 0, ">= 0"),
-                               ("strides", len(self.strides) >= 1 and all(p >= 0 for p in self.strides)
-                                and self.strides[0] > 0, "probabilities, P(single) > 0")):
+                               ("strides", bool(self.strides) and self.strides[0] > 0
+                                and all(p >= 0 for p in self.strides), "P(single) > 0, rest >= 0")):
             if not ok:
                 raise ValueError(f"{name} must be {rule}, got {getattr(self, name)}")
 
@@ -170,7 +172,7 @@ def bucket_of(n):
 
 
 def mean_by_size(problems, values):
-    """-> {"overall": mean, "1-2": mean, ...} over the buckets present (of rewards: the accuracy)."""
+    """-> {"overall": mean, "1-2": mean, ...} over the buckets present (of rewards: accuracy)."""
     table = {"overall": list(values)}
     for p, v in zip(problems, values):
         table.setdefault(bucket_of(p.size), []).append(v)

@@ -192,7 +192,8 @@ def rl_step(step, s):
     # 2. roll out: plain steps while the running batch is large, speculative ones in the tail
     rows, stats = roll_out(s, step, problems, keys)
     texts = [task.decode(r.response) for r in rows]
-    rewards = torch.tensor([task.reward(p.prompt(), t) for p, t in zip(problems, texts)]).tolist()  # float32, as logged
+    rewards = torch.tensor([task.reward(p.prompt(), t)
+                            for p, t in zip(problems, texts)]).tolist()  # float32, as logged
     # 3-5. the rows to the drafter; idle time for it until the last rank arrives; the drafter sync
     idle_start = time.perf_counter() - t0
     idle, finish_sync = idle_phase(s, step, rows)
