@@ -124,8 +124,9 @@ def drafter_flags(p):
 def rl_flags(p):
     """GRPO and the rollouts it learns from."""
     p.add_argument("--rl-steps", type=int, default=200, help="GRPO steps")
-    p.add_argument("--prompts-per-step", type=int, default=4, help="prompts per RL step, all ranks together")
-    p.add_argument("--group-size", type=int, default=8, help="responses per prompt (the GRPO group)")
+    p.add_argument("--prompts-per-step", type=int, default=8, help="prompts per RL step, all ranks together: "
+                   "more distinct problem sizes per rank, so a wider spread of response lengths")
+    p.add_argument("--group-size", type=int, default=4, help="responses per prompt (the GRPO group)")
     p.add_argument("--rl-lr", type=float, default=4e-4, help="learning rate of the GRPO updates")
     p.add_argument("--rl-epochs", type=int, default=1, help="optimizer passes over each rollout")
     p.add_argument("--clip-eps", type=float, default=0.2, help="PPO clip range")
