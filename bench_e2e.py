@@ -233,8 +233,13 @@ def fixed_k_table(records):
     print("step  accept length at k = 4: adaptive  frozen   gap   drafter top-1: adaptive  frozen   reward: off    on")
     for a, b, c, d in zip(records["on_k4"], records["frozen_k4"], records["off"], records["on"]):
         print(f"{a['step']:4d}                          {a['accept_len'] or 0:5.3f}   {b['accept_len'] or 0:5.3f} "
-              f"{(a['accept_len'] or 0) - (b['accept_len'] or 0):+6.3f}                 {a['drafter_top1'] or 0:6.3f}  "
-              f"{b['drafter_top1'] or 0:6.3f}         {c['reward']:5.3f} {d['reward']:5.3f}")
+              f"{(a['accept_len'] or 0) - (b['accept_len'] or 0):+6.3f}                 {top1(a):>6}  "
+              f"{top1(b):>6}         {c['reward']:5.3f} {d['reward']:5.3f}")
+
+
+def top1(record):
+    """A step's drafter top-1, or "-" where no idle rank scored it (the record holds null)."""
+    return "-" if record["drafter_top1"] is None else f"{record['drafter_top1']:.3f}"
 
 
 def e2e_bench(args, task_cfg, model, drafter):

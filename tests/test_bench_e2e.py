@@ -53,3 +53,11 @@ def test_drift_moves_a_copy_of_the_target_and_trains_a_copy_of_the_drafter():
     assert all(torch.equal(v, drafter.state_dict()[k]) for k, v in d_before.items())
     assert all(len(v) == 2 and all(1.0 <= a <= 5.0 for a in v) for v in out.values())  # k = 4: 1 to 5 per verify
     assert out["moved, frozen drafter"] != out["before the move"]  # the target really moved
+
+
+def test_fixed_k_table_prints_a_dash_where_no_idle_rank_scored_the_drafter(capsys):
+    """A step whose record holds no top-1 (no rank idled to score it) shows "-", not a 0.000 figure."""
+    rec = lambda top1: {"step": 0, "accept_len": 4.0, "drafter_top1": top1, "reward": 0.5}  # noqa: E731
+    bench_e2e.fixed_k_table({"on_k4": [rec(None)], "frozen_k4": [rec(0.9876)], "off": [rec(None)], "on": [rec(None)]})
+    row = capsys.readouterr().out.strip().splitlines()[-1].split()
+    assert row[4:6] == ["-", "0.988"]
