@@ -420,7 +420,7 @@ def test_bf16_plain_and_speculative_generate_run():
 def record_dtypes(*models):
     """Forward hooks on every block (the residual stream going in and out), norm and linear layer
     of `models`: -> a dict {kind: set of (name, dtype) seen}, and a function that removes them."""
-    from model import Block, LayerNorm
+    from model import Block
     seen = {"residual": set(), "norm": set(), "linear": set()}
     handles = []
     for i, model in enumerate(models):
