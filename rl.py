@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-import task
+from tasks import running_sum as task
 
 
 # ------------------------------------------------------------------------ the step's global batch

@@ -23,21 +23,21 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 import rl
-import task
-from checkpoint import load_on_rank0, save_on_rank0
-from common import check_out_dir, machine, sync
-from config import autocast, parse_args, task_config
-from distributed import COLLECTIVE_TIMEOUT_S, compute_init, gather_ranks, print0
+from tasks import running_sum as task
+from harness.checkpoint import load_on_rank0, save_on_rank0
+from harness.common import check_out_dir, machine, sync
+from harness.config import autocast, parse_args, task_config
+from harness.distributed import COLLECTIVE_TIMEOUT_S, compute_init, gather_ranks, print0
 from drafter import DrafterBuffer, make_optimizer
-from evaluate import evaluate_both
-from instrument import RolloutStats, TimedDrafter, observers, liveness_observer
-from liveness import Liveness, beat, watched_barrier
-from model_free import LEARNED, proposer
-from report import log_step, step_record, summary
+from harness.evaluate import evaluate_both
+from harness.instrument import RolloutStats, TimedDrafter, observers, liveness_observer
+from harness.liveness import Liveness, beat, watched_barrier
+from harness.model_free import LEARNED, proposer
+from harness.report import log_step, step_record, summary
 from rollout import Bandit, rollout
 from scheduler import (IdleWork, add_top1, drafter_schedule, idle_train, mean_top1,
                        start_drafter_sync, top1_pieces)
-from warmup import drafter_meta, prepare_models
+from harness.warmup import drafter_meta, prepare_models
 
 
 @dataclass

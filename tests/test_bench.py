@@ -9,7 +9,7 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-import bench  # noqa: E402
+from harness import bench  # noqa: E402
 
 
 def test_interleaved_runs_take_turns_and_report_medians():
@@ -66,8 +66,8 @@ def test_host_traffic_report_of_a_rollout_like_train_py(capsys, monkeypatch):
     import json
     from types import SimpleNamespace
 
-    import config
-    import task
+    from harness import config
+    from tasks import running_sum as task
     from conftest import randomize
     from drafter import Drafter
     from model import GPT, GPTConfig

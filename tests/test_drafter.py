@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from drafter import (Drafter, DrafterBuffer, chain_loss_masks, chained_states, drafter_loss, make_optimizer, pair_batch,
                      top1_agreement, train_step)
 from conftest import randomize
-from instrument import checksum
+from harness.instrument import checksum
 from model import GPT, GPTConfig
 from speculative import RunningBatch, speculative_generate
 
@@ -601,8 +601,8 @@ def test_warmup_ends_at_its_third_stall_and_keeps_its_best(target, buffers, monk
     from the first scoring on, every 3 scorings are a stall: the rate drops at scorings 5 and 8 and
     the warm-up ends at 11, reached its plateau; the drafter it leaves is its best-scoring one, not
     its last; a cap before that ends it short, and says so."""
-    import config
-    import warmup
+    from harness import config
+    from harness import warmup
     train_buf, held_out, _ = buffers
     monkeypatch.setattr(warmup, "EVAL_EVERY", 10)
     monkeypatch.setattr(warmup, "MIN_GAIN", 100.0)

@@ -393,7 +393,7 @@ def test_bf16_plain_and_speculative_generate_run():
     rounds differently from one-token passes, so only the distribution is exact, not every token."""
     from conftest import randomize
     from drafter import Drafter
-    from instrument import DecodeStats
+    from harness.instrument import DecodeStats
     from speculative import RunningBatch, autoregressive_generate, speculative_generate
     torch.manual_seed(11)
     m = randomize(GPT(tiny_config()).eval(), 11, 0.5)

@@ -9,10 +9,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-import instrument
-from instrument import DecodeStats, HostTraffic
+from harness import instrument
+from harness.instrument import DecodeStats, HostTraffic
 from conftest import N_NEW, make_greedy_setup
-from model_free import NgramDrafter, SiblingDrafter, SiblingOrLearned
+from harness.model_free import NgramDrafter, SiblingDrafter, SiblingOrLearned
 from speculative import RunningBatch, autoregressive_generate, speculative_generate
 
 

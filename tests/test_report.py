@@ -12,7 +12,7 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-import report  # noqa: E402
+from harness import report  # noqa: E402
 
 SEGMENTS = [{"rank": 0, "rollout_time": 1.0, "idle_time": 0.2, "drafter_steps": 3,
              "segments": [["plain", 0, 0.5], ["spec", 0.5, 1.0], ["train", 1.0, 1.2]]},
@@ -47,7 +47,7 @@ def cells(line, bins=10):
 
 
 def run_cli(*args):
-    return subprocess.run([sys.executable, "report.py", *args], cwd=ROOT, capture_output=True,
+    return subprocess.run([sys.executable, "-m", "harness.report", *args], cwd=ROOT, capture_output=True,
                           text=True, timeout=60, env={**os.environ, "OMP_NUM_THREADS": "1"})
 
 

@@ -251,7 +251,7 @@ def test_step_rows_deal_the_global_batch_in_slices_with_layout_free_keys():
     """The ranks' rows, in rank order, are the single rank's rows: every prompt G times, keys that
     depend on the row's global place only; the prompts depend on the seed and the step."""
     from types import SimpleNamespace
-    import task
+    from tasks import running_sum as task
     args = SimpleNamespace(rl_seed=3, prompts_per_step=5, group_size=4)
     cfg = task.TaskConfig()
     rows, keys, n_rows = rl.step_rows(args, cfg, 2, 0, 1)

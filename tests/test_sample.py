@@ -9,8 +9,8 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-import sample  # noqa: E402
-import task  # noqa: E402
+from harness import sample  # noqa: E402
+from tasks import running_sum as task  # noqa: E402
 from conftest import randomize  # noqa: E402
 from drafter import Drafter  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402

@@ -20,12 +20,12 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.nn.utils import parameters_to_vector
 
 from drafter import Drafter, DrafterBuffer, make_optimizer
-from instrument import checksum
+from harness.instrument import checksum
 from model import GPT, GPTConfig
 from rollout import rollout
-from distributed import gather_ranks
-from liveness import watched_barrier
-from report import render_timeline
+from harness.distributed import gather_ranks
+from harness.liveness import watched_barrier
+from harness.report import render_timeline
 from scheduler import IdleWork, idle_train, start_drafter_sync
 
 DEADLINE_S = 120  # a hang fails the test instead of blocking CI
@@ -255,7 +255,7 @@ def _late_work(fault, progress):
 
 def _idle(rank, world, fault):
     """The idle barrier: the last rank rolls out late, the others train (or wait) meanwhile."""
-    from liveness import Liveness, beat
+    from harness.liveness import Liveness, beat
     target, drafter = _models()
     if rank == world - 1:
         _late_work(fault, beat)  # beat: what rollout()'s observer calls
@@ -265,7 +265,7 @@ def _idle(rank, world, fault):
 
 def _wait(rank, world, fault):
     """liveness.wait_for_all, the wait before every collective that ranks may reach far apart."""
-    from liveness import beat, wait_for_all
+    from harness.liveness import beat, wait_for_all
     if rank == world - 1:
         _late_work(fault, beat)
     wait_for_all()
@@ -274,9 +274,9 @@ def _wait(rank, world, fault):
 def _drafter_warmup(rank, world, fault):
     """warmup.warmup_drafter: the last rank samples late (a delay injected into its rollout), then
     every rank trains the drafter with gradients all-reduced."""
-    import task
-    import config
-    import warmup
+    from tasks import running_sum as task
+    from harness import config
+    from harness import warmup
     if rank == world - 1:
         real = warmup.rollout
 
@@ -293,7 +293,7 @@ def _drafter_warmup(rank, world, fault):
 
 def _checkpoint(rank, world, fault, path):
     """checkpoint.save_on_rank0: rank 0's write is slow (the file system), or rank 0 stops in it."""
-    import checkpoint
+    from harness import checkpoint
     if rank == 0:
         real = torch.save
 
@@ -314,8 +314,8 @@ SHORT_S = 2.0  # the newer tests' limit (Liveness and collective timeout): they 
 def _evaluate(rank, world, fault):
     """evaluate.evaluate: the last rank's shard is one generate call of 18 decoding steps that take
     3 x SHORT_S in all; the other rank's is quick, so it waits for it in wait_for_all."""
-    import evaluate
-    import task
+    from harness import evaluate
+    from tasks import running_sum as task
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=task.VOCAB_SIZE, block_size=48, n_layer=1, n_head=2, n_embd=16)).eval()
     cfg = task.TaskConfig(max_n=3)
@@ -346,7 +346,7 @@ class _SlowToPickle:
 
 def _broadcast(rank, world, fault):
     """liveness.from_rank0: rank 0's object takes longer to broadcast than the collective timeout."""
-    from liveness import from_rank0
+    from harness.liveness import from_rank0
     got = from_rank0(_SlowToPickle(fault) if rank == 0 else None)
     if rank > 0 and got != "rank 0's answer":
         raise RuntimeError(f"from_rank0 gave {got!r}")
@@ -361,7 +361,7 @@ def _liveness_worker(rank, world, port, scenario, fault, extra, q, limit_s, io_d
     does, so a stopped rank does not take the store with it). Reports (rank, outcome, message, seconds).
     limit_s: both the Liveness timeout and the default group's collective timeout (TLT_COLLECTIVE_TIMEOUT)."""
     import datetime
-    from liveness import Liveness
+    from harness.liveness import Liveness
     torch.set_num_threads(1)
     make_optimizer(_models()[1])  # the first call imports for seconds on a loaded machine: not part of the test
     store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=30))
@@ -474,7 +474,7 @@ def _plain_barrier_worker(rank, port, late_s, timeout_s, q):
     """Ranks joined without Liveness, with a collective timeout of 1 s; rank 1 reaches the barrier
     late_s late. Rank 0 reports (outcome, message, seconds)."""
     import datetime
-    from liveness import until_all_arrive
+    from harness.liveness import until_all_arrive
     torch.set_num_threads(1)
     store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=30))
     dist.init_process_group("gloo", store=store, rank=rank, world_size=2, timeout=datetime.timedelta(seconds=1))
@@ -535,7 +535,7 @@ def test_three_ranks_one_hung_all_others_fail_naming_it():
 def _group_worker(rank, port, delay, q):
     """One rank of a 2-rank torchrun group: compute_init with the environment torchrun sets (the
     store hosted by its agent, here the test), and a restart count that does not change."""
-    import distributed
+    from harness import distributed
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port), TORCHELASTIC_USE_AGENT_STORE="True", TORCHELASTIC_RESTART_COUNT="0",
                       OMP_NUM_THREADS="1")

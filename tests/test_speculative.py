@@ -26,11 +26,11 @@ import types
 import pytest
 import torch
 
-import instrument
+from harness import instrument
 from drafter import Drafter
 from conftest import N_NEW, V_G, make_greedy_setup, randomize, tiny
-from instrument import DecodeStats, HostTraffic
-from sampling import _mix32_, draw, gumbel_choose, gumbel_noise, gumbel_seeds, probs, verify, verify_gumbel
+from harness.instrument import DecodeStats, HostTraffic
+from speculative import _mix32_, draw, gumbel_choose, gumbel_noise, gumbel_seeds, probs, verify, verify_gumbel
 from speculative import RunningBatch, Step, autoregressive_generate, speculative_generate
 
 
@@ -180,8 +180,8 @@ def test_drafts_come_from_the_drafter_on_the_recorded_history(greedy_setup, monk
     forward over the pairs (h_j, x_{j+1}), j < L, and q_i (i > 1) the one after appending
     (h~, d_{i-1}) with h~ the drafter's own previous prediction; speculative steps of a model-free
     drafter in between (rollout.py's combination) leave it states to catch up on like plain steps."""
-    import sampling
-    from model_free import SiblingDrafter
+    import speculative as sampling
+    from harness.model_free import SiblingDrafter
 
     target, drafter, pool, free, eos = greedy_setup
     seen = []
@@ -673,7 +673,7 @@ def test_a_gumbel_step_runs_the_same_ops_at_any_vocabulary_size():
     about the kernels a GPU launches) at a vocabulary of 1000 and of 40000: the noise is made over
     the whole vocabulary at once, never in a loop over vocabulary chunks, and a speculative step
     makes it once for its drafts and its verify pass at both sizes."""
-    from bench import count_ops
+    from harness.bench import count_ops
     counts = {}
     for V in (1000, 40000):
         target = tiny(V, seed=0)
@@ -690,7 +690,7 @@ def test_a_gumbel_step_runs_the_same_ops_at_any_vocabulary_size():
 
 def every_drafter(learned):
     """Each kind of drafter the speculative step takes, by its --drafter name."""
-    from model_free import NgramDrafter, SiblingDrafter, SiblingOrLearned
+    from harness.model_free import NgramDrafter, SiblingDrafter, SiblingOrLearned
     return {"learned": learned, "ngram": NgramDrafter(n=1), "sibling": SiblingDrafter(max_match=4),
             "sibling+learned": SiblingOrLearned(learned, max_match=4)}
 

@@ -7,8 +7,8 @@ from collections import Counter
 import numpy as np
 import pytest
 
-import task
-from task import TaskConfig
+from tasks import running_sum as task
+from tasks.running_sum import TaskConfig
 
 ALL_SIZES = TaskConfig(max_n=len(task.LABELS))
 

@@ -13,11 +13,11 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-import checkpoint  # noqa: E402
-import config  # noqa: E402
+from harness import checkpoint  # noqa: E402
+from harness import config  # noqa: E402
 import train  # noqa: E402
-import warmup  # noqa: E402
-from instrument import checksum  # noqa: E402
+from harness import warmup  # noqa: E402
+from harness.instrument import checksum  # noqa: E402
 
 TINY = ["--max-n", "4", "--block-size", "56", "--n-layer", "1", "--n-head", "2", "--n-embd", "16",
         "--warmup-steps", "10", "--warmup-tokens", "256", "--drafter-warmup-seqs", "16", "--drafter-warmup-steps", "5",

@@ -16,7 +16,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from liveness import beating, from_rank0, wait_for_all
+from harness.liveness import beating, from_rank0, wait_for_all
 
 
 def save_atomic(obj, path):

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import _get_default_group, _set_pg_timeout
 
-from distributed import COLLECTIVE_TIMEOUT_S, multi_rank
+from harness.distributed import COLLECTIVE_TIMEOUT_S, multi_rank
 
 # seconds: the longest that `beating` vouches for one call that cannot beat from inside (rank 0's
 # checkpoint I/O, a first CUDA step); past it the call counts as hung (train.py's --io-deadline)

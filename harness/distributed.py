@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.rendezvous import rendezvous
 
-from common import wants_cuda
+from harness.common import wants_cuda
 
 # seconds: how long a rank may go without a sign of progress while its peers wait for it (Liveness:
 # they then fail, naming it), and how long a collective that the ranks reach together may take

@@ -34,12 +34,12 @@ import time
 
 import torch
 
-import config
-import task
-import warmup
+from harness import config
+from tasks import running_sum as task
+from harness import warmup
 from drafter import Drafter, DrafterBuffer, make_optimizer, train_step
-from instrument import RolloutStats
-from report import best_arms, bucket_sizes, by_position, format_positions
+from harness.instrument import RolloutStats
+from harness.report import best_arms, bucket_sizes, by_position, format_positions
 from rl import step_rows
 from rollout import Bandit, rollout
 from speculative import speculative_generate

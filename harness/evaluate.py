@@ -13,10 +13,10 @@ Test: python -m pytest tests/test_train.py   (a run prints both checks)
 """
 import torch
 
-import task
-from distributed import gather_ranks, print0
-from instrument import liveness_observer
-from liveness import beat, wait_for_all
+from tasks import running_sum as task
+from harness.distributed import gather_ranks, print0
+from harness.instrument import liveness_observer
+from harness.liveness import beat, wait_for_all
 from speculative import autoregressive_generate, speculative_generate
 
 

@@ -12,12 +12,12 @@ import os
 
 import torch
 
-import task
-from common import OneLineParser, on_off
-from liveness import IO_DEADLINE_S
+from tasks import running_sum as task
+from harness.common import OneLineParser, on_off
+from harness.liveness import IO_DEADLINE_S
 from model import GPTConfig
-from model_free import DRAFTERS
-from sampling import SAMPLERS
+from harness.model_free import DRAFTERS
+from speculative import SAMPLERS
 
 
 def task_config(args, warmup=False):

@@ -23,8 +23,8 @@ import weakref
 import torch
 import torch.nn.functional as F
 
-import instrument
-from instrument import check
+from harness import instrument
+from harness.instrument import check
 
 DRAFTERS = ("learned", "ngram", "sibling", "sibling+learned")  # --drafter: what drafts in the tail
 LEARNED = ("learned", "sibling+learned")  # the drafters whose learned part idle ranks train

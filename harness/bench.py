@@ -43,17 +43,17 @@ import time
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-import config
-import task
-import warmup
-from bench_e2e import drafters_bench, drift_bench, e2e_bench, tail_workload
-from common import OneLineParser, check_out_dir, machine, sync, wants_cuda
+from harness import config
+from tasks import running_sum as task
+from harness import warmup
+from harness.bench_e2e import drafters_bench, drift_bench, e2e_bench, tail_workload
+from harness.common import OneLineParser, check_out_dir, machine, sync, wants_cuda
 from model import GPT, GPTConfig
-from model_free import SiblingDrafter
-from instrument import DecodeStats, count_syncs, host_traffic
+from harness.model_free import SiblingDrafter
+from harness.instrument import DecodeStats, count_syncs, host_traffic
 from rl import step_rows
 from rollout import Bandit
-from sampling import NOISE_ELEMENTS, SAMPLERS, gumbel_choose, gumbel_seeds
+from speculative import NOISE_ELEMENTS, SAMPLERS, gumbel_choose, gumbel_seeds
 from speculative import autoregressive_generate, speculative_generate
 
 

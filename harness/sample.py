@@ -22,11 +22,11 @@ import time
 
 import torch
 
-import task
-from common import OneLineParser, machine
+from tasks import running_sum as task
+from harness.common import OneLineParser, machine
 from drafter import Drafter
 from model import GPT, GPTConfig
-from sampling import SAMPLERS
+from speculative import SAMPLERS
 from speculative import autoregressive_generate, speculative_generate
 
 

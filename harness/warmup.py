@@ -37,14 +37,14 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import rl
-import task
+from tasks import running_sum as task
 from drafter import Drafter, DrafterBuffer, chain_loss_masks, chained_states, make_optimizer, pair_batch, train_step
 from model import GPT, GPTConfig
 from rollout import ARMS, rollout
-from instrument import liveness_observer
-from checkpoint import load_on_rank0, save_on_rank0
-from distributed import multi_rank, print0
-from liveness import beat, beating, wait_for_all
+from harness.instrument import liveness_observer
+from harness.checkpoint import load_on_rank0, save_on_rank0
+from harness.distributed import multi_rank, print0
+from harness.liveness import beat, beating, wait_for_all
 
 
 # -----------------------------------------------------------------------------

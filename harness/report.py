@@ -29,11 +29,11 @@ import os
 import statistics
 import warnings
 
-import task
-from common import OneLineParser
-from distributed import all_sum, gather_ranks, print0
-from evaluate import format_accuracy, format_lengths
-from instrument import checksum
+from tasks import running_sum as task
+from harness.common import OneLineParser
+from harness.distributed import all_sum, gather_ranks, print0
+from harness.evaluate import format_accuracy, format_lengths
+from harness.instrument import checksum
 from scheduler import mean_top1
 
 TIMELINE_CHARS = {"plain": "#", "spec": "S", "train": "t", "wait": "."}
