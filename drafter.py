@@ -1,4 +1,4 @@
-"""The drafter: one transformer layer that reads the target's hidden states (EAGLE style).
+"""The drafter: one transformer layer (by default) on the target's hidden states (EAGLE style).
 
 At position t it fuses the target's final hidden state h_t (the LM head's input) with the
 embedding of the next token x_{t+1}, and predicts h_{t+1}, which the target's own LM head turns into
@@ -39,13 +39,13 @@ DEPTH = 3  # chained passes per training step
 
 
 class Drafter(nn.Module):
-    def __init__(self, target):
+    def __init__(self, target, n_layer=1):
         super().__init__()
-        self.config = target.config
+        self.config, self.n_layer = target.config, n_layer
         C = self.config.n_embd
         self.__dict__["target"] = target  # shared, frozen, out of state_dict() and parameters()
         self.in_proj = nn.Linear(2 * C, C, bias=False)
-        self.stack = RotaryStack(self.config, n_layer=1)
+        self.stack = RotaryStack(self.config, n_layer)
         self.norm = LayerNorm(C)
         for p in self.parameters():
             if p.dim() == 2:
@@ -99,7 +99,7 @@ class Drafter(nn.Module):
     def new_cache(self, batch_size, max_len=None, device=None, dtype=None):
         p = self.in_proj.weight
         return KVCache(self.config, batch_size, max_len or self.config.block_size,
-                       device=device or p.device, dtype=dtype or p.dtype, n_layer=1)
+                       device=device or p.device, dtype=dtype or p.dtype, n_layer=self.n_layer)
 
 
 class DrafterBuffer:

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 @dataclass
 class GPTConfig:
-    vocab_size: int = 778   # task.VOCAB_SIZE
+    vocab_size: int = 778   # the running sum's vocabulary
     block_size: int = 256   # longest prompt + response (+ draft) the model and its cache hold
     n_layer: int = 12
     n_head: int = 4
@@ -42,7 +42,7 @@ class KVCache:
     """Preallocated keys and values for every layer, with one length per row."""
 
     def __init__(self, config, batch_size, max_len, device="cpu", dtype=torch.float, n_layer=None):
-        n_layer = config.n_layer if n_layer is None else n_layer  # the drafter has one layer
+        n_layer = config.n_layer if n_layer is None else n_layer  # the drafter has its own
         shape = (n_layer, 2, batch_size, config.n_head, max_len, config.n_embd // config.n_head)
         self.kv = torch.zeros(shape, device=device, dtype=dtype)  # k, v side by side: one write
         self.lengths = torch.zeros(batch_size, dtype=torch.long, device=device)

@@ -13,6 +13,7 @@ KL to a frozen reference (the k3 estimator) is off by default: the exact reward 
 
 Test: python -m pytest tests/test_rl.py
 """
+import enum
 import random
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -21,24 +22,49 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from tasks import running_sum as task
+
+# ------------------------------------------------------------------------ seeds, the step's rows
+def derive_seed(*parts):
+    """A seed for any tuple of integers, such as (base seed, rank, step, purpose) (`Seed` says which
+    order each stream uses): each random stream gets its own seed, and nothing reseeds the global
+    generator inside a loop."""
+    h = 0
+    for x in parts:
+        h = (h * 1_000_003 + int(x)) % (2 ** 61 - 1)
+    return h
 
 
-# ------------------------------------------------------------------------ the step's global batch
-def rl_prompts(args, task_cfg, step):
-    """The step's prompts, the same on every rank and for any number of ranks."""
-    prng = random.Random(task.derive_seed(args.rl_seed, 0, step, task.Seed.RL_PROMPTS))
-    return [task.sample_problem(prng, task_cfg) for _ in range(args.prompts_per_step)]
+class Seed(enum.IntEnum):
+    """What a derived seed is for: one stream each. Most are derive_seed(seed, rank, step, Seed.X);
+    a row's key is derive_seed(seed, step, row, Seed.ROLLOUT_KEYS) or (seed, row, 0,
+    Seed.EVAL_KEYS)."""
+    TARGET_DATA = 1        # the target warm-up's warm-up traces
+    DRAFTER_DATA = 2       # the drafter warm-up's prompts and batches
+    DRAFTER_SAMPLES = 3    # the target's samples the drafter warms up on
+    INIT = 4               # initial weights, the same on every rank
+    BANDIT = 5             # the bandit's exploration
+    RL_PROMPTS = 6         # each RL step's prompts, the same on every rank
+    ROLLOUT = 7            # rollout sampling with --sampler rejection
+    DRAFTER_TRAINING = 8   # idle-rank drafter batches
+    EVAL = 9               # evaluation sampling with --sampler rejection
+    ROLLOUT_KEYS = 10      # each rollout row's key with --sampler gumbel
+    EVAL_KEYS = 11         # each evaluation row's key with --sampler gumbel
 
 
-def step_rows(args, task_cfg, step, rank, world_size):
-    """This rank's slice of the global batch's rows (prompts x G; a group may span ranks), their
+def rl_problems(args, task, step):
+    """The step's problems, the same on every rank and for any number of ranks."""
+    prng = random.Random(derive_seed(args.rl_seed, 0, step, Seed.RL_PROMPTS))
+    return [task.sample(prng) for _ in range(args.prompts_per_step)]
+
+
+def step_rows(args, task, step, rank, world_size):
+    """This rank's slice of the global batch's rows (problems x G; a group may span ranks), their
     keys (by global place, so --sampler gumbel's tokens match on any ranks), and the row count."""
-    problems = rl_prompts(args, task_cfg, step)
+    problems = rl_problems(args, task, step)
     n_rows = len(problems) * args.group_size
     mine = range(rank * n_rows // world_size, (rank + 1) * n_rows // world_size)
     rows = [problems[i // args.group_size] for i in mine]
-    keys = [task.derive_seed(args.rl_seed, step, i, task.Seed.ROLLOUT_KEYS) for i in mine]
+    keys = [derive_seed(args.rl_seed, step, i, Seed.ROLLOUT_KEYS) for i in mine]
     return rows, keys, n_rows
 
 

@@ -1,4 +1,5 @@
-"""Warm up a small GPT on the running-sum task, then improve it with GRPO and TLT rollouts.
+"""Warm up a small GPT on a task (--task, the running sum by default), then improve it with GRPO
+and TLT rollouts.
 
     python train.py                                    # one process, CPU or one GPU
     torchrun --standalone --nproc_per_node=2 train.py  # several ranks
@@ -23,10 +24,9 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 import rl
-from tasks import running_sum as task
 from harness.checkpoint import load_on_rank0, save_on_rank0
 from harness.common import check_out_dir, machine, sync
-from harness.config import autocast, parse_args, task_config
+from harness.config import autocast, model_config, parse_args, task_of
 from harness.distributed import COLLECTIVE_TIMEOUT_S, compute_init, gather_ranks, print0
 from drafter import DrafterBuffer, make_optimizer
 from harness.evaluate import evaluate_both
@@ -44,7 +44,7 @@ from harness.warmup import drafter_meta, prepare_models
 class RunState:
     """What a rank holds across RL steps."""
     args: object  # the parsed flags
-    task_cfg: task.TaskConfig
+    task: object  # the task (tasks.Task): its problems, tokens and reward
     model: torch.nn.Module  # the target
     net: torch.nn.Module  # the target, or its DDP wrapper
     opt: torch.optim.Optimizer
@@ -80,21 +80,24 @@ def main(argv=None):
 
 
 def run(args, rank, world_size, device):
-    t_run, task_cfg = time.time(), task_config(args)
+    t_run, task = time.time(), task_of(args)
     print0(f"{world_size} rank(s) on {machine(device)}")
-    with autocast(args, device):  # the warm-ups' forwards too: a bf16 run is bf16 end to end
-        config, model, drafter = prepare_models(args, task_cfg, task_config(args, warmup=True),
-                                                dist.is_initialized(), rank, world_size, device)
-    problems = task.eval_set(task_cfg, args.eval_per_bucket) if args.eval_per_bucket else []
-    with autocast(args, device):
-        acc0 = evaluate_both(model, drafter, problems, args, task_cfg, rank, world_size,
-                             "before RL")
-    s = new_state(args, task_cfg, model, drafter, rank, world_size, device)
-    meta = rl_meta(args, config, task_cfg)
+    meta = rl_meta(args, model_config(args, task), task)
     ckpt_path, metrics_path = (os.path.join(args.out_dir, f) for f in ("ckpt.pt", "metrics.jsonl"))
-    start = resume(ckpt_path, meta, s)
+    ck = load_on_rank0(ckpt_path, meta)  # refused: the run stops before it writes anything
+    with autocast(args, device):  # the warm-ups' forwards too: a bf16 run is bf16 end to end
+        model, drafter = prepare_models(args, task, task_of(args, warmup=True),
+                                        dist.is_initialized(), rank, world_size, device)
+    problems = task.eval_set(args.eval_per_bucket) if args.eval_per_bucket else []
+    with autocast(args, device):
+        acc0 = evaluate_both(model, drafter, problems, args, task, rank, world_size,
+                             "before RL")
+    s = new_state(args, task, model, drafter, rank, world_size, device)
+    start = resume(ckpt_path, ck, s)
     if rank == 0:  # every step appears once: drop records past the checkpoint
         keep_records(metrics_path, start)
+        with open(os.path.join(args.out_dir, "task.json"), "w") as f:  # for python -m harness.report
+            json.dump(task.meta(), f)
     n_rows = args.prompts_per_step * args.group_size
     per_rank = f"{n_rows // world_size}{'+' if n_rows % world_size else ''}"
     updates = "on" if args.drafter_updates and args.tlt else "off"
@@ -113,34 +116,34 @@ def run(args, rank, world_size, device):
         if (step + 1) % args.ckpt_every == 0 or step == args.rl_steps - 1:
             save(ckpt_path, meta, step, s)
     with autocast(args, device):
-        acc1 = evaluate_both(model, drafter, problems, args, task_cfg, rank, world_size, "after RL",
+        acc1 = evaluate_both(model, drafter, problems, args, task, rank, world_size, "after RL",
                              check=True)
     if rank == 0 and start < args.rl_steps:  # the records read back: none is held while it runs
         with open(metrics_path) as f:
             records = [r for r in map(json.loads, f) if r["step"] >= start]
-        summary(records, acc0, acc1, time.time() - t_run)
+        summary(records, acc0, acc1, time.time() - t_run, task)
 
 
-def new_state(args, task_cfg, model, drafter, rank, world_size, device):
+def new_state(args, task, model, drafter, rank, world_size, device):
     ddp = dist.is_initialized()
     return RunState(
-        args, task_cfg, model,
+        args, task, model,
         DistributedDataParallel(model, forward_sync_buffers=False) if ddp else model,
         torch.optim.AdamW(model.parameters(), lr=args.rl_lr, betas=(0.9, 0.95), weight_decay=0.0),
         drafter, make_optimizer(drafter, args.drafter_online_lr),
-        Bandit(args.draft_ks, seed=task.derive_seed(args.rl_seed, rank, 0, task.Seed.BANDIT)),
+        Bandit(args.draft_ks, seed=rl.derive_seed(args.rl_seed, rank, 0, rl.Seed.BANDIT)),
         DrafterBuffer(args.drafter_keep, args.drafter_keep_tokens, getattr(torch, args.dtype)),
         rank, world_size, device,
         copy.deepcopy(model).requires_grad_(False) if args.kl_coef > 0 else None)
 
 
-def rl_meta(args, config, task_cfg):
+def rl_meta(args, config, task):
     """What an RL checkpoint depends on: the warm-ups it started from and every RL setting."""
     keys = ("rl_seed", "drafter", "drafter_cold_lr", "drafter_online_lr",
             "prompts_per_step", "group_size", "rl_lr", "rl_epochs", "clip_eps", "kl_coef", "tlt",
             "drafter_updates", "sd_threshold", "drafter_keep", "drafter_keep_tokens",
             "drafter_idle_tokens", "update_tokens", "sampler")
-    warm = drafter_meta(args, config, task_cfg, task_config(args, warmup=True))
+    warm = drafter_meta(args, config, task, task_of(args, warmup=True))
     return {**warm, **{k: getattr(args, k) for k in keys}, "draft_ks": list(args.draft_ks)}
 
 
@@ -153,10 +156,9 @@ def save(path, meta, step, s):
                   path)
 
 
-def resume(path, meta, s):
-    """Load the RL checkpoint if rank 0 finds one (every rank follows it) -> the first step to run.
-    Ranks a checkpoint from fewer ranks did not have start their bandits fresh."""
-    ck = load_on_rank0(path, meta)
+def resume(path, ck, s):
+    """Take up the RL checkpoint `ck` (None: none) -> the first step to run. Ranks a checkpoint
+    from fewer ranks did not have start their bandits fresh."""
     if not ck:
         return 0
     try:
@@ -188,12 +190,11 @@ def rl_step(step, s):
     part of it)."""
     args, t0 = s.args, time.perf_counter()
     # 1. this rank's rows of the step's global batch, each with its key
-    problems, keys, _ = rl.step_rows(args, s.task_cfg, step, s.rank, s.world_size)
+    problems, keys, _ = rl.step_rows(args, s.task, step, s.rank, s.world_size)
     # 2. roll out: plain steps while the running batch is large, speculative ones in the tail
     rows, stats = roll_out(s, step, problems, keys)
-    texts = [task.decode(r.response) for r in rows]
-    rewards = torch.tensor([task.reward(p.prompt(), t)
-                            for p, t in zip(problems, texts)]).tolist()  # float32, as logged
+    rewards = torch.tensor([s.task.reward(p, r.response)
+                            for p, r in zip(problems, rows)]).tolist()  # float32, as logged
     # 3-5. the rows to the drafter; idle time for it until the last rank arrives; the drafter sync
     idle_start = time.perf_counter() - t0
     idle, finish_sync = idle_phase(s, step, rows)
@@ -203,21 +204,21 @@ def rl_step(step, s):
     sync(s.device)  # the optimizer step may still be queued on a GPU
     # 7. the step's record (rank 0 logs it), from this rank's part and every rank's
     times = (t0, idle_start, t_update, time.perf_counter())
-    return step_record(s, step, rows, texts, stats, idle, update, times)
+    return step_record(s, step, problems, rows, stats, idle, update, times)
 
 
 def roll_out(s, step, problems, keys):
     """Step 2: this rank's rollout -> (its finished rows, its instrument.RolloutStats)."""
     args = s.args
-    seed = task.derive_seed(args.rl_seed, s.rank, step, task.Seed.ROLLOUT)
+    seed = rl.derive_seed(args.rl_seed, s.rank, step, rl.Seed.ROLLOUT)
     gen = torch.Generator(device=s.device).manual_seed(seed)
     drafter = TimedDrafter(proposer(args.drafter, s.drafter), s.device) if args.tlt else None
-    prompts = [task.encode(p.prompt()) for p in problems]
+    prompts = [s.task.prompt_ids(p) for p in problems]
     stats = RolloutStats()  # its clock starts here
-    rows = rollout(s.model, drafter, prompts, s.task_cfg.max_response_len,
+    rows = rollout(s.model, drafter, prompts, s.task.max_response_len,
                    sd_threshold=args.sd_threshold, bandit=s.bandit,
                    observer=observers(stats, liveness_observer(beat)),
-                   temperature=args.temperature, eos_id=task.EOS_ID, generator=gen,
+                   temperature=args.temperature, eos_id=s.task.eos_id, generator=gen,
                    sampler=args.sampler, keys=keys)
     stats.finish(len(prompts))
     stats.draft_time = drafter.seconds() if drafter else 0.0
@@ -240,7 +241,7 @@ def idle_phase(s, step, rows):
     top1 = [0, 0]  # agreeing positions, positions: filled by the scoring pieces
     scoring = top1_pieces(s.drafter, rows, top1, args.drafter_idle_tokens) if learned else ()
     work = IdleWork(train_drafter, args.drafter_batch, depth, args.drafter_idle_tokens)
-    rng = random.Random(task.derive_seed(args.rl_seed, s.rank, step, task.Seed.DRAFTER_TRAINING))
+    rng = random.Random(rl.derive_seed(args.rl_seed, s.rank, step, rl.Seed.DRAFTER_TRAINING))
     steps, skipped, seconds, busy = idle_train(s.drafter, s.d_opt, s.buffer, rng, work, scoring,
                                                barrier=watched_barrier)
     finish_sync = start_drafter_sync(s.drafter, steps if train_drafter else 0)
@@ -264,7 +265,7 @@ def update_target(s, rows, rewards):
     active = [i for i in range(len(seqs)) if args.kl_coef > 0 or adv[i] != 0]  # zero adds zero
     deal = rl.deal_by_tokens([len(seqs[i]) for i in active], s.world_size)
     ours = [active[j] for j in deal[s.rank]]
-    cfg = rl.GRPOConfig(task.PAD_ID, args.update_tokens, args.rl_epochs, args.clip_eps,
+    cfg = rl.GRPOConfig(s.task.pad_id, args.update_tokens, args.rl_epochs, args.clip_eps,
                         args.kl_coef, args.temperature)
     s.model.train()
     n_total = sum(len(q) - p for q, p in zip(seqs, plens))

@@ -44,7 +44,6 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from harness import config
-from tasks import running_sum as task
 from harness import warmup
 from harness.bench_e2e import drafters_bench, drift_bench, e2e_bench, tail_workload
 from harness.common import OneLineParser, check_out_dir, machine, sync, wants_cuda
@@ -96,23 +95,23 @@ def parse_args(argv=None):
         args.train_flags += ["--sampler", args.sampler]
     args.targs = config.parse_args([*args.train_flags, "--out-dir", args.out_dir])  # the checkpoints' settings, parsed once
     args.sampler = args.targs.sampler
-    if min_size(args.max_new, config.task_config(args.targs)) > args.targs.max_n:
+    if min_size(args.max_new, config.task_of(args.targs)) > config.task_of(args.targs).max_n:
         p.error(f"--max-new {args.max_new} is longer than the task's longest response")
     return args
 
 
-def min_size(max_new, task_cfg):
+def min_size(max_new, task):
     """Smallest problem whose longest response (single steps only) is longer than max_new tokens."""
-    return next((n for n in range(1, task_cfg.max_n + 1) if task_cfg.response_len(n) > max_new), task_cfg.max_n + 1)
+    return next((n for n in range(1, task.max_n + 1) if task.response_len(n) > max_new), task.max_n + 1)
 
 
 def load_models(targs):
     check_out_dir(targs.out_dir)
-    task_cfg = config.task_config(targs)
+    task = config.task_of(targs)
     device = torch.device("cuda" if wants_cuda(targs.device) else "cpu")
     with config.autocast(targs, device):  # a warm-up made here is made as train.py would make it
-        _, model, drafter = warmup.prepare_models(targs, task_cfg, config.task_config(targs, warmup=True), False, 0, 1, device)
-    return targs, task_cfg, model.eval(), drafter.eval()
+        model, drafter = warmup.prepare_models(targs, task, config.task_of(targs, warmup=True), False, 0, 1, device)
+    return targs, task, model.eval(), drafter.eval()
 
 
 def generator(model, seed):
@@ -207,11 +206,11 @@ def vocab_noise(device, vocabs=(50_257, 151_936), batches=(1, 64), repeats=5, sh
     return rows
 
 
-def rollout_host_traffic(args, task_cfg, model, drafter):
+def rollout_host_traffic(args, task, model, drafter):
     """instrument.host_traffic of a rollout like train.py's: step 0's rows on one rank, speculating from 8 rows on."""
-    rows, keys, _ = step_rows(args.targs, task_cfg, 0, 0, 1)
-    return host_traffic(model, drafter, [task.encode(p.prompt()) for p in rows], task_cfg.max_response_len,
-                        eos_id=task.EOS_ID, generator=generator(model, 0), sd_threshold=8,
+    rows, keys, _ = step_rows(args.targs, task, 0, 0, 1)
+    return host_traffic(model, drafter, [task.prompt_ids(p) for p in rows], task.max_response_len,
+                        eos_id=task.eos_id, generator=generator(model, 0), sd_threshold=8,
                         bandit=Bandit(args.targs.draft_ks), sampler=args.sampler, keys=keys)
 
 
@@ -232,18 +231,18 @@ def decode_row(args, model, drafter, prompts, sampler, keys):
             "per_k": {str(k): {"tok_s": v[0], "accept_len": v[1], "speedup": v[0] / ar} for k, v in per_k.items()}}
 
 
-def long_rows(args, task_cfg, model, n):
+def long_rows(args, task, model, n):
     """n rows as a rollout's tail holds them: prompts whose response (exact-token sampling, with the
     row's key) is longer than --max-new tokens, so that no row of the tables decodes past its
     <|eos|>, where the target writes what no drafter learned. -> (prompts, keys)."""
     rng, prompts, keys = random.Random(4321), [], []
-    min_n = min_size(args.max_new, task_cfg)
+    min_n = min_size(args.max_new, task)
     for start in range(0, 64 * n, 64):  # about 1 in 6 rows is long enough here; give up after 64 n
-        batch = [task.encode(task.sample_problem(rng, task_cfg, rng.randint(min_n, task_cfg.max_n)).prompt())
+        batch = [task.prompt_ids(task.sample(rng, rng.randint(min_n, task.max_n)))
                  for _ in range(64)]
-        done, _ = autoregressive_generate(model, batch, args.max_new + 1, eos_id=task.EOS_ID, sampler="gumbel",
+        done, _ = autoregressive_generate(model, batch, args.max_new + 1, eos_id=task.eos_id, sampler="gumbel",
                                           keys=list(range(start, start + 64)))
-        long = [i for i, d in enumerate(done) if task.EOS_ID not in d][:n - len(prompts)]
+        long = [i for i, d in enumerate(done) if task.eos_id not in d][:n - len(prompts)]
         prompts += [batch[i] for i in long]
         keys += [start + i for i in long]
         if len(prompts) == n:
@@ -251,8 +250,8 @@ def long_rows(args, task_cfg, model, n):
     raise SystemExit(f"error: fewer than {n} of {64 * n} prompts have responses longer than --max-new {args.max_new}")
 
 
-def decode_bench(args, task_cfg, model, drafter):
-    pool, keys = long_rows(args, task_cfg, model, max(max(args.batches), 64))
+def decode_bench(args, task, model, drafter):
+    pool, keys = long_rows(args, task, model, max(max(args.batches), 64))
     t1 = forward_time(model, 1)
     c = forward_time(model, 1, drafter) / t1
     print(f"sampler {args.sampler}, temperature 1.0, {args.max_new} tokens per row")
@@ -265,7 +264,7 @@ def decode_bench(args, task_cfg, model, drafter):
     else:
         print(f"crossover: speculation stops paying at batch {crossover}")
     price = sampler_price(args, model, drafter, pool, keys, rows)
-    acceptance = acceptance_table(args, task_cfg, model, drafter)
+    acceptance = acceptance_table(args, task, model, drafter)
     b1 = rows[0]
     k1 = b1["best_k"]
     verify = forward_time(model, k1 + 1) / t1  # a (k+1)-token pass is not free on a CPU
@@ -280,8 +279,8 @@ def decode_bench(args, task_cfg, model, drafter):
           f"= {predicted:.2f}x; measured {b1['speedup']:.2f}x (the rest is sampling and bookkeeping per step): "
           f"{100 * b1['speedup'] / predicted:.0f}% of the prediction")
     syncs = count_syncs(model, drafter, k=k1, sampler=args.sampler)
-    tail = tail_workload(args, task_cfg, model, drafter)
-    sibling_rows = sibling_table(args, task_cfg, model, pool, keys, rows)
+    tail = tail_workload(args, task, model, drafter)
+    sibling_rows = sibling_table(args, task, model, pool, keys, rows)
     return {"decode": rows, "acceptance": {str(k): v for k, v in acceptance.items()}, "sibling_decode": sibling_rows,
             "cost_ratio": c, "verify_cost_ratio": verify, "formula_speedup_b1": ideal, "predicted_speedup_b1": predicted, "temperature": 1.0, "sampler": args.sampler, "crossover": crossover,
             "samplers": price, "max_new": args.max_new, "rollout": tail, "syncs_per_step": syncs}
@@ -301,14 +300,14 @@ def decode_table(args, model, drafter, pool, keys, siblings=None):
     return rows
 
 
-def sibling_table(args, task_cfg, model, pool, keys, learned_rows, group=8):
+def sibling_table(args, task, model, pool, keys, learned_rows, group=8):
     """The decoding table again with sibling drafts, as in the tail of a GRPO rollout: each row is the
     last of its group, whose other group - 1 responses (sampled by the target, other keys) have
     finished. Beside it, the learned drafter's best speedup per batch size from the first table."""
     n = max(args.batches)
     keys = [10 ** 9 + i for i in range((group - 1) * n)]
-    done, _ = autoregressive_generate(model, [p for p in pool[:n] for _ in range(group - 1)], task_cfg.max_response_len,
-                                      eos_id=task.EOS_ID, sampler=args.sampler, keys=keys)
+    done, _ = autoregressive_generate(model, [p for p in pool[:n] for _ in range(group - 1)], task.max_response_len,
+                                      eos_id=task.eos_id, sampler=args.sampler, keys=keys)
     siblings = [done[i * (group - 1):(i + 1) * (group - 1)] for i in range(n)]
     print(f"\nsibling drafts (SiblingDrafter), each row the last of a group of {group} whose {group - 1} other responses "
           f"have finished, {args.max_new} tokens per row:")
@@ -355,19 +354,19 @@ def expected_steps(rates, n):
 
 
 @torch.no_grad()
-def acceptance_table(args, task_cfg, model, drafter, n_prompts=256):
+def acceptance_table(args, task, model, drafter, n_prompts=256):
     """The share of drafts accepted at each draft position 1..k (given that the earlier ones were),
     for every k of args.ks, on n_prompts fresh prompts of the RL mix decoded at temperature 1 to
     <|eos|>: rows end where they end, so no k is favoured by where a step of the trace falls (the
     speed table's rows are all --max-new tokens long). -> {k: {"by_position", "drafted_at", "accept_len"}}."""
     rng = random.Random(2468)
-    prompts = [task.encode(task.sample_problem(rng, task_cfg).prompt()) for _ in range(n_prompts)]
+    prompts = [task.prompt_ids(task.sample(rng)) for _ in range(n_prompts)]
     out = {}
     print(f"\nacceptance by draft position, {n_prompts} prompts decoded to <|eos|> at temperature 1.0 ({args.sampler}): "
           f"% of the drafts at each position accepted, given the earlier ones were; in brackets, the drafts decided there")
     for k in args.ks:
         st = DecodeStats()
-        speculative_generate(model, drafter, prompts, task_cfg.max_response_len, k=k, eos_id=task.EOS_ID,
+        speculative_generate(model, drafter, prompts, task.max_response_len, k=k, eos_id=task.eos_id,
                              sampler=args.sampler, keys=[777_000 + i for i in range(n_prompts)], observer=st)
         st = st.as_dict()
         out[k] = {"by_position": st["accept_by_position"], "drafted_at": st["drafted_at"], "accept_len": st["accept_len"]}
@@ -385,20 +384,20 @@ def main(argv=None):
         print(f"bench on {machine(device)}")
         print(json.dumps({"vocab_noise": vocab_noise(device), "machine": machine(device)}))
         return
-    targs, task_cfg, model, drafter = load_models(args.targs)
+    targs, task, model, drafter = load_models(args.targs)
     device = model.wte.weight.device
     print(f"bench on {machine(device)}, {targs.dtype}")
     with config.autocast(targs, device):  # --train-args "--dtype bfloat16": every forward under bf16 autocast
         if args.e2e:
-            result = e2e_bench(args, task_cfg, model, drafter)
+            result = e2e_bench(args, task, model, drafter)
         elif args.drift:
-            result = drift_bench(targs, task_cfg, model, drafter)
+            result = drift_bench(targs, task, model, drafter)
         elif args.drafters:
-            result = drafters_bench(args, targs, task_cfg, model, drafter)
+            result = drafters_bench(args, targs, task, model, drafter)
         else:
-            result = decode_bench(args, task_cfg, model, drafter)
+            result = decode_bench(args, task, model, drafter)
             result["vocab_noise"] = vocab_noise(device)
-            result["host_traffic"] = rollout_host_traffic(args, task_cfg, model, drafter)
+            result["host_traffic"] = rollout_host_traffic(args, task, model, drafter)
     print(json.dumps({**result, "dtype": targs.dtype, "machine": machine(device)}))
 
 

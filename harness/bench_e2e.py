@@ -35,7 +35,6 @@ import time
 import torch
 
 from harness import config
-from tasks import running_sum as task
 from harness import warmup
 from drafter import Drafter, DrafterBuffer, make_optimizer, train_step
 from harness.instrument import RolloutStats
@@ -49,25 +48,25 @@ def generator(model, seed):
     return torch.Generator(device=model.wte.weight.device).manual_seed(seed)
 
 
-def tail_workload(args, task_cfg, model, drafter, n_steps=4):
+def tail_workload(args, task, model, drafter, n_steps=4):
     """Rollouts of rank 0's prompts (2-rank sharding) of the run's first RL steps, plain vs TLT, the
     same prompts and keys (the bench's own), alternating on one machine. The bandit learns during
     one unmeasured TLT pass first, as it would have during earlier RL steps."""
     targs = args.targs
     shards = []
     for step in range(n_steps):
-        rows = step_rows(targs, task_cfg, step, 0, 2)[0]
-        shards.append((rows, [task.encode(p.prompt()) for p in rows]))
+        rows = step_rows(targs, task, step, 0, 2)[0]
+        shards.append((rows, [task.prompt_ids(p) for p in rows]))
     bandit = Bandit(targs.draft_ks)
 
     def run(tlt, shard, seed):
         rows, prompts = shard
         st = RolloutStats()
-        out = rollout(model, drafter if tlt else None, prompts, task_cfg.max_response_len,
-                      generator=generator(model, seed), sd_threshold=targs.sd_threshold, bandit=bandit, eos_id=task.EOS_ID,
+        out = rollout(model, drafter if tlt else None, prompts, task.max_response_len,
+                      generator=generator(model, seed), sd_threshold=targs.sd_threshold, bandit=bandit, eos_id=task.eos_id,
                       sampler=targs.sampler, keys=[seed * 10_000 + i for i in range(len(prompts))], observer=st)
         st.finish(len(prompts))
-        reward = statistics.mean(task.reward(p.prompt(), task.decode(o.response)) for p, o in zip(rows, out))
+        reward = statistics.mean(task.reward(p, o.response) for p, o in zip(rows, out))
         return st, reward, [o.response for o in out]
     for i, shard in enumerate(shards):  # bandit warm-up
         run(True, shard, 100 + i)
@@ -98,10 +97,10 @@ def tail_workload(args, task_cfg, model, drafter, n_steps=4):
             "identical_responses": same, "responses": n, "bandit_best": {str(k): v for k, v in best_arms(bandit).items()}}
 
 
-def held_out_prompts(task_cfg, n):
+def held_out_prompts(task, n):
     """n prompts of the held-out evaluation set, always the same ones."""
-    problems = task.eval_set(task_cfg)
-    return [task.encode(p.prompt()) for p in random.Random(5).sample(problems, min(n, len(problems)))]
+    problems = task.eval_set()
+    return [task.prompt_ids(p) for p in random.Random(5).sample(problems, min(n, len(problems)))]
 
 
 def drafter_on(target, state):
@@ -112,7 +111,7 @@ def drafter_on(target, state):
 
 
 @torch.no_grad()
-def drafter_vs_target(task_cfg, model, warm_drafter, run_dir, n_prompts=64, k=4, sampler="gumbel"):
+def drafter_vs_target(task, model, warm_drafter, run_dir, n_prompts=64, k=4, sampler="gumbel"):
     """The controlled comparison: the target as a --tlt on run left it, decoded with k = 4 at
     temperature 1.0 on held-out prompts, once with that run's drafter (trained on idle ranks)
     and once with the warm-up drafter (what --drafter-updates off keeps); same prompts, same
@@ -121,16 +120,16 @@ def drafter_vs_target(task_cfg, model, warm_drafter, run_dir, n_prompts=64, k=4,
     target = copy.deepcopy(model)
     target.load_state_dict(ck["model"])
     adaptive, frozen = drafter_on(target, ck["drafter"]), drafter_on(target, warm_drafter.state_dict())
-    prompts = held_out_prompts(task_cfg, n_prompts)
+    prompts = held_out_prompts(task, n_prompts)
     out = {}
     for name, d in (("adaptive", adaptive), ("frozen", frozen)):
-        _, st = speculative_generate(target.eval(), d, prompts, task_cfg.max_response_len, k=k, eos_id=task.EOS_ID, sampler=sampler,
+        _, st = speculative_generate(target.eval(), d, prompts, task.max_response_len, k=k, eos_id=task.eos_id, sampler=sampler,
                                      generator=generator(target, 0))
         out[name] = st["accept_len"]
     return out
 
 
-def drift_bench(targs, task_cfg, model, drafter, sft_steps=300, sft_lr=2e-3, n_seqs=1024, online_steps=500,
+def drift_bench(targs, task, model, drafter, sft_steps=300, sft_lr=2e-3, n_seqs=1024, online_steps=500,
                 n_prompts=128, seeds=(0, 1, 2)):
     """Does online training recover acceptance on a target that moved away from the drafter?
     Controlled: fine-tune a copy of the target a little on different data (reference traces with
@@ -142,14 +141,14 @@ def drift_bench(targs, task_cfg, model, drafter, sft_steps=300, sft_lr=2e-3, n_s
     moved = copy.deepcopy(model).train()
     opt = torch.optim.AdamW(moved.parameters(), lr=sft_lr, betas=(0.9, 0.95), weight_decay=0.0)
     rng = random.Random(7)
-    batches = warmup.sft_batches(rng, dataclasses.replace(task_cfg, alpha=0.0), sft_steps, targs.warmup_tokens)
+    batches = warmup.sft_batches(rng, dataclasses.replace(task, alpha=0.0), sft_steps, targs.warmup_tokens)
     for batch in batches:
-        warmup.sft_step(moved, moved, opt, batch, moved.wte.weight.device)
+        warmup.sft_step(moved, moved, opt, batch, task.pad_id, moved.wte.weight.device)
     moved.eval()
     buffer, gen = DrafterBuffer(keep_steps=1), generator(model, 1)
     for _ in range(0, n_seqs, 64):
-        prompts = [task.encode(task.sample_problem(rng, task_cfg).prompt()) for _ in range(64)]
-        results = rollout(moved, None, prompts, task_cfg.max_response_len, eos_id=task.EOS_ID, generator=gen)
+        prompts = [task.prompt_ids(task.sample(rng)) for _ in range(64)]
+        results = rollout(moved, None, prompts, task.max_response_len, eos_id=task.eos_id, generator=gen)
         for s in results:
             buffer.add(0, s.tokens, s.hidden, s.prompt_len)
     frozen, adapted = drafter_on(moved, drafter.state_dict()), drafter_on(moved, drafter.state_dict()).train()
@@ -157,12 +156,12 @@ def drift_bench(targs, task_cfg, model, drafter, sft_steps=300, sft_lr=2e-3, n_s
     for _ in range(online_steps):
         train_step(adapted, d_opt, buffer.sample(targs.drafter_batch, rng, moved.wte.weight.device))
     adapted.eval()
-    prompts = held_out_prompts(task_cfg, n_prompts)
+    prompts = held_out_prompts(task, n_prompts)
     out = {}
     with torch.no_grad():
         for name, t, d in (("before the move", model, drafter), ("moved, frozen drafter", moved, frozen),
                            ("moved, adapted drafter", moved, adapted)):
-            out[name] = [speculative_generate(t, d, prompts, task_cfg.max_response_len, k=4, eos_id=task.EOS_ID, sampler=targs.sampler,
+            out[name] = [speculative_generate(t, d, prompts, task.max_response_len, k=4, eos_id=task.eos_id, sampler=targs.sampler,
                                               generator=generator(t, seed))[1]["accept_len"] for seed in seeds]
             print(f"{name:24} accept length {statistics.mean(out[name]):.3f} (k = 4, {len(prompts)} held-out prompts; "
                   f"{min(out[name]):.3f} to {max(out[name]):.3f} over {len(seeds)} random streams)", flush=True)
@@ -242,7 +241,7 @@ def top1(record):
     return "-" if record["drafter_top1"] is None else f"{record['drafter_top1']:.3f}"
 
 
-def e2e_bench(args, task_cfg, model, drafter):
+def e2e_bench(args, task, model, drafter):
     """The E2E_VARIANTS runs (e2e_runs), their tables and the drafters on the final target -> {"e2e": figures}."""
     root = os.path.join(args.out_dir, "bench_e2e")
     records = e2e_runs(args, root)
@@ -281,8 +280,8 @@ def e2e_bench(args, task_cfg, model, drafter):
     amdahl = amdahl_bound(mean, timed)
     amdahl_table(amdahl, step["off"] / step["on"])
     fixed_k_table(records)
-    final = drafter_vs_target(task_cfg, model, drafter, os.path.join(root, "on"), sampler=args.sampler)
-    print(f"\nthe target after the --tlt on run's {args.e2e_steps} steps, k = 4, temperature 1.0, {min(64, len(task.eval_set(task_cfg)))} "
+    final = drafter_vs_target(task, model, drafter, os.path.join(root, "on"), sampler=args.sampler)
+    print(f"\nthe target after the --tlt on run's {args.e2e_steps} steps, k = 4, temperature 1.0, {min(64, len(task.eval_set()))} "
           f"held-out prompts: accept length {final['adaptive']:.3f} with the drafter trained on idle ranks, "
           f"{final['frozen']:.3f} with the warm-up drafter")
     series = lambda key, names: {n: [r[key] for r in records[n]] for n in names}  # noqa: E731
@@ -301,19 +300,19 @@ def e2e_bench(args, task_cfg, model, drafter):
                     "reward": series("reward", ("off", "on")), "steps_with_other_responses": other, "sampler": args.sampler}}
 
 
-def drafters_bench(args, targs, task_cfg, model, drafter):
+def drafters_bench(args, targs, task, model, drafter):
     """The drafter a train.py run left in args.drafters/ckpt.pt against the warm-up drafter, on that
     run's final target. The run must have started from this target warm-up and RL task; its drafter
     may have had another warm-up, or none (a cold start), which is what the comparison is for."""
     meta = torch.load(os.path.join(args.drafters, "ckpt.pt"), map_location="cpu", weights_only=True)["meta"]
-    want = {**warmup.model_meta(targs, model.config, config.task_config(targs, warmup=True)),
-            "rl_task": dataclasses.asdict(task_cfg)}
+    want = {**warmup.model_meta(targs, model.config, config.task_of(targs, warmup=True)),
+            "rl_task": task.meta()}
     differ = [k for k in want if meta.get(k) != want[k]]
     if differ:
         raise SystemExit(f"error: the run in {args.drafters} started from another target warm-up or task than "
                          f"{args.out_dir} ({', '.join(differ)} differ); pass that run's --out-dir and --train-args")
-    n = min(200, len(task.eval_set(task_cfg)))
-    result = drafter_vs_target(task_cfg, model, drafter, args.drafters, n_prompts=n, sampler=args.sampler)
+    n = min(200, len(task.eval_set()))
+    result = drafter_vs_target(task, model, drafter, args.drafters, n_prompts=n, sampler=args.sampler)
     print(f"the target in {args.drafters}/ckpt.pt, k = 4, temperature 1.0, {n} held-out prompts: accept length "
           f"{result['adaptive']:.3f} with the run's drafter, {result['frozen']:.3f} with the warm-up drafter")
     return {"drafters": result}

@@ -16,6 +16,7 @@ import os
 import torch
 import torch.distributed as dist
 
+from harness.distributed import print0
 from harness.liveness import beating, from_rank0, wait_for_all
 
 
@@ -56,6 +57,15 @@ def _flatten(d, prefix=""):
     return out
 
 
+class Mismatch(SystemExit):
+    """A checkpoint made with other settings; `diff` names the differences in one line."""
+
+    def __init__(self, path, diff):
+        super().__init__(f"error: checkpoint {path} was made with a different config ({diff}); "
+                         f"delete it or use another --out-dir")
+        self.diff = diff
+
+
 def load_checked(path, expected_meta):
     """Load a checkpoint saved with meta=expected_meta; exit with one clear line otherwise."""
     try:
@@ -67,24 +77,29 @@ def load_checked(path, expected_meta):
         want, have = _flatten(expected_meta), _flatten(got if isinstance(got, dict) else {})
         diff = [f"{k} {have.get(k)} there, {want.get(k)} here" for k in sorted(set(want) | set(have))
                 if want.get(k) != have.get(k)]
-        raise SystemExit(f"error: checkpoint {path} was made with a different config ({'; '.join(diff[:4])}"
-                         f"{'; ...' if len(diff) > 4 else ''}); delete it or use another --out-dir")
+        raise Mismatch(path, "; ".join(diff[:4]) + ("; ..." if len(diff) > 4 else ""))
     return ckpt
 
 
-def load_on_rank0(path, expected_meta):
+def load_on_rank0(path, expected_meta, stale="error"):
     """`load_checked` on rank 0, its answer on every rank: the checkpoint, or None when there is none.
     Whether to load or to warm up (or resume) is one decision for all ranks (`from_rank0`),
-    so only rank 0 needs to see the file; a refused file stops every rank with rank 0's message."""
+    so only rank 0 needs to see the file. A refused file stops every rank with rank 0's message;
+    with stale="redo" (a cache: the warm-ups) a file made with other settings is passed over
+    instead, with one line that names the differences, and the caller makes it afresh."""
     found = None
     if (dist.get_rank() if dist.is_initialized() else 0) == 0 and os.path.exists(path):
         try:
             with beating(f"reading {path}"):  # the others wait for it by liveness, in from_rank0
                 found = load_checked(path, expected_meta)
+        except Mismatch as e:
+            found = ("stale", str(e), e.diff) if stale == "redo" else str(e)
         except SystemExit as e:
             found = str(e)
     found = from_rank0(found)
+    if isinstance(found, tuple):
+        print0(f"not reusing {path}: it was made by other code or settings ({found[2]}); making it afresh")
+        return None
     if isinstance(found, str):
         raise SystemExit(found)
     return found
-

@@ -1,5 +1,6 @@
 """The run's configuration: every flag of train.py in its group, their checks, and what the flags
-decide for the other files (the task's config, the forwards' precision).
+decide for the other files (the task, the forwards' precision). A task's settings are its
+dataclass fields (tasks/__init__.py): each becomes a flag here, so a new task needs no edit.
 
 train.py, bench.py (which rebuilds a run's models from its flags) and sample.py share it, so it is
 its own file; argparse with dashes and one help string per flag, grouped as --help shows them.
@@ -8,11 +9,12 @@ A reader learning TLT can skim it: each flag's help says what it changes.
 Test: python -m pytest tests/test_train.py -k flags
 """
 import argparse
+import dataclasses
 import os
 
 import torch
 
-from tasks import running_sum as task
+import tasks
 from harness.common import OneLineParser, on_off
 from harness.liveness import IO_DEADLINE_S
 from model import GPTConfig
@@ -20,9 +22,19 @@ from harness.model_free import DRAFTERS
 from speculative import SAMPLERS
 
 
-def task_config(args, warmup=False):
-    """The task as the flags define it; warmup=True: with the warm-up's problem-size exponent."""
-    return task.TaskConfig(max_n=args.max_n, alpha=args.warmup_alpha if warmup else args.alpha, strides=args.strides)
+def task_of(args, warmup=False):
+    """The task as the flags define it (--task and its fields' flags); warmup=True: with the target
+    warm-up's first problem-size exponent, --warmup-alpha."""
+    cls = tasks.TASKS[args.task]
+    settings = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls)
+                if getattr(args, f.name) is not None}  # a flag not given: the task's default
+    return cls(**{**settings, **({"alpha": args.warmup_alpha} if warmup else {})})
+
+
+def model_config(args, task):
+    """The target's shape, from the flags and the task's vocabulary."""
+    return GPTConfig(vocab_size=task.vocab_size, block_size=args.block_size, n_layer=args.n_layer,
+                     n_head=args.n_head, n_embd=args.n_embd)
 
 
 def autocast(args, device):
@@ -75,12 +87,18 @@ def floats(v):
 
 
 def task_flags(p):
-    """The task: problem sizes and how the warm-up traces choose their steps."""
-    p.add_argument("--max-n", type=int, default=task.TaskConfig.max_n, help="largest problem size (digits to sum)")
-    p.add_argument("--alpha", type=float, default=task.TaskConfig.alpha, help="tail exponent of the problem-size distribution")
-    p.add_argument("--strides", type=floats, default=task.TaskConfig.strides, metavar="P1,P2,...,PX",
-                   help="warm-up traces: the probability, at every step, of a single step (b7=3+7=0), a jump over 2 "
-                   "digits (c1=1), over 3 (d5=6), ..., and last of the answer outright (>8)")
+    """The task (--task), its settings (each task's dataclass fields, by name) and the target
+    warm-up's curriculum over problem sizes."""
+    p.add_argument("--task", default="running_sum", choices=list(tasks.TASKS), help="the workload (tasks/)")
+    seen = set()
+    for cls in tasks.TASKS.values():
+        for f in dataclasses.fields(cls):
+            if f.name in seen:
+                continue
+            seen.add(f.name)
+            kind = floats if f.type is tuple else f.type
+            p.add_argument(f"--{f.name.replace('_', '-')}", type=kind, default=None,
+                           help=f"{f.metadata.get('help', '')} ({cls.name}: {f.default})")
     p.add_argument("--warmup-alpha", type=float, default=2.0, help="tail exponent of the problem sizes at the start "
                    "of the target warm-up: mostly small problems, where the look-up is learned")
     p.add_argument("--warmup-alpha-end", type=float, default=0.5, help="the exponent moves linearly from "
@@ -103,6 +121,7 @@ def model_flags(p):
 
 def drafter_flags(p):
     """The drafter: its warm-up, its training on idle ranks, its buffer."""
+    p.add_argument("--drafter-layers", type=int, default=1, help="transformer layers of the drafter (EAGLE: one)")
     p.add_argument("--drafter-warmup-seqs", type=int, default=2048, help="target samples the drafter warms up on")
     p.add_argument("--drafter-warmup-steps", type=int, default=6000, help="at most this many drafter optimizer steps in its "
                    "warm-up, which ends at its plateau on held-out samples (warmup.py), usually well before (0: a cold "
@@ -165,7 +184,7 @@ def logging_flags(p):
 def check_args(p, args):
     """Each flag's range, then the flags that must fit together: a bad one is a flag error (p.error),
     as argparse's own are. --draft-ks becomes a tuple of ints here."""
-    positive = ("warmup_steps", "warmup_tokens", "warmup_lr", "drafter_warmup_seqs", "drafter_batch", "drafter_depth", "drafter_idle_tokens",
+    positive = ("drafter_layers", "warmup_steps", "warmup_tokens", "warmup_lr", "drafter_warmup_seqs", "drafter_batch", "drafter_depth", "drafter_idle_tokens",
                 "drafter_keep", "drafter_keep_tokens", "drafter_lr", "drafter_cold_lr", "drafter_online_lr", "prompts_per_step", "group_size", "rl_epochs", "rl_lr",
                 "clip_eps", "update_tokens", "ckpt_every", "eval_samples", "io_deadline",
                 "temperature")  # temperature: GRPO scores its samples at it; greedy rollouts teach nothing
@@ -180,17 +199,20 @@ def check_args(p, args):
         p.error(f"--draft-ks takes comma-separated integers, got {args.draft_ks!r}")
     if min(args.draft_ks) < 0 or len(set(args.draft_ks)) != len(args.draft_ks):
         p.error(f"--draft-ks must be distinct non-negative integers, got {args.draft_ks}")
+    given = {f.name for f in dataclasses.fields(tasks.TASKS[args.task])}
+    for f in (f for cls in tasks.TASKS.values() for f in dataclasses.fields(cls)):
+        if f.name not in given and getattr(args, f.name) is not None:
+            p.error(f"--{f.name.replace('_', '-')} is not a setting of --task {args.task}")
     try:  # the task and model configs check their own fields; a bad one is a flag error here
-        task_config(args), task_config(args, warmup=True)
-        task.TaskConfig(alpha=args.warmup_alpha_end)
-        GPTConfig(vocab_size=task.VOCAB_SIZE, block_size=args.block_size, n_layer=args.n_layer, n_head=args.n_head,
-                  n_embd=args.n_embd)
+        task = task_of(args)
+        task_of(args, warmup=True), dataclasses.replace(task, alpha=args.warmup_alpha_end)
+        model_config(args, task)
     except ValueError as e:
         p.error(str(e))
-    need = task_config(args).max_seq_len + max(args.draft_ks)
+    need = task.max_seq_len + max(args.draft_ks)
     if args.block_size < need:
-        p.error(f"--block-size {args.block_size} is too small for --max-n {args.max_n}: the longest prompt + "
-                f"response + {max(args.draft_ks)} draft tokens needs {need}")
+        p.error(f"--block-size {args.block_size} is too small for --task {args.task} at --max-n {task.max_n}: the "
+                f"longest prompt + response + {max(args.draft_ks)} draft tokens needs {need}")
     if args.drafter_keep_tokens < args.block_size:  # so the newest sequence always fits
         p.error(f"--drafter-keep-tokens {args.drafter_keep_tokens} must be at least --block-size {args.block_size}")
     world_size = int(os.environ.get("WORLD_SIZE", 1))  # torchrun's; 1 for a single process

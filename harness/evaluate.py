@@ -13,7 +13,7 @@ Test: python -m pytest tests/test_train.py   (a run prints both checks)
 """
 import torch
 
-from tasks import running_sum as task
+from rl import Seed, derive_seed
 from harness.distributed import gather_ranks, print0
 from harness.instrument import liveness_observer
 from harness.liveness import beat, wait_for_all
@@ -21,22 +21,22 @@ from speculative import autoregressive_generate, speculative_generate
 
 
 @torch.no_grad()
-def evaluate(model, problems, rank=0, world_size=1, drafter=None, temperature=0.0, seed=0, batch_size=64,
-             sampler="gumbel", task_cfg=task.TaskConfig(), k=4):
+def evaluate(model, task, problems, rank=0, world_size=1, drafter=None, temperature=0.0, seed=0, batch_size=64,
+             sampler="gumbel", k=4):
     """Held-out accuracy by problem size, and every generated response (token ids), all ranks
     together. Greedy by default; with a drafter, decoding is speculative, which at temperature 0
     must give exactly the same tokens. At temperature > 0 problem j's key is derived from (seed, j),
     so with sampler "gumbel" the tokens do not depend on the ranks or on the drafter; with
     "rejection" the sampling is seeded per rank. k: the draft length of speculative decoding."""
-    gen = torch.Generator(device=model.wte.weight.device).manual_seed(task.derive_seed(seed, rank, 0, task.Seed.EVAL))
+    gen = torch.Generator(device=model.wte.weight.device).manual_seed(derive_seed(seed, rank, 0, Seed.EVAL))
     mine = list(range(rank, len(problems), world_size))
     outputs = [None] * len(problems)
     for i in range(0, len(mine), batch_size):
         idx = mine[i:i + batch_size]
-        prompts = [task.encode(problems[j].prompt()) for j in idx]
-        max_new = task_cfg.response_len(max(problems[j].size for j in idx))
-        how = dict(temperature=temperature, eos_id=task.EOS_ID, generator=gen, sampler=sampler, observer=liveness_observer(beat),
-                   keys=[task.derive_seed(seed, j, 0, task.Seed.EVAL_KEYS) for j in idx])
+        prompts = [task.prompt_ids(problems[j]) for j in idx]
+        max_new = task.response_len(max(problems[j].size for j in idx))
+        how = dict(temperature=temperature, eos_id=task.eos_id, generator=gen, sampler=sampler, observer=liveness_observer(beat),
+                   keys=[derive_seed(seed, j, 0, Seed.EVAL_KEYS) for j in idx])
         if drafter is None:
             outs, _ = autoregressive_generate(model, prompts, max_new, **how)
         else:
@@ -46,11 +46,11 @@ def evaluate(model, problems, rank=0, world_size=1, drafter=None, temperature=0.
     wait_for_all()  # the shards' lengths differ, so the ranks finish far apart: each beat at every decoding step
     for part in gather_ranks(outputs):  # each rank filled its own indices
         outputs = [o if o is not None else p for o, p in zip(outputs, part)]
-    rewards = [task.reward(p.prompt(), task.decode(o)) for p, o in zip(problems, outputs)]
+    rewards = [task.reward(p, o) for p, o in zip(problems, outputs)]
     return task.mean_by_size(problems, rewards), outputs
 
 
-def evaluate_both(model, drafter, problems, args, task_cfg, rank, world_size, when, check=False):
+def evaluate_both(model, drafter, problems, args, task, rank, world_size, when, check=False):
     """Greedy and sampled (temperature --temperature, as in the rollouts, --eval-samples per
     problem) held-out accuracy. With --tlt on the sampling decodes speculatively: lossless, and
     faster, which pays for more samples and so for less noise. With check, also counts the
@@ -62,18 +62,18 @@ def evaluate_both(model, drafter, problems, args, task_cfg, rank, world_size, wh
         return {}
     k = max(args.draft_ks)
     drafter = drafter if k > 0 else None
-    greedy, plain_out = evaluate(model, problems, rank, world_size, task_cfg=task_cfg)
-    sampled, outs = evaluate(model, problems * args.eval_samples, rank, world_size, drafter=drafter if args.tlt else None,
-                             temperature=args.temperature, seed=args.seed, sampler=args.sampler, task_cfg=task_cfg, k=k)
+    greedy, plain_out = evaluate(model, task, problems, rank, world_size)
+    sampled, outs = evaluate(model, task, problems * args.eval_samples, rank, world_size, drafter=drafter if args.tlt else None,
+                             temperature=args.temperature, seed=args.seed, sampler=args.sampler, k=k)
     length = task.mean_by_size(problems * args.eval_samples, [len(o) for o in outs])
     print0(f"held-out accuracy {when} ({len(problems)} problems), greedy:  {format_accuracy(greedy)}")
     print0(f"held-out accuracy {when}, sampled at T={args.temperature:g}: {format_accuracy(sampled)}")
     print0(f"held-out response length {when}, sampled (tokens): {format_lengths(length)}")
     if check and drafter is not None:  # lossless in practice: speculative decoding gives the plain responses, token for token
-        _, sd_greedy = evaluate(model, problems, rank, world_size, drafter=drafter, task_cfg=task_cfg, k=k)
-        how = dict(temperature=args.temperature, seed=args.seed + 1, sampler="gumbel", task_cfg=task_cfg, k=k)
-        _, plain_sampled = evaluate(model, problems, rank, world_size, **how)
-        _, sd_sampled = evaluate(model, problems, rank, world_size, drafter=drafter, **how)
+        _, sd_greedy = evaluate(model, task, problems, rank, world_size, drafter=drafter, k=k)
+        how = dict(temperature=args.temperature, seed=args.seed + 1, sampler="gumbel", k=k)
+        _, plain_sampled = evaluate(model, task, problems, rank, world_size, **how)
+        _, sd_sampled = evaluate(model, task, problems, rank, world_size, drafter=drafter, **how)
         # float32 passes of different shapes (1 token, k + 1 tokens) round differently, so a near-tie
         # argmax can flip and the response goes its own way from there: count rather than just say no
         for name, a, b in (("greedy", plain_out, sd_greedy), (f"sampled at T={args.temperature:g}", plain_sampled, sd_sampled)):

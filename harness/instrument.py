@@ -60,11 +60,11 @@ class DecodeStats:
     accept_hist: dict = field(default_factory=dict)  # drafts accepted in one row-step -> count
     drafted_at: list = field(default_factory=list)  # per draft position: drafts decided there
     accepted_at: list = field(default_factory=list)  # per draft position: drafts accepted there
-    by_prompt_len: dict = field(default_factory=dict)  # a row's prompt length -> [decided, accepted]
+    by_row: dict = field(default_factory=dict)  # a row (its index in the prompts) -> [decided, accepted]
 
     def __post_init__(self):
         self._pending = []  # the steps whose device counts are not read yet, each with its rows
-        self._rows = None  # (original row per slot, prompt lengths), as the next step finds them
+        self._rows = None  # the original row of each slot, as the next step finds them
 
     def __call__(self, batch, step):
         if step is not None:  # not the prefill
@@ -74,7 +74,7 @@ class DecodeStats:
                 self.drafted += step.k * step.batch_size
             self._pending.append((step, self._rows))
         # references only, read in `settle`: compact replaces `running` rather than changing it
-        self._rows = None if batch is None else (batch.running, batch.prompt_lens)
+        self._rows = None if batch is None else batch.running
 
     def settle(self):
         """Read the pending device counts into the fields (one read); returns self."""
@@ -92,15 +92,14 @@ class DecodeStats:
             self.accepted += sum(n_acc)
             for a in n_acc:
                 self.accept_hist[a] = self.accept_hist.get(a, 0) + 1
-            lens = [] if rows is None else [rows[1][r] for r in rows[0]]
-            self._count_positions(n_emitted, n_acc, s.k, lens)
+            self._count_positions(n_emitted, n_acc, s.k, rows or [])
         self._pending = []
         return self
 
     def _count_positions(self, n_emitted, n_acc, k, rows):
         """A row keeps its accepted drafts, then the target's token; where it ended on an accepted
-        draft (n_emitted <= n_acc) the drafts after it were never decided. rows: the rows' prompt
-        lengths (empty when the batch was not given)."""
+        draft (n_emitted <= n_acc) the drafts after it were never decided. rows: each slot's original
+        row (empty when the batch was not given)."""
         grow = k - len(self.drafted_at)
         if grow > 0:
             self.drafted_at += [0] * grow
@@ -114,7 +113,7 @@ class DecodeStats:
             if decided > used:
                 self.drafted_at[used] += 1
             if rows:
-                counts = self.by_prompt_len.setdefault(rows[b], [0, 0])
+                counts = self.by_row.setdefault(rows[b], [0, 0])
                 counts[0] += decided
                 counts[1] += used
 

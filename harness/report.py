@@ -29,7 +29,7 @@ import os
 import statistics
 import warnings
 
-from tasks import running_sum as task
+import tasks
 from harness.common import OneLineParser
 from harness.distributed import all_sum, gather_ranks, print0
 from harness.evaluate import format_accuracy, format_lengths
@@ -65,10 +65,10 @@ NEEDED = ("step", "step_time", "rollout_time", "update_time", "rollout_share", "
 # -----------------------------------------------------------------------------
 # the step's record
 
-def step_record(s, step, rows, texts, stats, idle, update, times):
+def step_record(s, step, problems, rows, stats, idle, update, times):
     """The step's metrics.jsonl record, from this rank's part and every rank's (summed, gathered),
-    and every rank's part (the timeline draws their segments). s: train.RunState; rows, texts: the
-    rank's finished rows and their texts; stats: its rollout's instrument.RolloutStats; idle:
+    and every rank's part (the timeline draws their segments). s: train.RunState; problems, rows:
+    the rank's problems and their finished rows; stats: its rollout's instrument.RolloutStats; idle:
     train.idle_phase's figures; update: train.update_target's (rewards, responses, (loss, clip
     fraction, skipped)); times: (t0, idle start, update start, t1) on the step's clock."""
     t0, idle_start, t_update, t1 = times
@@ -83,9 +83,9 @@ def step_record(s, step, rows, texts, stats, idle, update, times):
              "tail_share": stats.tail_share, "buffer_tokens": s.buffer.held_tokens(), "segments": segments}
     counts = {"tokens": stats.tokens, "sd_tokens": stats.sd_tokens, "sd_row_steps": stats.sd_row_steps,
               "accepted": stats.accepted, "drafted": stats.drafted, "top1_agree": idle["top1"][0],
-              "top1_positions": idle["top1"][1], "single": sum(map(task.single_share, texts)),
+              "top1_positions": idle["top1"][1], "single": sum(s.task.choice_share(r.response) for r in rows),
               "response_tokens": sum(len(r.response) for r in rows),
-              **position_counts(stats, max(s.args.draft_ks)), **size_counts(stats, s.task_cfg.max_n)}
+              **position_counts(stats, max(s.args.draft_ks)), **size_counts(stats, [p.size for p in problems], s.task)}
     rec, ranks = rank_record(step, local, all_sum(counts, s.device), all_rewards, responses,
                              t1 - t0, t1 - t_update)
     rec.update(loss=loss, clip_frac=clip, skipped_update=skipped, drafter_lr=idle["lr"],
@@ -118,11 +118,12 @@ def rank_record(step, local, total, all_rewards, responses, step_time, update_ti
         # per draft position: drafts decided there (the earlier ones accepted) and accepted
         "drafted_at": [int(v) for k, v in total.items() if k.startswith("drafted_at")],
         "accepted_at": [int(v) for k, v in total.items() if k.startswith("accepted_at")],
-        # per problem-size bucket (task.SIZE_BUCKETS up to max_n): drafts decided and accepted
+        # per problem-size bucket (the task's, up to max_n): drafts decided and accepted
         "drafted_by_size": [int(v) for k, v in total.items() if k.startswith("drafted_size")],
         "accepted_by_size": [int(v) for k, v in total.items() if k.startswith("accepted_size")],
         "drafter_top1_positions": int(total["top1_positions"]),  # scored on idle time: the last rank's rows are left out
-        # what the target writes: mean response length and share of single steps
+        # what the target writes: mean response length and the share of the task's choice (the
+        # running sum's single steps) among its choices
         "response_len": total["response_tokens"] / n_rows, "single_share": total["single"] / n_rows,
         "sd_token_frac": total["sd_tokens"] / max(total["tokens"], 1), "tok_s": total["tokens"] / max(rollout_max, 1e-9),
         "idle_time": max(r["idle_time"] for r in ranks), "drafter_steps": sum(r["drafter_steps"] for r in ranks),
@@ -143,12 +144,12 @@ def position_counts(stats, k_max):
             **{f"accepted_at{i}": v for i, v in enumerate(pad(stats.accepted_at))}}
 
 
-def size_counts(stats, max_n):
-    """A rollout's drafts decided and accepted by problem-size bucket, as {name: count}. A prompt
-    of n digits is 2n tokens (task.Problem.prompt), so the size is half the prompt length."""
+def size_counts(stats, sizes, task):
+    """A rollout's drafts decided and accepted by the task's problem-size bucket, as {name: count};
+    sizes: each row's problem size."""
     out = {}
-    for i, (lo, hi) in enumerate(b for b in task.SIZE_BUCKETS if b[0] <= max_n):
-        rows = [v for n_tokens, v in stats.by_prompt_len.items() if lo <= n_tokens // 2 <= hi]
+    for i, (lo, hi) in enumerate(task.buckets()):
+        rows = [v for row, v in stats.by_row.items() if lo <= sizes[row] <= hi]
         out[f"drafted_size{i}"] = sum(v[0] for v in rows)
         out[f"accepted_size{i}"] = sum(v[1] for v in rows)
     return out
@@ -225,11 +226,11 @@ def log_step(rec, ranks, args):
 # -----------------------------------------------------------------------------
 # the summary
 
-def summary(history, acc0, acc1, total_time):
+def summary(history, acc0, acc1, total_time, task):
     """The end of a run: what its records show, the held-out accuracies before and after RL
     (acc0, acc1: evaluate_both's; empty when not evaluated), the wall time, then the picture."""
     print0("\nsummary")
-    for line in record_lines(history):
+    for line in record_lines(history, task):
         print0(line)
     if not acc0:
         print0("  held-out accuracy     not evaluated (--eval-per-bucket 0)")
@@ -241,11 +242,11 @@ def summary(history, acc0, acc1, total_time):
             print0(f"  length  {name:9s}     {format_lengths(acc['length'])} tokens (sampled)")
     print0(skipped_line(history))
     print0(f"  wall time             {total_time:.0f}s")
-    for line in picture(history):
+    for line in picture(history, task):
         print0(line)
 
 
-def record_lines(history):
+def record_lines(history, task):
     """The summary's lines that the records alone hold, up to the held-out accuracies: times,
     shares, the drafter, the bandit, reward and lengths."""
     def mean(key):
@@ -280,10 +281,10 @@ def record_lines(history):
         if rec["bandit_best"]:
             ks = ", ".join(f"{bucket_sizes(int(b))}: {k}" for b, k in rec["bandit_best"].items())
             lines.append(f"  bandit's k per batch  {ks} (rank 0, {when})")
-    return lines + trend_lines(history)
+    return lines + trend_lines(history, task.choice)
 
 
-def trend_lines(history):
+def trend_lines(history, choice):
     """Reward and what the target writes, first tenth of the run against the last: a step's
     reward swings with its prompt mix, tenths of the run show the trend."""
     n = max(1, len(history) // 10)
@@ -293,7 +294,7 @@ def trend_lines(history):
     reward = "  reward                {:.3f} -> {:.3f}".format(*tenths("reward"))
     length = "  response length       {:.1f} -> {:.1f} tokens".format(*tenths("response_len"))
     if any(h["single_share"] for h in history):
-        length += ", single steps {:.0%} -> {:.0%}".format(*tenths("single_share"))
+        length += f", {choice} " + "{:.0%} -> {:.0%}".format(*tenths("single_share"))
     return [reward + f" (means of the first and the last {n} steps)",
             length + f" (first and last {n} steps)"]
 
@@ -308,7 +309,7 @@ def skipped_line(history):
 # -----------------------------------------------------------------------------
 # the picture: does the drafter hold as the target moves?
 
-def picture(history, bins=10):
+def picture(history, task, bins=10):
     """The run drawn in text lines of at most 100 characters: each PICTURE_ROWS figure as a
     sparkline over at most `bins` bins of consecutive steps, then the acceptance at each draft
     position, first tenth of the run against the last."""
@@ -326,7 +327,7 @@ def picture(history, bins=10):
             continue
         lines.append(f"  {label:16s}{sparkline(means)}  {fmt(known[0])} -> {fmt(known[-1])}, "
                      f"range {fmt(min(known))}..{fmt(max(known))} {unit}".rstrip())
-    return lines + position_bars(history)
+    return lines + position_bars(history, task)
 
 
 def bin_edges(n, bins):
@@ -365,7 +366,7 @@ def bar(frac, width=BAR_WIDTH):
     return ("█" * full + (EIGHTHS[part] if part else "")).ljust(width)
 
 
-def position_bars(history):
+def position_bars(history, task):
     """Acceptance at each draft position (given the earlier ones were accepted), summed over the
     first tenth of the run and over the last tenth, one bar each: a drafter going stale as the
     target moves loses its later positions first."""
@@ -387,15 +388,15 @@ def position_bars(history):
     if None not in implied:
         lines.append(f"  at k = 4 these give {implied[0]:.2f} -> {implied[1]:.2f} tokens per verify step "
                      f"(1 + a1 + a1 a2 + ...)")
-    return lines + size_line(history[:n], history[-n:])
+    return lines + size_line(history[:n], history[-n:], task)
 
 
-def size_line(first, last):
+def size_line(first, last, task):
     """Drafts accepted by problem-size bucket, first records against last; none for records
     written before the counts existed."""
     if any("drafted_by_size" not in r for r in first + last):
         return []
-    names = [f"{lo}-{hi}" for lo, hi in task.SIZE_BUCKETS]
+    names = [f"{lo}-{hi}" for lo, hi in task.size_buckets]
     sums = [column_sums(part, key) for part in (first, last) for key in ("drafted_by_size", "accepted_by_size")]
     cells = [f"{name} {percent(a0, d0)} -> {percent(a1, d1)}"
              for name, d0, a0, d1, a1 in zip(names, *sums) if d0 or d1]
@@ -446,6 +447,17 @@ def load_records(path):
     return (records, None) if records else (None, f"{path} holds no records")
 
 
+def run_task(path):
+    """The task a run trained on, from the task.json that train.py writes beside metrics.jsonl (the
+    default task for a run without one)."""
+    folder = path if os.path.isdir(path) else os.path.dirname(path)
+    try:
+        with open(os.path.join(folder, "task.json")) as f:
+            return tasks.from_meta(json.load(f))
+    except FileNotFoundError:
+        return tasks.from_meta({"name": "running_sum"})
+
+
 def main(argv=None):
     p = OneLineParser(description="The summary and the picture of a run, from its metrics.jsonl.")
     p.add_argument("path", help="a run's --out-dir, or the path of its metrics.jsonl")
@@ -457,8 +469,9 @@ def main(argv=None):
     records, problem = load_records(args.path)
     if problem:
         p.exit(2, f"error: {problem}\n")
+    task = run_task(args.path)
     print0("summary")
-    for line in record_lines(records) + [skipped_line(records)] + picture(records, args.bins):
+    for line in record_lines(records, task) + [skipped_line(records)] + picture(records, task, args.bins):
         print0(line)
 
 

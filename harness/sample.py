@@ -2,8 +2,8 @@
 idle ranks. The drafter is a by-product of RL that costs nothing extra to keep, and here it is
 used as it would be for serving: speculative decoding of the final model.
 
-    python sample.py --out-dir out "a3 b7 c1:" "a9 b2:"     # answer these prompts
-    python sample.py --out-dir out                          # 16 prompts of the held-out set
+    python -m harness.sample --out-dir out "a3 b7 c1:" "a9 b2:"     # answer these prompts
+    python -m harness.sample --out-dir out                          # 16 prompts of the held-out set
 
 It loads <out-dir>/ckpt.pt (the run's last target and drafter) and the warm-up drafter from
 --warmup-dir (default --out-dir), prints each prompt's response and whether its answer is right,
@@ -17,12 +17,13 @@ Test: python -m pytest tests/test_sample.py
 """
 import argparse
 import os
+import random
 import statistics
 import time
 
 import torch
 
-from tasks import running_sum as task
+import tasks
 from harness.common import OneLineParser, machine
 from drafter import Drafter
 from model import GPT, GPTConfig
@@ -32,7 +33,7 @@ from speculative import autoregressive_generate, speculative_generate
 
 def parse_args(argv=None):
     p = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("prompts", nargs="*", help='problems such as "a3 b7 c1:" (default: --n held-out ones)')
+    p.add_argument("prompts", nargs="*", help='problems of the run\'s task, such as "a3 b7 c1:" (default: --n held-out ones)')
     p.add_argument("--out-dir", default="out", help="the train.py run to serve (its ckpt.pt)")
     p.add_argument("--warmup-dir", default=None, help="where its warm-up drafter is (default: --out-dir)")
     p.add_argument("--n", type=int, default=16, help="held-out prompts to answer when none are given")
@@ -51,22 +52,23 @@ def parse_args(argv=None):
         p.error(f"no checkpoint at {ckpt}: run train.py --out-dir {args.out_dir} first")
     args.ckpt = torch.load(ckpt, map_location="cpu", weights_only=True)
     config = GPTConfig(**args.ckpt["meta"]["model"])
-    task_cfg = task.TaskConfig(**args.ckpt["meta"]["rl_task"])
+    task = tasks.from_meta(args.ckpt["meta"]["rl_task"])
     args.problems = []
     for text in args.prompts:
-        problem = task.parse_prompt(text)
+        problem = task.parse(text)
         if problem is None:
-            p.error(f"{text!r} is not a problem of this task: labelled digits then a colon, like \"a3 b7 c1:\"")
-        need = len(task.encode(text)) + task_cfg.response_len(problem.size) + args.k
+            example = task.decode(task.prompt_ids(task.sample(random.Random(0), min(3, task.max_n))))
+            p.error(f"{text!r} is not a problem of this task ({task.name}), such as {example!r}")
+        need = len(task.prompt_ids(problem)) + task.response_len(problem.size) + args.k
         if need > config.block_size:
-            p.error(f"{text!r} is too long for the model: {problem.size} digits need {need} positions with k = {args.k}, "
+            p.error(f"{text!r} is too long for the model: size {problem.size} needs {need} positions with k = {args.k}, "
                     f"it holds {config.block_size}")
         args.problems.append(problem)
     if not args.problems:  # the held-out set's problems that fit
-        fits = [q for q in task.eval_set(task_cfg) if len(task.encode(q.prompt())) + task_cfg.max_response_len + args.k
+        fits = [q for q in task.eval_set() if len(task.prompt_ids(q)) + task.max_response_len + args.k
                 <= config.block_size]
         args.problems = fits[::max(1, len(fits) // args.n)][:args.n]
-    return args, config, task_cfg
+    return args, config, task
 
 
 def load_drafters(args, target):
@@ -79,20 +81,20 @@ def load_drafters(args, target):
         print(f"(no warm-up drafter at {path}: only the run's drafter is timed)")
     out = {}
     for name, state in drafters.items():
-        out[name] = Drafter(target).eval()
+        out[name] = Drafter(target, args.ckpt["meta"]["drafter_layers"]).eval()
         out[name].load_state_dict(state)
     return out
 
 
 def main(argv=None):
-    args, config, task_cfg = parse_args(argv)
+    args, config, task = parse_args(argv)
     torch.manual_seed(args.seed)
     target = GPT(config).eval()
     target.load_state_dict(args.ckpt["model"])
     drafters = load_drafters(args, target)
-    prompts = [task.encode(q.prompt()) for q in args.problems]
-    max_new = task_cfg.response_len(max(q.size for q in args.problems))
-    common = dict(temperature=args.temperature, eos_id=task.EOS_ID, sampler=args.sampler,
+    prompts = [task.prompt_ids(q) for q in args.problems]
+    max_new = task.response_len(max(q.size for q in args.problems))
+    common = dict(temperature=args.temperature, eos_id=task.eos_id, sampler=args.sampler,
                   keys=[args.seed * 100_000 + i for i in range(len(prompts))])
     gen = lambda: torch.Generator().manual_seed(args.seed)  # noqa: E731  (rejection sampling's stream)
     runs = {"plain decoding": lambda: autoregressive_generate(target, prompts, max_new, generator=gen(), **common)}
@@ -107,9 +109,8 @@ def main(argv=None):
                 outs[name] = fn()
                 times[name].append(time.perf_counter() - t0)
     responses = outs["plain decoding"][0]
-    for q, r in zip(args.problems, responses):
-        text = task.decode(r)
-        print(f"{q.prompt()} {text}   [{'right' if task.reward(q.prompt(), text) else 'WRONG'}]")
+    for prompt, q, r in zip(prompts, args.problems, responses):
+        print(f"{task.decode(prompt)} {task.decode(r)}   [{'right' if task.reward(q, r) else 'WRONG'}]")
     n_tokens = sum(len(r) for r in responses)
     base = n_tokens / statistics.median(times["plain decoding"])
     print(f"\n{len(prompts)} prompts, {n_tokens} tokens, all at once, temperature {args.temperature}, {args.sampler}, "

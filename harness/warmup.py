@@ -1,17 +1,19 @@
 """The warm-ups, cached: supervised training of the target on warm-up traces, then training of
 the drafter on the target's own samples. RL starts from both.
 
-    target:  warm-up traces (task.Problem.response: strides drawn at every step) -> next-token loss
+    target:  the task's warm-up traces (Task.warmup_example) -> next-token loss
     drafter: the warmed-up target's samples of RL prompts, hidden states kept -> drafter.train_step
 
 The drafter's warm-up ends at its plateau on held-out samples, not at a step count (see
 `warmup_drafter`): a newcomer's drafter, and so the speedup, must not depend on where a noisy
 schedule happened to stop on their machine.
 
-Each is saved in --warmup-dir (target_warmup.pt, drafter_warmup.pt) with the settings it depends on
-(its "meta") and reused by any later run whose settings match, so that runs which differ only in
-their RL settings (the --tlt off / on comparison, other RL seeds) start from the same models.
-A checkpoint made with other settings is refused with one line that names the difference.
+Each is saved in --warmup-dir (target_warmup.pt, drafter_warmup.pt) with what made it (its "meta":
+the task's name, settings and a digest of its code, the model's and the drafter's shapes, the
+recipe and seeds) and reused by any later run whose meta matches, so that runs which differ only in
+their RL settings (the --tlt off / on comparison, other RL seeds) start from the same models. A
+warm-up made by anything else is never reused: one line names the difference and a fresh warm-up
+replaces it.
 
 Why the embedding init: see `init_merged_embeddings`. Without it the loss plateau before the
 look-up is learned lasts a seed- and machine-dependent time, and the warm-up's accuracy with it.
@@ -29,7 +31,6 @@ import math
 import os
 import random
 import time
-from dataclasses import asdict
 
 import torch
 import torch.distributed as dist
@@ -37,11 +38,11 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import rl
-from tasks import running_sum as task
 from drafter import Drafter, DrafterBuffer, chain_loss_masks, chained_states, make_optimizer, pair_batch, train_step
-from model import GPT, GPTConfig
+from model import GPT
 from rollout import ARMS, rollout
 from harness.instrument import liveness_observer
+from harness.config import model_config
 from harness.checkpoint import load_on_rank0, save_on_rank0
 from harness.distributed import multi_rank, print0
 from harness.liveness import beat, beating, wait_for_all
@@ -50,9 +51,9 @@ from harness.liveness import beat, beating, wait_for_all
 # -----------------------------------------------------------------------------
 # target warm-up: supervised training on warm-up traces
 
-def sft_batches(rng, task_cfg, n_batches, token_budget):
+def sft_batches(rng, task, n_batches, token_budget):
     """n_batches length-grouped batches of warm-up traces (token ids, prompt length), shuffled."""
-    pool = [task.training_example(task.sample_problem(rng, task_cfg), task_cfg, rng) for _ in range(n_batches * 64)]
+    pool = [task.warmup_example(task.sample(rng), rng) for _ in range(n_batches * 64)]
     batches = rl.group_by_length(pool, lambda e: len(e[0]), token_budget)
     rng.shuffle(batches)
     return batches[:n_batches]
@@ -66,13 +67,13 @@ def lr_at(step, total, peak):
     return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))  # cosine down to 10% of peak
 
 
-def sft_step(model, net, opt, batch, device):
+def sft_step(model, net, opt, batch, pad_id, device):
     """One supervised step on a batch of (token ids, prompt length): next-token loss on response
     tokens only (the prompt's digits are random), the mean over every rank's response tokens
     (`rl.global_mean_scale`), so the step does not depend on how the tokens fall on the ranks.
     Returns (loss, padded tokens read)."""
     ids, plens = zip(*batch)
-    tokens, mask = rl.collate(ids, plens, task.PAD_ID, device)
+    tokens, mask = rl.collate(ids, plens, pad_id, device)
     x, y = tokens[:, :-1], tokens[:, 1:].masked_fill(~mask, -100)
     logits, _ = net(x)
     loss_sum = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1), ignore_index=-100, reduction="sum")
@@ -85,40 +86,40 @@ def sft_step(model, net, opt, batch, device):
 
 
 @torch.no_grad()
-def init_merged_embeddings(model):
-    """Embedding of each labelled digit "b7" := (embedding of "b" + embedding of "7") / sqrt(2).
+def init_merged_embeddings(model, task):
+    """Embedding of each merged token := (sum of its parts' embeddings) / sqrt(parts), for the
+    task's merges (running sum: "b7" from "b" and "7").
 
-    The task's one hard skill is the look-up: the response writes the label "b" and must copy the
-    digit of the prompt's token "b7". With random embeddings the model must first discover that the
-    520 labelled-digit tokens share a label and a digit with the plain tokens; the deep narrow
-    target sits on a loss plateau (digits at chance) until it does, for a seed-dependent time.
-    Started as sums, "b" already matches "b7" in attention and "b7" already carries the "7" that the
-    tied head reads out."""
+    A task's one hard skill is often a look-up: the running sum's response writes the label "b" and
+    must copy the digit of the prompt's token "b7". With random embeddings the model must first
+    discover that the merged tokens share a label and a digit with the plain tokens; the deep
+    narrow target sits on a loss plateau (digits at chance) until it does, for a seed-dependent
+    time. Started as sums, "b" already matches "b7" in attention and "b7" already carries the "7"
+    that the tied head reads out."""
     wte = model.wte.weight
-    for label in task.LABELS:
-        for d in "0123456789":
-            parts = [task.ENC.encode_single_token(c) for c in (label, d)]
-            wte[task.ENC.encode_single_token(label + d)] = (wte[parts[0]] + wte[parts[1]]) / math.sqrt(2)
+    for merged, parts in task.merges():
+        wte[merged] = sum(wte[i] for i in parts) / math.sqrt(len(parts))
 
 
-def warmup_target(model, args, warmup_cfg, ddp, rank, world_size, device):
-    """Supervised training on warm-up traces of the warm-up's task config, all ranks under DDP."""
+def warmup_target(model, args, warmup_task, ddp, rank, world_size, device):
+    """Supervised training on the task's warm-up traces (sizes from warmup_task's exponent, moving to
+    --warmup-alpha-end), all ranks under DDP."""
     if args.merge_init:
-        init_merged_embeddings(model)  # deterministic, so still the same weights on every rank
+        init_merged_embeddings(model, warmup_task)  # deterministic, so still the same weights on every rank
     model.train()
     net = DDP(model, forward_sync_buffers=False) if ddp else model  # the rotary tables never change
     opt = torch.optim.AdamW(model.parameters(), lr=args.warmup_lr, betas=(0.9, 0.95), weight_decay=0.1)
-    rng = random.Random(task.derive_seed(args.seed, rank, 0, task.Seed.TARGET_DATA))
+    rng = random.Random(rl.derive_seed(args.seed, rank, 0, rl.Seed.TARGET_DATA))
     budget = max(1, args.warmup_tokens // world_size)
     t0, tokens_seen, batches = time.time(), 0, []
     for step in range(args.warmup_steps):
         if not batches:
             # the problem-size exponent moves from --warmup-alpha to --warmup-alpha-end over the warm-up
-            alpha = warmup_cfg.alpha + (args.warmup_alpha_end - warmup_cfg.alpha) * step / args.warmup_steps
-            batches = sft_batches(rng, dataclasses.replace(warmup_cfg, alpha=alpha), 16, budget)
+            alpha = warmup_task.alpha + (args.warmup_alpha_end - warmup_task.alpha) * step / args.warmup_steps
+            batches = sft_batches(rng, dataclasses.replace(warmup_task, alpha=alpha), 16, budget)
         for g in opt.param_groups:
             g["lr"] = lr_at(step, args.warmup_steps, args.warmup_lr)
-        loss, n_tokens = sft_step(model, net, opt, batches.pop(), device)
+        loss, n_tokens = sft_step(model, net, opt, batches.pop(), warmup_task.pad_id, device)
         tokens_seen += n_tokens * world_size
         if step % 50 == 0 or step == args.warmup_steps - 1:
             el = time.time() - t0
@@ -141,20 +142,20 @@ DEEP_FROM = 0.9  # held-out top-1 from which it trains on chained passes; teache
 SCORE_DEPTH = max(ARMS)  # the figures score chains as deep as the longest draft
 
 
-def sample_drafter_data(model, args, task_cfg, rank, world_size, device):
+def sample_drafter_data(model, args, task, rank, world_size, device):
     """The target's samples of RL prompts with their hidden states: this rank's share of
     --drafter-warmup-seqs to train on and of HELD_OUT_SEQS to score on. Each rank beats while it
     samples (the ranks' lengths differ), and the first collective after waits by liveness."""
-    rng = random.Random(task.derive_seed(args.drafter_seed, rank, 0, task.Seed.DRAFTER_DATA))
-    gen = torch.Generator(device=device).manual_seed(task.derive_seed(args.drafter_seed, rank, 0, task.Seed.DRAFTER_SAMPLES))
+    rng = random.Random(rl.derive_seed(args.drafter_seed, rank, 0, rl.Seed.DRAFTER_DATA))
+    gen = torch.Generator(device=device).manual_seed(rl.derive_seed(args.drafter_seed, rank, 0, rl.Seed.DRAFTER_SAMPLES))
     dtype = getattr(torch, args.dtype)
     train, held = DrafterBuffer(keep_steps=1, dtype=dtype), DrafterBuffer(keep_steps=1, dtype=dtype)  # no token bound
     n_held = len(range(rank, HELD_OUT_SEQS, world_size))
     n_local = n_held + len(range(rank, args.drafter_warmup_seqs, world_size))
     for i in range(0, n_local, 64):
-        problems = [task.sample_problem(rng, task_cfg) for _ in range(min(64, n_local - i))]
-        results = rollout(model, None, [task.encode(p.prompt()) for p in problems], task_cfg.max_response_len,
-                            temperature=args.temperature, eos_id=task.EOS_ID, generator=gen, observer=liveness_observer(beat))
+        problems = [task.sample(rng) for _ in range(min(64, n_local - i))]
+        results = rollout(model, None, [task.prompt_ids(p) for p in problems], task.max_response_len,
+                          temperature=args.temperature, eos_id=task.eos_id, generator=gen, observer=liveness_observer(beat))
         for j, s in enumerate(results):
             (held if i + j < n_held else train).add(0, s.tokens, s.hidden, s.prompt_len)
     return train, held, rng
@@ -212,7 +213,7 @@ def describe(figures):
             + f" | {expected_accepted(rates.tolist()):.2f} of {SCORE_DEPTH} accepted")
 
 
-def warmup_drafter(drafter, model, args, task_cfg, ddp, rank, world_size, device):
+def warmup_drafter(drafter, model, args, task, ddp, rank, world_size, device):
     """The target samples RL prompts; the drafter trains on them (`drafter.train_step`, gradients
     averaged over ranks) until it reaches its plateau on held-out samples.
 
@@ -230,7 +231,7 @@ def warmup_drafter(drafter, model, args, task_cfg, ddp, rank, world_size, device
     spread of this one). --drafter-warmup-steps caps it; a drafter stopped by the cap is reported
     as short of its plateau."""
     t0 = time.time()
-    buffer, held, rng = sample_drafter_data(model, args, task_cfg, rank, world_size, device)
+    buffer, held, rng = sample_drafter_data(model, args, task, rank, world_size, device)
     wait_for_all()
     print0(f"drafter warmup: {buffer.num_tokens():,} tokens of target samples per rank to train on, "
            f"{HELD_OUT_SEQS} held-out samples to score on, in {time.time() - t0:.1f}s")
@@ -278,59 +279,55 @@ def train_to_plateau(drafter, buffer, held, rng, args, ddp, device):
 # -----------------------------------------------------------------------------
 # both, cached
 
-def model_meta(args, config, warmup_cfg):
-    """What the target warm-up depends on: its traces (the warm-up's task config), shape, recipe, seed."""
-    return {"model": config.to_dict(), "task": asdict(warmup_cfg), "warmup_steps": args.warmup_steps,
+def model_meta(args, config, warmup_task):
+    """What the target warm-up depends on: the task (its warm-up traces), shape, recipe, seed."""
+    return {"model": config.to_dict(), "task": warmup_task.meta(), "warmup_steps": args.warmup_steps,
             "warmup_tokens": args.warmup_tokens, "warmup_lr": args.warmup_lr, "warmup_alpha_end": args.warmup_alpha_end,
-            "merge_init": args.merge_init,
-            "seed": args.seed,
-            # bf16 trains other weights: a bf16 run never reuses a float32 warm-up, nor the other way;
-            # float32 adds no key, so warm-ups cached before --dtype existed (all float32) are still used
-            **({"dtype": args.dtype} if args.dtype != "float32" else {})}
+            "merge_init": args.merge_init, "seed": args.seed, "dtype": args.dtype}  # bf16 trains other weights
 
 
-def drafter_meta(args, config, task_cfg, warmup_cfg):
-    """The drafter warm-up also depends on the RL task config: it learns from the target's samples of RL prompts."""
-    return {**model_meta(args, config, warmup_cfg), "rl_task": asdict(task_cfg), "drafter_seed": args.drafter_seed,
-            "drafter_warmup_seqs": args.drafter_warmup_seqs,
+def drafter_meta(args, config, task, warmup_task):
+    """The drafter warm-up also depends on the RL task: it learns from the target's samples of RL
+    prompts; and on the drafter's own shape and recipe."""
+    return {**model_meta(args, config, warmup_task), "rl_task": task.meta(), "drafter_layers": args.drafter_layers,
+            "drafter_seed": args.drafter_seed, "drafter_warmup_seqs": args.drafter_warmup_seqs,
             "drafter_warmup_steps": args.drafter_warmup_steps, "drafter_lr": args.drafter_lr,
             "drafter_batch": args.drafter_batch, "drafter_depth": args.drafter_depth, "temperature": args.temperature}
 
 
-def prepare_models(args, task_cfg, warmup_cfg, ddp, rank, world_size, device):
-    """Build target and drafter; warm each up, or reuse its cached warm-up. task_cfg is the RL
-    task, warmup_cfg the target warm-up's (the same task, starting with more small problems)."""
-    config = GPTConfig(vocab_size=task.VOCAB_SIZE, block_size=args.block_size, n_layer=args.n_layer,
-                       n_head=args.n_head, n_embd=args.n_embd)
-    torch.manual_seed(task.derive_seed(args.seed, 0, 0, task.Seed.INIT))  # same initial weights on every rank
+def prepare_models(args, task, warmup_task, ddp, rank, world_size, device):
+    """Build target and drafter; warm each up, or reuse its cached warm-up. task is the RL task,
+    warmup_task the target warm-up's (the same task, starting with more small problems)."""
+    config = model_config(args, task)
+    torch.manual_seed(rl.derive_seed(args.seed, 0, 0, rl.Seed.INIT))  # same initial weights on every rank
     model = GPT(config).to(device)
-    torch.manual_seed(task.derive_seed(args.drafter_seed, 0, 0, task.Seed.INIT))  # the drafter's own seed
-    drafter = Drafter(model).to(device)
-    print0(f"target: {model.num_params():,} parameters; drafter: {sum(p.numel() for p in drafter.parameters()):,} "
-           f"(+ the target's embedding and head, shared); {config}")
+    torch.manual_seed(rl.derive_seed(args.drafter_seed, 0, 0, rl.Seed.INIT))  # the drafter's own seed
+    drafter = Drafter(model, args.drafter_layers).to(device)
+    print0(f"task {task.name}; target: {model.num_params():,} parameters; drafter: {args.drafter_layers} layer(s), "
+           f"{sum(p.numel() for p in drafter.parameters()):,} (+ the target's embedding and head, shared); {config}")
     # a first CUDA step (kernels loaded on first use, library handles) can take long, each rank at
     # its own pace: take it here, outside any collective; the next one (load_on_rank0) waits by liveness
     with beating("in its first forward and backward pass"):
         model(torch.zeros(1, 1, dtype=torch.long, device=device))[0].sum().backward()
     model.zero_grad(set_to_none=True)
-    path = os.path.join(args.warmup_dir, "target_warmup.pt")
-    cached = load_on_rank0(path, model_meta(args, config, warmup_cfg))
+    path, meta = os.path.join(args.warmup_dir, "target_warmup.pt"), model_meta(args, config, warmup_task)
+    cached = load_on_rank0(path, meta, stale="redo")
     if cached:
         model.load_state_dict(cached["model"])
         print0(f"reusing the warmed-up target from {path}")
     else:
-        warmup_target(model, args, warmup_cfg, ddp, rank, world_size, device)
-        save_on_rank0({"meta": model_meta(args, config, warmup_cfg), "model": model.state_dict()}, path)
+        warmup_target(model, args, warmup_task, ddp, rank, world_size, device)
+        save_on_rank0({"meta": meta, "model": model.state_dict()}, path)
     model.eval()
     if args.drafter_warmup_steps == 0:
         print0("cold start: no drafter warm-up; the drafter is built from nothing on idle ranks during RL")
-        return config, model, drafter
-    path = os.path.join(args.warmup_dir, "drafter_warmup.pt")
-    cached = load_on_rank0(path, drafter_meta(args, config, task_cfg, warmup_cfg))
+        return model, drafter
+    path, meta = os.path.join(args.warmup_dir, "drafter_warmup.pt"), drafter_meta(args, config, task, warmup_task)
+    cached = load_on_rank0(path, meta, stale="redo")
     if cached:
         drafter.load_state_dict(cached["drafter"])
         print0(f"reusing the warmed-up drafter from {path}")
     else:
-        warmup_drafter(drafter, model, args, task_cfg, ddp, rank, world_size, device)
-        save_on_rank0({"meta": drafter_meta(args, config, task_cfg, warmup_cfg), "drafter": drafter.state_dict()}, path)
-    return config, model, drafter
+        warmup_drafter(drafter, model, args, task, ddp, rank, world_size, device)
+        save_on_rank0({"meta": meta, "drafter": drafter.state_dict()}, path)
+    return model, drafter

@@ -1,0 +1,135 @@
+"""The tasks, and the one interface through which the rest of the project knows a task.
+
+A task is the workload RL trains on: problems of a long-tailed size, their prompt and response
+format, an in-process tokenizer (tiktoken, no download), a reward and a held-out set. Nothing
+outside this folder knows a prompt's format, its tokens or its words: train.py builds the task
+named by --task and hands the object to the rollout, the GRPO step, the warm-ups and the report.
+
+A task is a frozen dataclass that subclasses `Task`. Its fields are its settings, and each field
+is a train.py flag of the same name (`max_n` is --max-n; `metadata={"help": ...}` is its help).
+What a task writes:
+
+    name, choice                the --task name; what `choice_share` counts, in the summary's words
+    size_buckets                the held-out set's and the report's problem-size ranges
+    encoding                    its tiktoken.Encoding, built in-process; `<|eos|>` and `<|pad|>` in it
+    problem(rng, size)          a random problem of `size`, an object with a `.size`
+    prompt_ids(problem)         its prompt as token ids
+    reward(problem, ids)        1.0 right, 0.0 wrong, for a response's token ids; never raises
+    warmup_example(problem, rng)    (token ids of prompt + response + <|eos|>, prompt length): a
+                                    supervised warm-up trace
+    response_len(size)          the longest response of a problem of `size`, <|eos|> included
+    max_prompt_len              the longest prompt at max_n
+    choice_share(ids)           the share of a response's choices that RL is expected to move
+                                toward (the summary prints it first and last)
+    parse(text)                 a user's prompt text -> a problem, or None (harness.sample)
+    merges()                    optional: (merged token, its parts) pairs, whose embeddings start as
+                                the parts' (harness.warmup; see --merge-init)
+
+`Task` gives every task the rest: problem sizes from a power law P(n) ~ n^-alpha on 1..max_n (the
+long tail), `sample`, `eval_set`, `decode`, `mean_by_size`, and the token ids.
+
+Adding a task: one file in this folder with a `Task` subclass, and one line in `TASKS` below.
+
+Test: python -m pytest tests/test_tasks.py
+"""
+import hashlib
+import inspect
+import random
+from dataclasses import asdict, dataclass, field, fields
+from functools import cached_property
+from typing import ClassVar
+
+
+@dataclass(frozen=True)
+class Task:
+    max_n: int = field(default=10, metadata={"help": "largest problem size"})
+    alpha: float = field(default=0.5, metadata={"help": "tail exponent of the problem sizes, "
+                                                        "P(n) ~ n^-alpha (smaller: a heavier tail)"})
+
+    name: ClassVar[str]
+    choice: ClassVar[str]
+    size_buckets: ClassVar[tuple]  # inclusive ranges of problem size
+
+    def __post_init__(self):  # a NaN fails every rule
+        if not self.max_n >= 1:
+            raise ValueError(f"max_n must be at least 1, got {self.max_n}")
+        if not self.alpha >= 0:
+            raise ValueError(f"alpha must be >= 0, got {self.alpha}")
+
+    # ------------------------------------------------------------------ tokens
+    @cached_property
+    def eos_id(self):
+        return self.encoding.encode_single_token("<|eos|>")
+
+    @cached_property
+    def pad_id(self):
+        return self.encoding.encode_single_token("<|pad|>")
+
+    @property
+    def vocab_size(self):
+        return self.encoding.n_vocab
+
+    def decode(self, ids):
+        """Token ids -> text; stops at <|eos|>; never raises (bad bytes become U+FFFD)."""
+        ids = list(ids) + [self.eos_id]  # a sentinel: cut at the first <|eos|>
+        return self.encoding.decode([i for i in ids[: ids.index(self.eos_id)]
+                                     if 0 <= i < self.vocab_size and i != self.pad_id])
+
+    def merges(self):
+        return []
+
+    # ------------------------------------------------------------------ problems
+    def sample(self, rng, size=None):
+        """A problem of `size`, or of a size drawn from P(n) ~ n^-alpha on 1..max_n: the long tail."""
+        if size is None:
+            sizes = range(1, self.max_n + 1)
+            size = rng.choices(sizes, weights=[n ** -self.alpha for n in sizes])[0]
+        return self.problem(rng, size)
+
+    @property
+    def max_response_len(self):
+        return self.response_len(self.max_n)
+
+    @property
+    def max_seq_len(self):
+        return self.max_prompt_len + self.max_response_len
+
+    def buckets(self):
+        """The size buckets within max_n, the last one cut there."""
+        return [(lo, min(hi, self.max_n)) for lo, hi in self.size_buckets if lo <= self.max_n]
+
+    def eval_set(self, per_bucket=40, seed=1234):
+        """The fixed held-out set: `per_bucket` problems for each size bucket within max_n."""
+        rng = random.Random(seed)
+        return [self.sample(rng, rng.randint(lo, hi)) for lo, hi in self.buckets() for _ in range(per_bucket)]
+
+    def bucket_of(self, n):
+        return next((f"{lo}-{hi}" for lo, hi in self.size_buckets if lo <= n <= hi), f">{self.size_buckets[-1][1]}")
+
+    def mean_by_size(self, problems, values):
+        """-> {"overall": mean, "1-2": mean, ...} over the buckets present (of rewards: accuracy)."""
+        table = {"overall": list(values)}
+        for p, v in zip(problems, values):
+            table.setdefault(self.bucket_of(p.size), []).append(v)
+        return {k: sum(v) / max(len(v), 1) for k, v in table.items()}
+
+    def meta(self):
+        """What this task's tokens depend on: its name, its settings and a digest of its code (its
+        module's source and this class's). A warm-up cached by other code is not reused
+        (harness.warmup), and `from_meta` makes the task again (harness.report)."""
+        code = inspect.getsource(inspect.getmodule(type(self))) + inspect.getsource(Task)
+        return {"name": self.name, **asdict(self), "code": hashlib.sha256(code.encode()).hexdigest()[:16]}
+
+
+from tasks.running_sum import RunningSum  # noqa: E402  (each task subclasses Task, above)
+
+TASKS = {cls.name: cls for cls in (RunningSum,)}
+
+
+def from_meta(meta):
+    """The task that `Task.meta` describes (its settings; not its code, which is today's)."""
+    if meta["name"] not in TASKS:
+        raise ValueError(f"unknown task {meta['name']!r}; registered: {', '.join(TASKS)}")
+    cls = TASKS[meta["name"]]
+    return cls(**{f.name: tuple(v) if isinstance(v, list) else v
+                  for f in fields(cls) if (v := meta.get(f.name)) is not None})

@@ -19,12 +19,12 @@ digit b in the prompt is a single attention look-up.
 
 Test: python -m pytest tests/test_task.py
 """
-import enum
-import random
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import tiktoken
+
+from tasks import Task
 
 LABELS = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
 EOS = "<|eos|>"
@@ -52,12 +52,6 @@ VOCAB_SIZE = ENC.n_vocab
 
 def encode(text):
     return ENC.encode(text, disallowed_special=())  # "<|eos|>" in user text stays plain bytes
-
-
-def decode(ids):
-    """Token ids -> text; stops at <|eos|>; never raises (bad bytes become U+FFFD)."""
-    ids = list(ids) + [EOS_ID]  # a sentinel: cut at the first <|eos|>
-    return ENC.decode([i for i in ids[: ids.index(EOS_ID)] if 0 <= i < EOS_ID])
 
 
 @dataclass(frozen=True)
@@ -93,43 +87,57 @@ class Problem:
 
 
 @dataclass(frozen=True)
-class TaskConfig:
-    max_n: int = 10       # largest problem; at most len(LABELS)
-    alpha: float = 0.5    # tail exponent of P(n) ~ n^-alpha (smaller: heavier tail)
+class RunningSum(Task):
+    """The running sum as a `Task` (tasks/__init__.py): its settings, each a train.py flag."""
+    max_n: int = field(default=10, metadata={"help": f"largest problem (digits to sum), at most {len(LABELS)}"})
     # warm-up traces: P(single step), P(jump of 2), P(jump of 3), P(the answer outright)
-    strides: tuple = (0.40, 0.0, 0.55, 0.05)
+    strides: tuple = field(default=(0.40, 0.0, 0.55, 0.05), metadata={
+        "help": "warm-up traces: the probability, at every step, of a single step (b7=3+7=0), a jump over "
+                "2 digits (c1=1), over 3 (d5=6), ..., and last of the answer outright (>8)"})
+
+    name = "running_sum"
+    choice = "single steps"
+    size_buckets = SIZE_BUCKETS
+    encoding = ENC
 
     def __post_init__(self):  # NaN fails every rule
+        super().__post_init__()
         for name, ok, rule in (("max_n", 1 <= self.max_n <= len(LABELS), f"in 1..{len(LABELS)}"),
-                               ("alpha", self.alpha >= 0, ">= 0"),
                                ("strides", bool(self.strides) and self.strides[0] > 0
                                 and all(p >= 0 for p in self.strides), "P(single) > 0, rest >= 0")):
             if not ok:
                 raise ValueError(f"{name} must be {rule}, got {getattr(self, name)}")
 
-    @property
-    def max_prompt_len(self):
-        return 2 * self.max_n
+    def problem(self, rng, size):
+        return Problem(tuple(rng.randrange(10) for _ in range(size)))
+
+    def prompt_ids(self, problem):
+        return encode(problem.prompt())
+
+    def reward(self, problem, response_ids):
+        return reward(problem.prompt(), self.decode(response_ids))
+
+    def warmup_example(self, problem, rng):
+        return training_example(problem, self, rng)
 
     @staticmethod
     def response_len(n):  # the longest response (single steps only), <|eos|> included
         return 9 * n + 3  # "b7=3+7=0 " is 9 tokens, ">1" 2, then <|eos|>
 
     @property
-    def max_response_len(self):
-        return self.response_len(self.max_n)
+    def max_prompt_len(self):
+        return 2 * self.max_n
 
-    @property
-    def max_seq_len(self):
-        return self.max_prompt_len + self.max_response_len
+    def choice_share(self, response_ids):
+        return single_share(self.decode(response_ids))
 
+    def parse(self, text):
+        return parse_prompt(text)
 
-def sample_problem(rng, cfg, size=None):
-    """A problem of `size` digits, or of a size drawn from P(n) ~ n^-alpha on 1..max_n."""
-    if size is None:
-        sizes = range(1, cfg.max_n + 1)
-        size = rng.choices(sizes, weights=[n ** -cfg.alpha for n in sizes])[0]
-    return Problem(tuple(rng.randrange(10) for _ in range(size)))
+    def merges(self):
+        """Each labelled digit "b7" and its parts "b" and "7": see harness.warmup's --merge-init."""
+        one = ENC.encode_single_token
+        return [(one(label + d), (one(label), one(d))) for label in LABELS for d in "0123456789"]
 
 
 def parse_prompt(prompt):
@@ -158,57 +166,9 @@ def reward(prompt, response):
         return 0.0
 
 
-def eval_set(cfg, per_bucket=40, seed=1234):
-    """The fixed held-out set: `per_bucket` problems for each size bucket within max_n."""
-    rng = random.Random(seed)
-    buckets = [(lo, min(hi, cfg.max_n)) for lo, hi in SIZE_BUCKETS if lo <= cfg.max_n]
-    return [sample_problem(rng, cfg, rng.randint(lo, hi))
-            for lo, hi in buckets for _ in range(per_bucket)]
-
-
-def bucket_of(n):
-    inside = (f"{lo}-{hi}" for lo, hi in SIZE_BUCKETS if lo <= n <= hi)
-    return next(inside, f">{SIZE_BUCKETS[-1][1]}")
-
-
-def mean_by_size(problems, values):
-    """-> {"overall": mean, "1-2": mean, ...} over the buckets present (of rewards: accuracy)."""
-    table = {"overall": list(values)}
-    for p, v in zip(problems, values):
-        table.setdefault(bucket_of(p.size), []).append(v)
-    return {k: sum(v) / max(len(v), 1) for k, v in table.items()}
-
-
 def training_example(problem, cfg=None, rng=None):
     """Token ids of prompt + response + <|eos|>, and where the response starts. Given a config and
     an rng, the response is a warm-up trace with its strides drawn; else single steps only."""
     response = problem.response() if cfg is None else problem.response(rng, cfg.strides)
     p, r = encode(problem.prompt()), encode(response) + [EOS_ID]
     return p + r, len(p)
-
-
-def derive_seed(*parts):
-    """A seed for any tuple of integers, such as (base seed, rank, step, purpose) (`Seed` says which
-    order each stream uses): each random stream gets its own seed, and nothing reseeds the global
-    generator inside a loop."""
-    h = 0
-    for x in parts:
-        h = (h * 1_000_003 + int(x)) % (2 ** 61 - 1)
-    return h
-
-
-class Seed(enum.IntEnum):
-    """What a derived seed is for: one stream each. Most are derive_seed(seed, rank, step, Seed.X);
-    a row's key is derive_seed(seed, step, row, Seed.ROLLOUT_KEYS) or (seed, row, 0,
-    Seed.EVAL_KEYS)."""
-    TARGET_DATA = 1        # the target warm-up's warm-up traces
-    DRAFTER_DATA = 2       # the drafter warm-up's prompts and batches
-    DRAFTER_SAMPLES = 3    # the target's samples the drafter warms up on
-    INIT = 4               # initial weights, the same on every rank
-    BANDIT = 5             # the bandit's exploration
-    RL_PROMPTS = 6         # each RL step's prompts, the same on every rank
-    ROLLOUT = 7            # rollout sampling with --sampler rejection
-    DRAFTER_TRAINING = 8   # idle-rank drafter batches
-    EVAL = 9               # evaluation sampling with --sampler rejection
-    ROLLOUT_KEYS = 10      # each rollout row's key with --sampler gumbel
-    EVAL_KEYS = 11         # each evaluation row's key with --sampler gumbel

@@ -78,7 +78,7 @@ def test_host_traffic_report_of_a_rollout_like_train_py(capsys, monkeypatch):
     drafter = Drafter(target).eval()
     randomize(target, 0, std=0.3)
     out = bench.rollout_host_traffic(SimpleNamespace(targs=targs, sampler=targs.sampler),
-                                     task.TaskConfig(max_n=4), target, drafter)
+                                     task.RunningSum(max_n=4), target, drafter)
     assert out["steps"] > 0 and out["reads_per_step"] == 1 and out["max_reads_in_a_step"] == 1
     assert out["copies_in_steps"] == 0 and out["prefill"]["reads"] == 1
     assert json.loads(json.dumps(out)) == out and "reads per decoding step" in capsys.readouterr().out

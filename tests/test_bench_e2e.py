@@ -23,7 +23,7 @@ def tiny_pair(seed):
 
 
 def test_drafter_comparison_shares_prompts_and_random_stream(tmp_path):
-    task_cfg = task.TaskConfig(max_n=4)  # fits the tiny block
+    task_cfg = task.RunningSum(max_n=4)  # fits the tiny block
     target, drafter = tiny_pair(0)
     randomize(target, 0, std=0.3)  # near their uniform init, the noise alone would pick every token
     torch.save({"model": target.state_dict(), "drafter": drafter.state_dict()}, tmp_path / "ckpt.pt")
@@ -39,7 +39,7 @@ def test_drafter_comparison_shares_prompts_and_random_stream(tmp_path):
 
 
 def test_drift_moves_a_copy_of_the_target_and_trains_a_copy_of_the_drafter():
-    task_cfg = task.TaskConfig(max_n=4)  # fits the tiny block
+    task_cfg = task.RunningSum(max_n=4)  # fits the tiny block
     target, drafter = tiny_pair(0)
     randomize(target, 0, std=0.3)  # far from the near-uniform init, where every draft is accepted before and after
     before = {k: v.clone() for k, v in target.state_dict().items()}

@@ -1,99 +1,69 @@
 """The README's reading table is true: it names every function and method that one RL step reaches,
-with the line count of each, and its rows sum to the total it states.
-
-"Reaches" is decided mechanically, by name: starting from train.rl_step, a call `f(...)` or
-`x.f(...)` reaches every function or method named f in the core files and train.py, and a call of a
-class reaches its __init__; the task's own functions (task.py) are left out of the table. Calls of a
-module object (`self.target(...)`) are not followed by name, so the table may name more than the
-walk reaches (the forwards), but never less.
+with the line count of each, and its rows sum to the total it states; and it is the table that
+`python -m harness.reading_path --write` makes from the code, whose docstring gives the walk's
+rules (by name from train.rl_step, and through a module call to its forward).
 """
-import ast
-import os
-import re
+from harness import reading_path as rp
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-CORE = ("task", "model", "drafter", "sampling", "speculative", "rollout", "scheduler", "rl", "train")
+FIX = "run `python -m harness.reading_path --write`"
 
 
-def definitions():
-    """{qualified name: (file, ast node)}, qualified as `module.f` or `Class.method`, and
-    {name: [qualified names]} for the walk."""
-    defs, by_name = {}, {}
-    for module in CORE:
-        tree = ast.parse(open(os.path.join(ROOT, f"{module}.py")).read())
-        for node in tree.body:
-            members = [(f"{module}.{node.name}", node)] if isinstance(node, ast.FunctionDef) else []
-            if isinstance(node, ast.ClassDef):
-                members = [(f"{node.name}.{m.name}", m) for m in node.body if isinstance(m, ast.FunctionDef)]
-            for qual, fn in members:
-                defs[qual] = (module, fn)
-                by_name.setdefault(fn.name, []).append(qual)
-            if isinstance(node, ast.ClassDef) and f"{node.name}.__init__" in defs:
-                by_name.setdefault(node.name, []).append(f"{node.name}.__init__")
-    return defs, by_name
-
-
-def reached(defs, by_name, start="train.rl_step"):
-    """Every definition the walk reaches from `start`, in the order it reaches them."""
-    order, todo = [], [start]
-    while todo:
-        qual = todo.pop(0)
-        if qual in order:
-            continue
-        order.append(qual)
-        for call in (n for n in ast.walk(defs[qual][1]) if isinstance(n, ast.Call)):
-            f = call.func
-            name = f.id if isinstance(f, ast.Name) else f.attr if isinstance(f, ast.Attribute) else None
-            todo += by_name.get(name, [])
-    return order
-
-
-def n_lines(node):
-    return node.end_lineno - node.lineno + 1  # from its `def` to its last line
-
-
-def reading_table():
-    """The README's table of the path: [(names, counts)] per row, and the total it states."""
-    text = open(os.path.join(ROOT, "README.md")).read()
-    total = int(re.search(r"\*\*The path of one RL step\*\*.*?\(([\d,]+) lines", text, re.S).group(1).replace(",", ""))
-    lines = text[text.index("**The path of one RL step**"):].splitlines()
-    first = next(i for i, line in enumerate(lines) if line.startswith("|")) + 2  # past the header
-    rows = []
-    for line in lines[first:]:
-        if not line.startswith("|"):
-            break
-        cells = [c.strip() for c in line.strip("|").split("|")]
-        names, cls = [], None
-        for name in re.findall(r"`([\w.]+)`", cells[1]):
-            if name.startswith("."):  # a method of the class named before it
-                name = cls + name
-            cls = name.split(".")[0]
-            names.append(name)
-        rows.append((names, [int(n) for n in re.findall(r"\d+", cells[2])]))
-    return rows, total
+def readme_table():
+    """The README's table as written: [(names, counts)] per row, and the total it states."""
+    _, section, _ = rp.split_readme(rp.read_readme())
+    return rp.read_table(section)
 
 
 def test_the_reading_table_names_every_function_the_step_reaches_with_its_true_length():
-    defs, by_name = definitions()
-    rows, total = reading_table()
+    code = rp.read_code()
+    rows, total = readme_table()
     listed = [name for names, _ in rows for name in names]
-    assert len(listed) == len(set(listed)), "a function is listed twice"
-    missing = [q for q in reached(defs, by_name) if defs[q][0] != "task" and q not in listed]
-    assert not missing, f"the step reaches these, the table does not name them: {missing}"
+    assert len(listed) == len(set(listed)), f"a function is listed twice: {FIX}"
+    missing = [q for q in rp.reached(code) if q not in listed]
+    assert not missing, f"the step reaches these, the README does not name them: {missing}: {FIX}"
     for names, counts in rows:
-        assert len(names) == len(counts), (names, counts)
+        assert len(names) == len(counts), f"{names}, {counts}: {FIX}"
         for name, count in zip(names, counts):
-            assert name in defs, f"{name} is not a core function"
-            assert count == n_lines(defs[name][1]), f"{name}: the table says {count} lines, the code has {n_lines(defs[name][1])}"
-    assert sum(c for _, counts in rows for c in counts) == total
+            assert name in code.defs, f"{name} is not a core function: {FIX}"
+            true = rp.n_lines(code.defs[name][1])
+            assert count == true, f"{name}: the README says {count} lines, the code {true}: {FIX}"
+    stated = sum(c for _, counts in rows for c in counts)
+    assert stated == total, f"the rows sum to {stated}, the README says {total}: {FIX}"
+
+
+def test_the_readme_table_is_the_generated_one():
+    """What --write would write: the rows' order, grouping and words too, not only the counts."""
+    _, section, _ = rp.split_readme(rp.read_readme())
+    assert section == rp.section(rp.read_code()), f"README.md's path of one RL step is stale: {FIX}"
 
 
 def test_the_walk_follows_calls_by_name_and_leaves_out_what_no_call_reaches():
     """The walk itself: rl_step reaches the rollout and, through the RunningBatch's steps, both
     samplers' methods of the names it calls; it does not reach code that only a harness calls."""
-    defs, by_name = definitions()
-    order = reached(defs, by_name)
+    order = rp.reached(rp.read_code())
     assert order[0] == "train.rl_step"
-    assert {"rollout.rollout", "RunningBatch.__init__", "RunningBatch.compact", "GumbelSampler.verify",
-            "RejectionSampler.verify", "sampling.verify", "Drafter.propose"} <= set(order)
+    assert {"rollout.rollout", "RunningBatch.__init__", "RunningBatch.compact",
+            "GumbelSampler.verify", "RejectionSampler.verify", "speculative.verify",
+            "Drafter.propose"} <= set(order)
     assert "Bandit.state_dict" not in order and "speculative.autoregressive_generate" not in order
+
+
+def test_the_walk_follows_a_module_call_to_its_forward():
+    """`self.target(...)` reaches GPT.forward, and the forwards it calls theirs (`self.stack`,
+    `block`, `self.attn`, `self.norm`); `self(...)` in Drafter.propose reaches Drafter.forward.
+    A call of a torch function of a module's attribute name (`torch.stack`) reaches nothing."""
+    code = rp.read_code()
+    forwards = {"GPT.forward", "RotaryStack.forward", "Block.forward", "Attention.forward",
+                "LayerNorm.forward", "Drafter.forward"}
+    assert forwards <= set(rp.reached(code))
+    assert set(rp.reached(code, "RunningBatch.plain_step")) >= forwards - {"Drafter.forward"}
+    assert "Drafter.forward" in rp.callees(code, "Drafter.propose")
+    assert not forwards & set(rp.reached(code, "RunningBatch.compact"))
+    assert rp.callees(code, "LayerNorm.forward") == []  # super().forward is torch's
+
+
+def test_the_rows_place_the_speculative_step_before_the_noise_it_uses():
+    names = [names for names, _, _ in rp.rows(rp.read_code())]
+    row_of = {q: i for i, row in enumerate(names) for q in row}
+    assert row_of["train.rl_step"] == 0
+    assert row_of["RunningBatch.speculative_step"] < row_of["speculative.gumbel_noise"]

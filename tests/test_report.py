@@ -13,6 +13,9 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 from harness import report  # noqa: E402
+from tasks.running_sum import RunningSum  # noqa: E402
+
+TASK = RunningSum()
 
 SEGMENTS = [{"rank": 0, "rollout_time": 1.0, "idle_time": 0.2, "drafter_steps": 3,
              "segments": [["plain", 0, 0.5], ["spec", 0.5, 1.0], ["train", 1.0, 1.2]]},
@@ -107,11 +110,11 @@ def test_summary_keeps_its_lines_then_draws_the_picture(capsys):
                for s in range(3)]
     acc = {"greedy": {"overall": 0.5, "1-2": 0.75}, "sampled": {"overall": 0.25, "1-2": 0.5},
            "length": {"overall": 12.0, "1-2": 8.5}}
-    report.summary(history, acc, acc, 61.2)
+    report.summary(history, acc, acc, 61.2, TASK)
     out = capsys.readouterr().out
     assert out.startswith(SUMMARY)
-    assert out[len(SUMMARY):].splitlines() == report.picture(history)
-    report.summary(history, {}, {}, 61.2)
+    assert out[len(SUMMARY):].splitlines() == report.picture(history, TASK)
+    report.summary(history, {}, {}, 61.2, TASK)
     out = capsys.readouterr().out
     assert "  held-out accuracy     not evaluated (--eval-per-bucket 0)\n" in out
 
@@ -122,7 +125,7 @@ def test_summary_keeps_its_lines_then_draws_the_picture(capsys):
 def test_picture_shows_the_accept_length_trend():
     # 20 steps in 10 bins of 2: accept length falls 3.0 -> 1.1, the step time rises 1.0 -> 2.9
     history = [record(s, accept_len=3.0 - 0.1 * s, step_time=1.0 + 0.1 * s) for s in range(20)]
-    lines = report.picture(history)
+    lines = report.picture(history, TASK)
     accept, step_time = row(lines, "accept length"), row(lines, "step time")
     assert "2.95 -> 1.15, range 1.15..2.95 tokens/verify" in accept
     assert cells(accept) == list("█▇▆▆▅▄▃▃▂▁")  # from the maximum down to the minimum
@@ -130,12 +133,12 @@ def test_picture_shows_the_accept_length_trend():
     assert "1.050 -> 2.850" in step_time
     assert row(lines, "response length").endswith("40.0 -> 40.0, range 40.0..40.0 tokens")
     # records out of order draw the same picture: bins are of consecutive steps
-    assert report.picture(history[::-1]) == lines
+    assert report.picture(history[::-1], TASK) == lines
 
 
 def test_picture_bins_fewer_steps_and_leaves_bins_without_speculation_blank():
     history = [record(s, accept_len=None if s < 2 else 2.0 + s) for s in range(4)]
-    lines = report.picture(history, bins=10)
+    lines = report.picture(history, TASK, bins=10)
     assert "in 4 bins of 1 step(s)" in lines[2]
     assert cells(row(lines, "accept length"), 4) == [" ", " ", "▁", "█"]
     assert "4.00 -> 5.00" in row(lines, "accept length")
@@ -149,7 +152,7 @@ def test_positions_are_drawn_from_counts_summed_over_the_first_and_last_tenth():
     history[1].update(drafted_at=[30, 0], accepted_at=[6, 0])
     history[18].update(drafted_at=[30, 21], accepted_at=[3, 3])
     history[19].update(drafted_at=[10, 0], accepted_at=[1, 0])
-    lines = report.picture(history)
+    lines = report.picture(history, TASK)
     start = lines.index("  accepted by position (% of the drafts decided there; "
                         "first and last 2 steps)")
     first1, last1, first2, last2 = lines[start + 1:start + 5]
@@ -165,7 +168,7 @@ def test_positions_are_drawn_from_counts_summed_over_the_first_and_last_tenth():
 def test_a_run_without_speculation_says_so():
     history = [record(s, accept_len=None, accept_rate=None, drafter_top1=None, drafted_at=[],
                       accepted_at=[], sd_token_frac=0.0) for s in range(12)]
-    lines = report.picture(history)
+    lines = report.picture(history, TASK)
     assert row(lines, "accept length") == f"  {'accept length':16s}{report.NO_SD}"
     assert "no speculative steps" in report.NO_SD
     assert row(lines, "drafter top-1").endswith("not scored in any step")
@@ -177,7 +180,7 @@ def test_picture_fits_a_100_column_terminal():
     history = [record(10_000 + s, step_time=1234.567 * (1 + s), response_len=12_345.6 - s,
                       accept_len=8.99, drafted_at=[1_000_000] * 8, accepted_at=[999_999] * 8)
                for s in range(100)]
-    lines = report.picture(history)
+    lines = report.picture(history, TASK)
     assert max(len(ln) for ln in lines) <= 100
     assert len([ln for ln in lines if "|" in ln]) == 16  # 8 positions, first and last tenth
 
@@ -240,13 +243,13 @@ def test_accept_length_at_k4_is_implied_by_the_acceptance_by_position():
     assert report.accept_len_at([0.9, 0.8, 0.7]) is None and report.accept_len_at([0.9, None, 0.7, 0.5]) is None
     # the picture's line: first tenth at a1..a4 = 1.0, last tenth at 0.5
     history = [record(s, drafted_at=[10] * 4, accepted_at=[10 if s < 10 else 5] * 4) for s in range(100)]
-    assert "at k = 4 these give 5.00 -> 1.94 tokens per verify step" in "\n".join(report.picture(history))
+    assert "at k = 4 these give 5.00 -> 1.94 tokens per verify step" in "\n".join(report.picture(history, TASK))
 
 
 def test_the_picture_shows_acceptance_by_problem_size_first_and_last():
     early = {"drafted_by_size": [10, 20, 0], "accepted_by_size": [10, 19, 0]}
     late = {"drafted_by_size": [10, 40, 30], "accepted_by_size": [9, 30, 15]}
     history = [record(s, **(early if s < 10 else late)) for s in range(100)]
-    line = row(report.picture(history), "accepted by size")
+    line = row(report.picture(history, TASK), "accepted by size")
     assert line == "  accepted by size      1-2 100.0% -> 90.0% | 3-5 95.0% -> 75.0% | 6-10 - -> 50.0%"
-    assert not any("accepted by size" in x for x in report.picture([record(s) for s in range(20)]))  # older records
+    assert not any("accepted by size" in x for x in report.picture([record(s) for s in range(20)], TASK))  # older records

@@ -287,7 +287,7 @@ def _drafter_warmup(rank, world, fault):
     torch.manual_seed(0)
     target = GPT(GPTConfig(vocab_size=task.VOCAB_SIZE, block_size=48, n_layer=1, n_head=2, n_embd=16)).eval()
     args = config.parse_args(["--drafter-warmup-seqs", "4", "--drafter-warmup-steps", "2", "--drafter-batch", "2"])
-    warmup.warmup_drafter(Drafter(target), target, args, task.TaskConfig(max_n=3), True, rank, world,
+    warmup.warmup_drafter(Drafter(target), target, args, task.RunningSum(max_n=3), True, rank, world,
                           torch.device("cpu"))
 
 
@@ -318,8 +318,8 @@ def _evaluate(rank, world, fault):
     from tasks import running_sum as task
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=task.VOCAB_SIZE, block_size=48, n_layer=1, n_head=2, n_embd=16)).eval()
-    cfg = task.TaskConfig(max_n=3)
-    problems = [task.sample_problem(random.Random(i), cfg, size=3) for i in range(world)]
+    cfg = task.RunningSum(max_n=3)
+    problems = [cfg.sample(random.Random(i), size=3) for i in range(world)]
     if rank == world - 1:
         real, steps = model.forward, cfg.response_len(3)
 
@@ -327,7 +327,7 @@ def _evaluate(rank, world, fault):
             time.sleep(3 * SHORT_S / steps)
             return real(*a, **kw)
         model.forward = slow_forward
-    evaluate.evaluate(model, problems, rank, world, task_cfg=cfg)
+    evaluate.evaluate(model, cfg, problems, rank, world)
 
 
 class _SlowToPickle:

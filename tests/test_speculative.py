@@ -139,18 +139,18 @@ def test_acceptance_by_position_counts_decided_drafts_only():
     assert st.as_dict()["drafted_at"] == [6, 3, 2, 2, 0, 0] and st.accept_by_position[4] is None
 
 
-def test_acceptance_by_prompt_length_follows_each_row_through_compaction():
-    """A step's counts belong to the rows the batch held before that step's compaction: four rows
-    (prompt lengths 4, 6, 4, 8), then rows 0 and 2 finish and rows 3 and 1 hold the two slots."""
-    st, lens = DecodeStats(), [4, 6, 4, 8]
-    st(types.SimpleNamespace(prompt_lens=lens, running=[0, 1, 2, 3]), None)  # the prefill
-    after = types.SimpleNamespace(prompt_lens=lens, running=[3, 1])
+def test_acceptance_by_row_follows_each_row_through_compaction():
+    """A step's counts belong to the rows the batch held before that step's compaction: four rows,
+    then rows 0 and 2 finish and rows 3 and 1 hold the two slots."""
+    st = DecodeStats()
+    st(types.SimpleNamespace(running=[0, 1, 2, 3]), None)  # the prefill
+    after = types.SimpleNamespace(running=[3, 1])
     st(after, Step(4, 4, torch.tensor([4, 1, 2, 5]), torch.tensor([3, 0, 2, 4])))
     st(after, Step(2, 4, torch.tensor([2, 3]), torch.tensor([1, 2])))
     st.settle()
-    assert st.by_prompt_len == {4: [6, 5], 6: [4, 2], 8: [6, 5]}  # [drafts decided, accepted]
-    assert sum(v[0] for v in st.by_prompt_len.values()) == sum(st.drafted_at)
-    assert sum(v[1] for v in st.by_prompt_len.values()) == sum(st.accepted_at)
+    assert st.by_row == {0: [4, 3], 1: [4, 2], 2: [2, 2], 3: [6, 5]}  # [drafts decided, accepted]
+    assert sum(v[0] for v in st.by_row.values()) == sum(st.drafted_at)
+    assert sum(v[1] for v in st.by_row.values()) == sum(st.accepted_at)
 
 
 def test_mixed_plain_and_speculative_steps_are_lossless(greedy_setup):

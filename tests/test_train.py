@@ -14,6 +14,8 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 from harness import checkpoint  # noqa: E402
+from tasks import running_sum  # noqa: E402
+from model import GPT, GPTConfig  # noqa: E402
 from harness import config  # noqa: E402
 import train  # noqa: E402
 from harness import warmup  # noqa: E402
@@ -160,11 +162,11 @@ def test_rl_prompts_are_a_function_of_seed_and_step():
     """Every rank draws the step's whole list and takes its shard; the bench's long-tail workload
     relies on drawing the same list."""
     args = config.parse_args(TINY)
-    cfg = train.task.TaskConfig(max_n=args.max_n, alpha=args.alpha)
-    prompts = train.rl.rl_prompts(args, cfg, 3)
-    assert prompts == train.rl.rl_prompts(args, cfg, 3) and len(prompts) == args.prompts_per_step
-    assert prompts != train.rl.rl_prompts(args, cfg, 4)
-    assert prompts != train.rl.rl_prompts(config.parse_args(TINY + ["--rl-seed", "7"]), cfg, 3)
+    cfg = config.task_of(args)
+    prompts = train.rl.rl_problems(args, cfg, 3)
+    assert prompts == train.rl.rl_problems(args, cfg, 3) and len(prompts) == args.prompts_per_step
+    assert prompts != train.rl.rl_problems(args, cfg, 4)
+    assert prompts != train.rl.rl_problems(config.parse_args(TINY + ["--rl-seed", "7"]), cfg, 3)
 
 
 def test_mismatched_or_corrupt_checkpoint_is_refused_and_left_alone(tmp_path):
@@ -221,7 +223,7 @@ def test_dtype_flag_turns_bf16_autocast_on_and_float32_leaves_it_off():
     The end-to-end run above only sees the flag copied into its meta, so this is what catches a
     bf16 run silently computing in float32."""
     from model import GPT, GPTConfig
-    model = GPT(GPTConfig(vocab_size=train.task.VOCAB_SIZE, block_size=40, n_layer=1, n_head=2, n_embd=16))
+    model = GPT(GPTConfig(vocab_size=running_sum.VOCAB_SIZE, block_size=40, n_layer=1, n_head=2, n_embd=16))
     idx = torch.zeros(1, 3, dtype=torch.long)
     for flags, want in (([], torch.float32), (["--dtype", "bfloat16"], torch.bfloat16)):
         with torch.no_grad(), config.autocast(config.parse_args(TINY + flags), torch.device("cpu")):
@@ -229,13 +231,12 @@ def test_dtype_flag_turns_bf16_autocast_on_and_float32_leaves_it_off():
         assert logits.dtype == want and hidden.dtype == torch.float32, flags
 
 
-def test_dtype_keys_the_warmups_and_float32_keeps_the_old_meta():
-    """A bf16 warm-up is another warm-up: its meta differs. float32 adds no key, so warm-ups cached
-    before --dtype existed are still used."""
+def test_dtype_keys_the_warmups():
+    """A bf16 warm-up is another warm-up: its meta differs in the dtype alone."""
     f32, bf16 = config.parse_args(TINY), config.parse_args(TINY + ["--dtype", "bfloat16"])
-    shape = warmup.GPTConfig(vocab_size=train.task.VOCAB_SIZE, block_size=40, n_layer=1, n_head=2, n_embd=16)
-    metas = [warmup.model_meta(a, shape, config.task_config(a, warmup=True)) for a in (f32, bf16)]
-    assert "dtype" not in metas[0] and metas[1] == {**metas[0], "dtype": "bfloat16"}
+    shape = GPTConfig(vocab_size=running_sum.VOCAB_SIZE, block_size=40, n_layer=1, n_head=2, n_embd=16)
+    metas = [warmup.model_meta(a, shape, config.task_of(a, warmup=True)) for a in (f32, bf16)]
+    assert metas[0]["dtype"] == "float32" and metas[1] == {**metas[0], "dtype": "bfloat16"}
 
 
 def test_a_block_that_fits_the_longest_draft_fits_the_evaluation(tmp_path):
@@ -250,8 +251,8 @@ def test_evaluation_without_drafts_decodes_plainly():
     """--draft-ks 0 never speculates: the evaluation decodes plainly and skips the speculative check."""
     args = config.parse_args(TINY + ["--draft-ks", "0", "--block-size", "47", "--eval-samples", "1"])
     model, drafter = _tiny_models(args)
-    task_cfg = config.task_config(args)
-    acc = train.evaluate_both(model, drafter, train.task.eval_set(task_cfg, 1), args, task_cfg, 0, 1, "now", check=True)
+    task_cfg = config.task_of(args)
+    acc = train.evaluate_both(model, drafter, task_cfg.eval_set(1), args, task_cfg, 0, 1, "now", check=True)
     assert set(acc) == {"greedy", "sampled", "length"}
 
 
@@ -301,18 +302,19 @@ def test_non_finite_update_is_skipped_and_never_saved(tmp_path):
 
 def test_merged_embeddings_start_as_label_plus_digit():
     args = config.parse_args(TINY)
-    model = warmup.GPT(warmup.GPTConfig(vocab_size=train.task.VOCAB_SIZE, block_size=args.block_size,
+    model = GPT(GPTConfig(vocab_size=running_sum.VOCAB_SIZE, block_size=args.block_size,
                                         n_layer=1, n_head=2, n_embd=16))
-    warmup.init_merged_embeddings(model)
+    warmup.init_merged_embeddings(model, config.task_of(args))
     w = model.wte.weight
-    b7 = train.task.ENC.encode_single_token("b7")
+    b7 = running_sum.ENC.encode_single_token("b7")
     assert torch.allclose(w[b7], (w[ord("b")] + w[ord("7")]) / 2 ** 0.5)
 
 
 def test_task_flags_reach_the_task_config():
     args = config.parse_args(TINY + ["--strides", "0.5,0.3,0.2", "--warmup-alpha", "0.5"])
-    cfg, wcfg = config.task_config(args), config.task_config(args, warmup=True)
-    assert (cfg.strides, wcfg.strides, cfg.alpha, wcfg.alpha) == ((0.5, 0.3, 0.2), (0.5, 0.3, 0.2), args.alpha, 0.5)
+    cfg, wcfg = config.task_of(args), config.task_of(args, warmup=True)
+    assert (cfg.strides, wcfg.strides, cfg.alpha, wcfg.alpha) == ((0.5, 0.3, 0.2), (0.5, 0.3, 0.2), 0.5, 0.5)
+    assert config.task_of(config.parse_args(TINY + ["--alpha", "0.7"])).alpha == 0.7
     for bad in (["--strides", "0.5,x"], ["--strides", "0,1"], ["--max-n", "5"]):  # 5 digits do not fit the tiny block
         with pytest.raises(SystemExit):
             config.parse_args(TINY + bad)
@@ -321,8 +323,8 @@ def test_task_flags_reach_the_task_config():
 def test_warmup_curriculum_keys_the_cache():
     curriculum, plain = config.parse_args(TINY), config.parse_args(TINY + ["--warmup-alpha-end", "2.0"])
     assert curriculum.warmup_alpha_end != curriculum.warmup_alpha and plain.warmup_alpha_end == plain.warmup_alpha
-    shape = warmup.GPTConfig(vocab_size=train.task.VOCAB_SIZE, block_size=40, n_layer=1, n_head=2, n_embd=16)
-    metas = [warmup.model_meta(a, shape, config.task_config(a, warmup=True)) for a in (plain, curriculum)]
+    shape = GPTConfig(vocab_size=running_sum.VOCAB_SIZE, block_size=40, n_layer=1, n_head=2, n_embd=16)
+    metas = [warmup.model_meta(a, shape, config.task_of(a, warmup=True)) for a in (plain, curriculum)]
     assert metas[0] != metas[1]  # a warm-up cached with another curriculum is refused, not reused
 
 
@@ -332,7 +334,7 @@ def _tiny_models(args):
     from drafter import Drafter
     from model import GPT, GPTConfig
     torch.manual_seed(0)
-    model = GPT(GPTConfig(vocab_size=train.task.VOCAB_SIZE, block_size=args.block_size, n_layer=args.n_layer,
+    model = GPT(GPTConfig(vocab_size=running_sum.VOCAB_SIZE, block_size=args.block_size, n_layer=args.n_layer,
                           n_head=args.n_head, n_embd=args.n_embd)).eval()
     return model, Drafter(model)
 
@@ -355,7 +357,7 @@ def _rl_steps_worker(rank, world, port, out, n_steps, warm):
     net = DistributedDataParallel(model, forward_sync_buffers=False) if world > 1 else model
     opt = torch.optim.AdamW(model.parameters(), lr=args.rl_lr, betas=(0.9, 0.95), weight_decay=0.0)
     d_opt = train.make_optimizer(drafter, args.drafter_online_lr)
-    s = train.RunState(args, config.task_config(args), model, net, opt, drafter, d_opt, train.Bandit(args.draft_ks),
+    s = train.RunState(args, config.task_of(args), model, net, opt, drafter, d_opt, train.Bandit(args.draft_ks),
                        train.DrafterBuffer(), rank, world, torch.device("cpu"))
     recs = [train.rl_step(step, s)[0] for step in range(n_steps)]
     if rank == 0:
@@ -412,7 +414,7 @@ def _cache_worker(rank, port, warmup_dir, out):
         real = os.path.exists
         os.path.exists = lambda p: False if str(p).startswith(warmup_dir) else real(p)
     args = config.parse_args(TINY + ["--warmup-dir", warmup_dir])
-    _, model, drafter = warmup.prepare_models(args, config.task_config(args), config.task_config(args, warmup=True),
+    model, drafter = warmup.prepare_models(args, config.task_of(args), config.task_of(args, warmup=True),
                                               True, rank, 2, torch.device("cpu"))
     torch.save({"model": model.state_dict(), "drafter": checksum(drafter)}, f"{out}.{rank}")
     dist.barrier()

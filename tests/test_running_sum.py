@@ -1,5 +1,5 @@
-"""Tests for task.py: the in-process tokenizer, the reward, decode, the long-tailed size
-distribution, the stratified eval set, TaskConfig validation and training examples."""
+"""Tests for tasks/running_sum.py: the in-process tokenizer, the reward, decode, the long-tailed size
+distribution, the stratified eval set, the settings' validation and training examples."""
 import random
 import socket
 from collections import Counter
@@ -8,18 +8,19 @@ import numpy as np
 import pytest
 
 from tasks import running_sum as task
-from tasks.running_sum import TaskConfig
+from tasks.running_sum import RunningSum
 
-ALL_SIZES = TaskConfig(max_n=len(task.LABELS))
+ALL_SIZES = RunningSum(max_n=len(task.LABELS))
+TASK = RunningSum()
 
 
 def sample_by_size(cfg, per_size, seed):
     rng = random.Random(seed)
-    return [task.sample_problem(rng, cfg, n) for n in range(1, cfg.max_n + 1) for _ in range(per_size)]
+    return [cfg.sample(rng, n) for n in range(1, cfg.max_n + 1) for _ in range(per_size)]
 
 
 def roundtrip(text):
-    return task.decode(task.encode(text))
+    return TASK.decode(task.encode(text))
 
 
 # ----------------------------------------------------------------------------- tokenizer
@@ -43,7 +44,7 @@ def test_build_tokenizer_is_in_process(monkeypatch):
     assert enc.encode(text) == task.encode(text)
 
 
-@pytest.mark.parametrize("cfg", [TaskConfig(), ALL_SIZES], ids=["default", "max_n=52"])
+@pytest.mark.parametrize("cfg", [RunningSum(), ALL_SIZES], ids=["default", "max_n=52"])
 def test_tokenizer_round_trips_prompts_and_responses(cfg):
     problems = sample_by_size(cfg, per_size=25, seed=11)
     assert {p.size for p in problems} == set(range(1, cfg.max_n + 1))
@@ -72,25 +73,25 @@ def test_tokenizer_round_trips_other_text():
 
 def test_decode_stops_at_eos():
     head, tail = task.encode("a3 b7:"), task.encode(" junk >5")
-    assert task.decode(head + [task.EOS_ID] + tail) == "a3 b7:"
-    assert task.decode(head + [task.EOS_ID, task.EOS_ID]) == "a3 b7:"
-    assert task.decode([task.EOS_ID] + tail) == ""
-    assert task.decode(head + [task.PAD_ID] + tail) == "a3 b7:" + " junk >5"  # padding is not text
-    assert task.decode(iter(head)) == "a3 b7:"  # any iterable of ids
+    assert TASK.decode(head + [task.EOS_ID] + tail) == "a3 b7:"
+    assert TASK.decode(head + [task.EOS_ID, task.EOS_ID]) == "a3 b7:"
+    assert TASK.decode([task.EOS_ID] + tail) == ""
+    assert TASK.decode(head + [task.PAD_ID] + tail) == "a3 b7:" + " junk >5"  # padding is not text
+    assert TASK.decode(iter(head)) == "a3 b7:"  # any iterable of ids
 
 
 def test_decode_never_raises_on_arbitrary_ids():
     rng = random.Random(13)
     for _ in range(2000):
         ids = [rng.randrange(task.VOCAB_SIZE) for _ in range(rng.randrange(0, 80))]
-        out = task.decode(ids)
+        out = TASK.decode(ids)
         assert isinstance(out, str)
         if task.EOS_ID in ids:  # nothing after the first EOS can show up
-            assert out == task.decode(ids[: ids.index(task.EOS_ID)])
+            assert out == TASK.decode(ids[: ids.index(task.EOS_ID)])
     # lone continuation bytes and truncated multi-byte sequences become U+FFFD, not errors
-    assert task.decode([0x80, 0xFF, 0xE2, 0x82]).count("\ufffd") >= 1
+    assert TASK.decode([0x80, 0xFF, 0xE2, 0x82]).count("\ufffd") >= 1
     # ids out of the vocabulary are ignored (the docstring promises "never raises")
-    assert isinstance(task.decode([-1, task.VOCAB_SIZE, 10 ** 9] + task.encode("ok")), str)
+    assert isinstance(TASK.decode([-1, task.VOCAB_SIZE, 10 ** 9] + task.encode("ok")), str)
 
 
 # ----------------------------------------------------------------------------- reward
@@ -100,7 +101,7 @@ def test_reward_reference_is_one_and_wrong_answer_is_zero():
     for p in sample_by_size(ALL_SIZES, per_size=10, seed=14):
         prompt, ref = p.prompt(), p.response()
         assert task.reward(prompt, ref) == 1.0, (prompt, ref)
-        assert task.reward(prompt, task.decode(task.training_example(p)[0][len(task.encode(prompt)):])) == 1.0
+        assert task.reward(prompt, TASK.decode(task.training_example(p)[0][len(task.encode(prompt)):])) == 1.0
         head = ref[: ref.rindex(">") + 1]
         for wrong in range(10):
             if wrong != p.answer:
@@ -149,12 +150,12 @@ def test_reward_accepts_only_ascii_digits():
 
 def test_reward_on_decoded_random_ids_never_raises():
     rng = random.Random(17)
-    problems = sample_by_size(TaskConfig(), per_size=4, seed=17)
+    problems = sample_by_size(RunningSum(), per_size=4, seed=17)
     hits = 0
     for i in range(1000):
         p = problems[i % len(problems)]
         ids = [rng.randrange(task.VOCAB_SIZE) for _ in range(rng.randrange(0, 120))]
-        r = task.reward(p.prompt(), task.decode(ids))
+        r = task.reward(p.prompt(), TASK.decode(ids))
         assert r in (0.0, 1.0)
         hits += r
     assert hits < 50  # random ids essentially never end in the right answer
@@ -164,9 +165,9 @@ def test_reward_on_decoded_random_ids_never_raises():
 
 
 def test_default_response_lengths_are_long_tailed():
-    cfg = TaskConfig()
+    cfg = RunningSum()
     rng = random.Random(0)
-    lengths = np.array([len(task.encode(task.sample_problem(rng, cfg).response(rng, cfg.strides))) + 1
+    lengths = np.array([len(task.encode(cfg.sample(rng).response(rng, cfg.strides))) + 1
                         for _ in range(20000)])
     med, p90, p99 = np.percentile(lengths, [50, 90, 99])
     print(f"\nwarm-up trace tokens (eos included), default TaskConfig, n=20000: "
@@ -181,26 +182,26 @@ def test_default_response_lengths_are_long_tailed():
 
 @pytest.mark.parametrize("max_n", [1, 4, 12, 26, 52])
 def test_eval_set_is_fixed_and_stratified(max_n):
-    cfg = TaskConfig(max_n=max_n)
+    cfg = RunningSum(max_n=max_n)
     per_bucket = 7
-    a, b = task.eval_set(cfg, per_bucket=per_bucket), task.eval_set(cfg, per_bucket=per_bucket)
+    a, b = cfg.eval_set(per_bucket=per_bucket), cfg.eval_set(per_bucket=per_bucket)
     assert a == b
-    assert a != task.eval_set(cfg, per_bucket=per_bucket, seed=99)
+    assert a != cfg.eval_set(per_bucket=per_bucket, seed=99)
     expected = {f"{lo}-{hi}": per_bucket for lo, hi in task.SIZE_BUCKETS if lo <= max_n}
-    assert Counter(task.bucket_of(p.size) for p in a) == expected
+    assert Counter(cfg.bucket_of(p.size) for p in a) == expected
     for p in a:
         assert 1 <= p.size <= max_n
         assert all(0 <= d < 10 for d in p.digits)
     # the default set: per_bucket problems in every bucket
-    default = task.eval_set(cfg)
-    assert default == task.eval_set(cfg)
-    assert set(Counter(task.bucket_of(p.size) for p in default).values()) == {40}
+    default = cfg.eval_set()
+    assert default == cfg.eval_set()
+    assert set(Counter(cfg.bucket_of(p.size) for p in default).values()) == {40}
 
 
 def test_mean_by_size_returns_per_bucket_means():
-    cfg = TaskConfig(max_n=26)
-    problems = task.eval_set(cfg, per_bucket=5)
-    buckets = [task.bucket_of(p.size) for p in problems]
+    cfg = RunningSum(max_n=26)
+    problems = cfg.eval_set(per_bucket=5)
+    buckets = [cfg.bucket_of(p.size) for p in problems]
     names = list(dict.fromkeys(buckets))
     assert len(names) == 5
     # bucket i gets i correct answers out of 5 (in scrambled order within the set)
@@ -212,7 +213,7 @@ def test_mean_by_size_returns_per_bucket_means():
     rng = random.Random(18)
     order = list(range(len(problems)))
     rng.shuffle(order)
-    acc = task.mean_by_size([problems[i] for i in order], [rewards[i] for i in order])
+    acc = TASK.mean_by_size([problems[i] for i in order], [rewards[i] for i in order])
     assert set(acc) == {"overall"} | set(names)
     for i, name in enumerate(names):
         assert acc[name] == pytest.approx(i / 5), name
@@ -226,12 +227,12 @@ def test_mean_by_size_returns_per_bucket_means():
 @pytest.mark.parametrize("max_n", [0, -1, len(task.LABELS) + 1, 1000])
 def test_task_config_rejects_max_n_out_of_range(max_n):
     with pytest.raises(ValueError):
-        TaskConfig(max_n=max_n)
+        RunningSum(max_n=max_n)
 
 
 @pytest.mark.parametrize("max_n", [1, len(task.LABELS)])
 def test_task_config_accepts_max_n_in_range(max_n):
-    assert TaskConfig(max_n=max_n).max_n == max_n
+    assert RunningSum(max_n=max_n).max_n == max_n
 
 
 def test_training_example_layout():
@@ -242,7 +243,7 @@ def test_training_example_layout():
         assert ids[-1] == task.EOS_ID and ids.count(task.EOS_ID) == 1
         assert task.PAD_ID not in ids
         assert all(0 <= i < task.VOCAB_SIZE for i in ids)
-        assert task.decode(ids) == p.prompt() + p.response()
+        assert TASK.decode(ids) == p.prompt() + p.response()
         assert len(ids) <= ALL_SIZES.max_seq_len
 
 
@@ -273,11 +274,11 @@ def parse_steps(problem, response):
 
 
 def test_warm_up_traces_draw_a_stride_at_every_step_and_are_right():
-    cfg = TaskConfig(max_n=12, strides=(0.40, 0.45, 0.10, 0.05))
+    cfg = RunningSum(max_n=12, strides=(0.40, 0.45, 0.10, 0.05))
     rng = random.Random(21)
     seen = Counter()
     for _ in range(3000):
-        p = task.sample_problem(rng, cfg)
+        p = cfg.sample(rng)
         r = p.response(rng, cfg.strides)
         seen.update(parse_steps(p, r))
         assert task.reward(p.prompt(), r) == 1.0  # no step is written wrong: every error is the model's
@@ -308,4 +309,4 @@ def test_single_share_counts_the_single_steps_among_the_written_ones():
 @pytest.mark.parametrize("strides", [(), (0.0, 1.0), (-0.1, 0.5, 0.6), (float("nan"), 1.0), (0.5, float("nan"))])
 def test_task_config_rejects_bad_strides(strides):
     with pytest.raises(ValueError):
-        TaskConfig(strides=strides)
+        RunningSum(strides=strides)
