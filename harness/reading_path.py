@@ -13,7 +13,8 @@ the step reaches, their order, their lengths and the total are read from the cod
 The walk starts at train.rl_step and follows calls, mechanically, through the core files and
 train.py; a task's own functions (tasks/) are left out, as the task is not the technique.
 - By name: a call `f(...)` or `x.f(...)` reaches every core function or method named f, and a call
-  of a class reaches its __init__. A method called on `super()` is torch's: not followed.
+  of a class reaches its __init__. A method called on `super()` is torch's, one called on the task
+  (`task.f`, `s.task.f`) the task's: neither is followed.
 - Module calls: a call of an expression that holds a core module reaches that class's forward
   (nn.Module.__call__ runs it). What an expression holds is read from names, not types: `self`
   holds its own class; a variable holds the class it is named after, in lower case (`block`,
@@ -21,9 +22,11 @@ train.py; a task's own functions (tasks/) are left out, as the task is not the t
   holds what the __init__ of x's class assigns to `self.a`, a module, a list of them, or a variable
   (`self.attn = Attention(config)`, `self.blocks = nn.ModuleList(Block(config) ...)`,
   `self.target = target`). So `self.target(...)` reaches GPT.forward, `torch.stack(...)` nothing.
-The walk is breadth first, a function's calls in the order they are written; a row's place is
-where the walk first reaches one of its functions. The command fails, naming the function, if the
-walk reaches one that no row names, or a row names one that the walk does not reach.
+The walk is depth first, a function's calls in the order they are written, so the rows read as the
+step runs: a row's place is where the walk first reaches its first function, except the helper
+rows (the noise's hashing), which the step reaches through the prefill but which are read after the
+steps that use them: they come last. The command fails, naming the function, if the walk reaches
+one that no row names, or a row names one that the walk does not reach.
 
 Test: python -m pytest tests/test_readme.py
 """
@@ -43,8 +46,8 @@ WRITE = "python -m harness.reading_path --write"
 SENTENCE = """\
 **The path of one RL step**: every function and method that one step reaches ({total} lines in
 all), helpers and the model's forwards included, the task's own functions aside. The rows are in
-the order a breadth-first walk of the calls from `train.rl_step` first reaches them (by name, and
-through a module call to its `forward`); the counts are the code's.
+the order a depth-first walk of the calls from `train.rl_step` first reaches them (by name, and
+through a module call to its `forward`), the noise's hashing last; the counts are the code's.
 `python -m harness.reading_path --write` writes this table, `tests/test_readme.py` checks it:"""
 HEAD = SENTENCE.partition(":")[0]  # how --write finds the section: a line that starts so
 
@@ -126,6 +129,9 @@ ROWS = {
          "drafter.chain_attention_mask", "drafter.chain_loss_masks"],
         "one step, three chained passes deep, stoppable between them"),
 }
+
+
+HELPERS = ("the noise",)  # rows read after the steps that use them: last
 
 
 class Code(NamedTuple):
@@ -211,10 +217,11 @@ def holds(expr, here, code):
     return set()
 
 
-def is_super(expr):
-    """`super().f`: a method of the parent class (torch's: no core class derives from another)."""
+def not_followed(expr):
+    """`super().f`: a method of the parent class (torch's: no core class derives from another);
+    `task.f`, `s.task.f`: the task's (tasks/ is not the technique)."""
     inner = getattr(expr, "value", None)
-    return isinstance(inner, ast.Call) and last_name(inner.func) == "super"
+    return (isinstance(inner, ast.Call) and last_name(inner.func) == "super") or last_name(inner) == "task"
 
 
 def callees(code, qual):
@@ -224,7 +231,7 @@ def callees(code, qual):
     calls = sorted((n for n in ast.walk(fn) if isinstance(n, ast.Call)),
                    key=lambda n: (n.lineno, n.col_offset))
     out = []
-    for call in (c for c in calls if not is_super(c.func)):
+    for call in (c for c in calls if not not_followed(c.func)):
         out += code.by_name.get(last_name(call.func), [])
         forwards = (f"{c}.forward" for c in sorted(holds(call.func, here, code)))
         out += [f for f in forwards if f in code.defs]
@@ -239,7 +246,7 @@ def reached(code, start=START):
         if qual not in seen:
             seen.add(qual)
             order.append(qual)
-            todo += callees(code, qual)
+            todo = callees(code, qual) + todo  # depth first: its callees before its next sibling
     return order
 
 
@@ -262,7 +269,8 @@ def rows(code):
         ("ROWS name these, the step does not reach them", unreached)) if names]
     if problems:
         raise SystemExit("harness/reading_path.py: " + "; ".join(problems) + " (edit ROWS there)")
-    ranked = sorted(ROWS.values(), key=lambda row: min(where[q] for q in row[0]))
+    ranked = sorted(ROWS.items(), key=lambda r: (r[0] in HELPERS, where[r[1][0][0]]))
+    ranked = [row for _, row in ranked]
     return [(names, [n_lines(code.defs[q][1]) for q in names], words) for names, words in ranked]
 
 

@@ -28,7 +28,8 @@ What a task writes:
 `Task` gives every task the rest: problem sizes from a power law P(n) ~ n^-alpha on 1..max_n (the
 long tail), `sample`, `eval_set`, `decode`, `mean_by_size`, and the token ids.
 
-Adding a task: one file in this folder with a `Task` subclass, and one line in `TASKS` below.
+Adding a task: one file in this folder with a `Task` subclass, and its import and name in `TASKS`
+below.
 
 Test: python -m pytest tests/test_tasks.py
 """
@@ -121,9 +122,11 @@ class Task:
         return {"name": self.name, **asdict(self), "code": hashlib.sha256(code.encode()).hexdigest()[:16]}
 
 
-from tasks.running_sum import RunningSum  # noqa: E402  (each task subclasses Task, above)
+# the registry: each task subclasses Task, above
+from tasks.pointer_chase import PointerChase  # noqa: E402
+from tasks.running_sum import RunningSum  # noqa: E402
 
-TASKS = {cls.name: cls for cls in (RunningSum,)}
+TASKS = {cls.name: cls for cls in (RunningSum, PointerChase)}
 
 
 def from_meta(meta):
