@@ -456,3 +456,75 @@ def test_one_process_holds_at_most_keep_tokens_in_every_configuration(flags, tmp
     held = [m["ranks"][0]["buffer_tokens"] for m in metrics(out)]
     assert len(held) == 8 and max(held) <= 56, held
     assert (min(held) > 0) if not flags else (max(held) == 0), held
+
+
+# ----------------------------------------------------------------------------- the warm-up cache's key
+
+PLANTED = '''from dataclasses import dataclass
+
+from tasks.running_sum import RunningSum
+
+
+@dataclass(frozen=True)
+class Planted(RunningSum):
+    name = "planted"
+'''
+
+
+def _planted_task(path, source, monkeypatch):
+    """A task whose module is `source`, written to `path` and (re)imported, registered as "planted"."""
+    import importlib
+    import linecache
+    import tasks
+    path.write_text(source)
+    linecache.checkcache(str(path))  # the digest reads the source as it is now
+    monkeypatch.syspath_prepend(str(path.parent))
+    module = importlib.reload(sys.modules["planted"]) if "planted" in sys.modules else importlib.import_module("planted")
+    monkeypatch.setitem(tasks.TASKS, "planted", module.Planted)
+
+
+def _prepare(argv):
+    args = config.parse_args(TINY + argv)
+    return warmup.prepare_models(args, config.task_of(args), config.task_of(args, warmup=True), False, 0, 1,
+                                 torch.device("cpu"))
+
+
+def test_a_warmup_made_by_other_task_code_or_another_drafter_shape_is_made_afresh(tmp_path, monkeypatch, capsys):
+    """The cache is keyed on what made it: the same flags after the task's code changed (a planted
+    edit of its module) get a fresh warm-up and one line naming the difference, not the old one;
+    a drafter of another depth gets a fresh drafter warm-up, not a missing-keys crash."""
+    module = tmp_path / "code" / "planted.py"
+    module.parent.mkdir()
+    _planted_task(module, PLANTED, monkeypatch)
+    (tmp_path / "warm").mkdir()
+    flags = ["--task", "planted", "--warmup-dir", str(tmp_path / "warm")]
+    _prepare(flags)
+    first = capsys.readouterr().out
+    assert "target warmup" in first and "reusing" not in first
+    _prepare(flags)  # the same code and flags: reused
+    assert "reusing the warmed-up target" in capsys.readouterr().out
+    _planted_task(module, PLANTED + "    # an edit: the task's code is not what made the warm-up\n", monkeypatch)
+    _prepare(flags)
+    out = capsys.readouterr().out
+    assert "not reusing" in out and "task.code" in out and "target warmup" in out
+    assert "reusing the warmed-up target" not in out
+    _, drafter = _prepare(flags + ["--drafter-layers", "2"])
+    out = capsys.readouterr().out
+    assert "reusing the warmed-up target" in out and "drafter_layers 1 there, 2 here" in out
+    assert len(drafter.stack.blocks) == 2 and "drafter warmup" in out
+
+
+@pytest.mark.parametrize("name", sorted(__import__("tasks").TASKS))
+def test_every_registered_task_trains_and_speculates_without_changing_a_token(tmp_path, name):
+    """A tiny run of each task: warm-ups, two RL steps with TLT, the held-out checks (speculative
+    and plain decoding write the same responses), and the task.json the report reads."""
+    import tasks
+    out = str(tmp_path / name)
+    r = run_train(TINY + ["--task", name, "--out-dir", out, "--rl-steps", "2"])
+    assert r.returncode == 0, r.stderr[-2000:]
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        assert [json.loads(line)["step"] for line in f] == [0, 1]
+    assert "greedy: 0 of" in r.stdout and "sampled at T=1: 0 of" in r.stdout
+    assert f"task {name};" in r.stdout
+    with open(os.path.join(out, "task.json")) as f:
+        assert tasks.from_meta(json.load(f)) == config.task_of(config.parse_args(TINY + ["--task", name]))
