@@ -70,15 +70,15 @@ class Drafter(nn.Module):
         B, L = batch.batch_size, batch.n_tokens - 1  # L (B,): the target cache's length
         if batch.draft_cache is None:  # the switch to SD: no recorded state read yet
             batch.draft_cache = self.new_cache(B, batch.cache.max_len, dtype=batch.cache.kv.dtype)
-            batch.unread_bound = batch.tokens_bound
+            batch.unread_states_bound = batch.n_tokens_bound
         cache = batch.draft_cache
         # catch up: each row re-reads its last T pairs (h_j, x_{j+1}), j < L, T a bound on those it
         # has not read; a row with L < T also reads padding past L: dead entries, rolled back below
-        T = min(batch.unread_bound, batch.tokens_bound - 1)
+        T = min(batch.unread_states_bound, batch.n_tokens_bound - 1)
         start = (L - T).clamp_(min=0)  # (B,)
         j = start[:, None] + batch.cache.offsets[:T]  # (B, T)
-        cache.lengths, cache.window = start, batch.tokens_bound - 1
-        rows = batch.cache.rows[:, None]
+        cache.lengths, cache.read_len = start, batch.n_tokens_bound - 1
+        rows = batch.cache.slots[:, None]
         logits, h = self(batch.hidden[rows, j], batch.tokens.gather(1, j + 1), cache)
         last = (L - 1 - start)[:, None, None]  # (B, 1, 1): the column of pair L - 1
         logits = logits.gather(1, last.expand(B, 1, logits.shape[-1]))  # (B, 1, V)
@@ -90,10 +90,10 @@ class Drafter(nn.Module):
             drafts.append(d)
             qs.append(q)
             if i + 1 < k:
-                cache.window = batch.tokens_bound + i
+                cache.read_len = batch.n_tokens_bound + i
                 logits, h = self(h, d, cache)  # (B, 1, V), (B, 1, C)
         cache.lengths = L  # entries built on guessed states are redone next step
-        batch.unread_bound = 0  # the step that drafted adds its own tokens
+        batch.unread_states_bound = 0  # the step that drafted adds its own tokens
         return torch.cat(drafts, 1), None if qs[0] is None else torch.cat(qs, 1)
 
     def new_cache(self, batch_size, max_len=None, device=None, dtype=None):

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 @dataclass
 class GPTConfig:
-    vocab_size: int = 778   # the running sum's vocabulary
+    vocab_size: int = 778   # train.py sets the task's
     block_size: int = 256   # longest prompt + response (+ draft) the model and its cache hold
     n_layer: int = 12
     n_head: int = 4
@@ -47,11 +47,12 @@ class KVCache:
         self.kv = torch.zeros(shape, device=device, dtype=dtype)  # k, v side by side: one write
         self.lengths = torch.zeros(batch_size, dtype=torch.long, device=device)
         self.max_len = max_len
-        # the next forward's attention window, >= max(lengths) + T, set from the host (None: a sync)
-        self.window = None
+        # how many positions the next forward's attention reads, >= max(lengths) + T, set from the
+        # host (None: a sync)
+        self.read_len = None
         # 0 .. max_len-1 and 0 .. B-1, made once: slicing them is free, a fresh arange is a kernel
         self.offsets = torch.arange(max_len, device=device)
-        self.rows = torch.arange(batch_size, device=device)
+        self.slots = torch.arange(batch_size, device=device)
 
     @property
     def k(self):
@@ -61,13 +62,14 @@ class KVCache:
     def batch_size(self):
         return self.lengths.shape[0]
 
-    def compact(self, n, slots=None, rows=None):
-        """Compaction: slots `slots` get rows `rows` (index tensors: a list is a host copy), then
-        the cache is its first n slots; live rows past the end fill the holes, not all rows move."""
+    def compact(self, n, slots=None, sources=None):
+        """Compaction: slots `slots` get the rows of slots `sources` (index tensors: a list is a
+        host copy), then the cache is its first n slots; live rows past the end fill the holes, not
+        all rows move."""
         if slots is not None:  # the right side is a copy: safe in any order
-            self.kv[:, :, slots] = self.kv[:, :, rows]
-            self.lengths = self.lengths.index_copy(0, slots, self.lengths[rows])
-        self.kv, self.lengths, self.rows = self.kv[:, :, :n], self.lengths[:n], self.rows[:n]
+            self.kv[:, :, slots] = self.kv[:, :, sources]
+            self.lengths = self.lengths.index_copy(0, slots, self.lengths[sources])
+        self.kv, self.lengths, self.slots = self.kv[:, :, :n], self.lengths[:n], self.slots[:n]
 
 
 class LayerNorm(nn.LayerNorm):
@@ -111,7 +113,7 @@ class Attention(nn.Module):
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         else:  # kv: this layer's (2, B, H, max_len, hd) cache; row b's T entries go at where
             kv[:, where[0], :, where[1]] = qkv[1:].permute(1, 3, 0, 2, 4).to(kv.dtype)
-            keys = kv[:, :, :, :mask.shape[-1]]  # (2, B, H, window, hd)
+            keys = kv[:, :, :, :mask.shape[-1]]  # (2, B, H, read_len, hd)
             y = F.scaled_dot_product_attention(q, keys[0], keys[1], attn_mask=mask)
         return self.proj(y.transpose(1, 2).reshape(B, T, C))
 
@@ -163,24 +165,24 @@ class RotaryStack(nn.Module):
         B, T, _ = x.shape
         if cache is None:
             pos = torch.arange(T, device=x.device).expand(B, T)
-            window, limit = T, self.config.block_size
+            read_len, limit = T, self.config.block_size
         else:
             pos = cache.lengths[:, None] + cache.offsets[:T]  # (B, T)
-            window, cache.window = cache.window, None
-            if window is None:
-                window = int(cache.lengths.max()) + T  # sync: no window given, read the longest row
+            read_len, cache.read_len = cache.read_len, None
+            if read_len is None:
+                read_len = int(cache.lengths.max()) + T  # sync: none given, read the longest row
             limit = min(cache.max_len, self.config.block_size)
-        if window > limit:
-            raise ValueError(f"position {window - 1} is past the model's {limit} positions")
+        if read_len > limit:
+            raise ValueError(f"position {read_len - 1} is past the model's {limit} positions")
         # (3, B, 1, T, hd/2): the rotation of each row's queries, keys and values at its positions
         rot = torch.view_as_complex(self.rope[pos]).permute(2, 0, 1, 3)[:, :, None]
         where = mask = None
         if cache is not None:  # a query at position p sees keys 0..p of its own row, nothing stale
-            where = (cache.rows[:, None], pos)
+            where = (cache.slots[:, None], pos)
             # in the dtype SDPA computes in (the autocast one, if on), so it casts nothing per layer
             dev = x.device.type
             dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
-            unseen = cache.offsets[:window] > pos[:, None, :, None]  # (B, 1, T, window)
+            unseen = cache.offsets[:read_len] > pos[:, None, :, None]  # (B, 1, T, read_len)
             mask = unseen.new_zeros(unseen.shape, dtype=dtype).masked_fill_(unseen, float("-inf"))
         chained, mask = chain if chain is not None else ([None] * len(self.blocks), mask)
         for i, block in enumerate(self.blocks):

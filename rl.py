@@ -170,7 +170,8 @@ class GRPOConfig:
 
 
 def grpo_update(net, opt, sequences, prompt_lens, advantages, cfg, ref_model=None, n_total=None):
-    """One GRPO update on this rank's rollouts (token lists, prompt lengths, advantages) ->
+    """One GRPO update on the rows dealt to this rank (token lists, prompt lengths, advantages;
+    rows of every rank's rollouts, re-dealt by tokens: train.update_target) ->
     (loss, clip fraction, skipped). net: the model or its DDP wrapper; cfg: a GRPOConfig;
     ref_model: the frozen reference, for cfg.kl_coef > 0; n_total: the global batch's response
     tokens, if known (else all-reduced). Length-grouped micro-batches, one optimizer step per

@@ -95,15 +95,16 @@ def rollout(target, drafter, prompts, max_new_tokens, *, sd_threshold=64, bandit
         observer(batch, None)
     while running:
         B = batch.batch_size
-        k = bandit.choose(B) if drafter is not None and B <= sd_threshold else None
-        t0, generated = time.perf_counter(), batch.generated
+        in_tail = drafter is not None and B <= sd_threshold  # the bandit decides here
+        k = bandit.choose(B) if in_tail else 0
+        t0, before = time.perf_counter(), batch.n_generated
         if k:  # the tail: draft k, verify them in one target pass
             n_emitted, n_acc = batch.speculative_step(drafter, k)
         else:  # a big batch, or the bandit's k = 0: one token per row
             n_emitted, n_acc = batch.plain_step(), None
         running = batch.compact()  # sync: which rows finished; it waits for the step's kernels
-        if k is not None:  # score k by the tokens per second it delivered
-            bandit.update(B, k, batch.generated - generated, time.perf_counter() - t0)
+        if in_tail:  # score k by the tokens per second it delivered
+            bandit.update(B, k, batch.n_generated - before, time.perf_counter() - t0)
         if observer:
-            observer(batch, Step(B, k or 0, n_emitted, n_acc))
+            observer(batch, Step(B, k, n_emitted, n_acc))
     return batch.results

@@ -5,7 +5,8 @@ apart. A rank that is done enters an asynchronous barrier and, until it complete
 drafter one short piece at a time:
 
     work = dist.barrier(async_op=True)   # completes when the LAST rank arrives
-    while not work.is_completed():       # preemption: the last rank's arrival, nothing else
+    wait for it a moment (grace_s)       # the last rank finds it complete: it starts nothing
+    while not work.is_completed():       # preemption: the last rank's arrival
         one piece of drafter work
 
 So idle time becomes drafter training with torch.distributed alone. A piece is short (its top-1
@@ -15,8 +16,9 @@ its passes), since the last rank waits for the pieces in flight; the last rank i
 Then every rank holds the same drafter again: the weights are averaged, weighted by each rank's
 local steps, in one all-reduce that overlaps the target's update. Each rank's AdamW moments stay
 its own. A single process has no idle time, so it never trains the drafter online: that is the
-technique, not a bug. How hard idle ranks train is set by the drafter's recent top-1 agreement with
-the target on fresh rows (`drafter_schedule`).
+technique, not a bug (it still scores the drafter's top-1, on its own path: nobody waits for it).
+How hard idle ranks train is set by the drafter's recent top-1 agreement with the target on fresh
+rows (`drafter_schedule`).
 
 Test: python -m pytest tests/test_scheduler.py   (gloo processes with skewed loads)
 """

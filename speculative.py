@@ -46,10 +46,12 @@ class RunningBatch:
 
     Row b holds tokens[b, :n_tokens[b]], prompt then response; its last token is *pending*, sampled
     but not yet read by the target, so the target's cache holds n_tokens - 1 positions, and
-    hidden[b, j] is the target's state after reading tokens[b, j]. The host keeps, without reading
-    the device: `running`, the original row of each slot; `tokens_bound` >= every n_tokens (it
-    sizes the attention windows); `unread_bound` >= how many recorded states the learned drafter
-    has not read (its catch-up width); and, as of the last `compact`, `generated`, the tokens the
+    hidden[b, j] is the target's state after reading tokens[b, j]. A *slot* b is a place in the
+    batch's tensors; a *row* is a prompt's place in `prompts`, which keeps its slot until
+    compaction moves it. The host keeps, without reading the device: `row_of_slot`, the row each
+    slot holds (the device's copy: `device_row_of_slot`); `n_tokens_bound` >= every n_tokens (how
+    far attention reads); `unread_states_bound` >= how many recorded states the learned drafter has
+    not read (its catch-up width); and, as of the last `compact`, `n_generated`, the tokens the
     batch has generated so far, all rows."""
 
     def __init__(self, target, prompts, max_new_tokens, *, max_draft=0, **sampling):
@@ -66,16 +68,16 @@ class RunningBatch:
                              f"{target.config.block_size}")
         dev, B, width = target.wte.weight.device, len(prompts), need + 1
         self.target, self.eos_id, self.prompts = target, s.eos_id, prompts
-        self.running, self.prompt_lens = list(range(B)), [len(p) for p in prompts]  # host only
+        self.row_of_slot, self.prompt_lens = list(range(B)), [len(p) for p in prompts]  # host only
         self.max_row_tokens = longest_prompt + max_new_tokens  # no row grows past it
-        self.generated, self._live_tokens = 0, sum(self.prompt_lens)  # see `compact`
+        self.n_generated, self._n_tokens_live = 0, sum(self.prompt_lens)  # see `compact`
         self.tokens = torch.tensor([p + [0] * (width - len(p)) for p in prompts], device=dev)
         self.hidden = torch.zeros(B, width, target.config.n_embd, device=dev,
                                   dtype=target.wte.weight.dtype)  # (B, width, C)
-        self.row_id = torch.arange(B, device=dev)  # the device's `running`
+        self.device_row_of_slot = torch.arange(B, device=dev)  # the device's `row_of_slot`
         self.sampler = s.new_sampler(B, width, target.config.vocab_size, dev)
         self.cache = target.new_cache(B, max_len=need)
-        self.draft_cache = self.unread_bound = None  # a learned drafter's, from its first draft
+        self.draft_cache = self.unread_states_bound = None  # a learned drafter's, once it drafts
         self.finished, self._unread_responses = [None] * B, []  # see `results`
         self._prefill(longest_prompt, max_new_tokens)
 
@@ -89,7 +91,7 @@ class RunningBatch:
         inverse = torch.tensor(self.group, device=dev)
         prompt_len = torch.tensor(self.prompt_lens, device=dev)  # (B,)
         once = self.target.new_cache(len(index), max_len=longest_prompt)
-        once.window = longest_prompt
+        once.read_len = longest_prompt
         logits, hidden = self.target(self.tokens[firsts, :longest_prompt], once)  # (U, T, V|C)
         self.cache.kv[..., :longest_prompt, :] = once.kv[:, :, inverse]
         self.cache.lengths = prompt_len  # the padding's entries are dead
@@ -100,11 +102,11 @@ class RunningBatch:
         self.sampler.start_step(prompt_len[:, None])
         first, _ = self.sampler.choose(logits[inverse, prompt_len - 1][:, None])  # (B, 1)
         self._append(first)
-        self.tokens_bound = longest_prompt + 1
+        self.n_tokens_bound = longest_prompt + 1
 
     @property
     def batch_size(self):
-        return self.row_id.shape[0]
+        return self.device_row_of_slot.shape[0]
 
     def _append(self, new, n_new=None):
         """Write new (B, W) tokens after each row's end, row b keeping its first n_new[b] (default
@@ -127,14 +129,14 @@ class RunningBatch:
     def plain_step(self):
         """One token for every running row. Returns the tokens emitted per row (B,)."""
         L = self.n_tokens - 1  # (B,) the target cache's length; tokens[L] is pending
-        self.cache.window = self.tokens_bound  # the longest row after the append: no read
+        self.cache.read_len = self.n_tokens_bound  # the longest row after the append: no read
         logits, hidden = self.target(self.tokens.gather(1, L[:, None]), self.cache)  # (B, 1, .)
-        self.hidden[self.cache.rows, L] = hidden[:, 0]
+        self.hidden[self.cache.slots, L] = hidden[:, 0]
         self.sampler.start_step(self.n_tokens[:, None])
         nxt, _ = self.sampler.choose(logits)  # (B, 1)
-        self.tokens_bound = min(self.tokens_bound + 1, self.max_row_tokens)
-        if self.unread_bound is not None:
-            self.unread_bound += 1
+        self.n_tokens_bound = min(self.n_tokens_bound + 1, self.max_row_tokens)
+        if self.unread_states_bound is not None:
+            self.unread_states_bound += 1
         return self._append(nxt)
 
     @torch.no_grad()
@@ -147,56 +149,57 @@ class RunningBatch:
         # 1. draft: k tokens per row, and q (B, k, V) or None (deterministic proposals)
         draft, q = drafter.propose(self, k)  # (B, k)
         # 2. verify: the target reads the pending token and the k drafts in one pass
-        self.cache.window = self.tokens_bound + k
+        self.cache.read_len = self.n_tokens_bound + k
         pending = self.tokens.gather(1, L[:, None])  # (B, 1)
         logits, hidden = self.target(torch.cat([pending, draft], 1), self.cache)  # (B, k+1, .)
-        self.hidden[self.cache.rows[:, None], positions - 1] = hidden  # rejected ones: dead
+        self.hidden[self.cache.slots[:, None], positions - 1] = hidden  # rejected ones: dead
         # 3. accept: row b keeps its first n_acc[b] drafts and one token of the target's
         n_acc, out = self.sampler.verify(draft, q, logits)  # (B,), (B, k+1)
         n_emitted = self._append(out, n_acc + 1)
         self.cache.lengths = self.n_tokens - 1  # roll the rejected drafts back
-        self.tokens_bound = min(self.tokens_bound + k + 1, self.max_row_tokens)
-        if self.unread_bound is not None:  # whoever drafted, the learned drafter has not read these
-            self.unread_bound += k + 1
+        self.n_tokens_bound = min(self.n_tokens_bound + k + 1, self.max_row_tokens)
+        if self.unread_states_bound is not None:  # whoever drafted, the learned drafter has
+            self.unread_states_bound += k + 1  # not read these
         return n_emitted, n_acc
 
     def compact(self):
         """Move finished rows to `finished` and out of every tensor and cache: the live rows past
         the new end fill the holes before it, so a few rows move, not the whole cache. Returns the
-        rows still running, and counts the tokens written since the last compact in `generated`."""
+        number of rows still running, and counts the tokens written since the last compact in
+        `n_generated`."""
         B = self.batch_size
         if B == 0:
             return 0
         # sync: the step's one read: which rows finished, with every row's length
         done, n_tokens = torch.stack((self.done, self.n_tokens)).tolist()
         live = [b for b in range(B) if not done[b]]
-        self.generated += sum(n_tokens) - self._live_tokens
-        self._live_tokens = sum(n_tokens[b] for b in live)
-        self.tokens_bound, n = max((n_tokens[b] for b in live), default=0), len(live)
+        self.n_generated += sum(n_tokens) - self._n_tokens_live
+        self._n_tokens_live = sum(n_tokens[b] for b in live)
+        self.n_tokens_bound, n = max((n_tokens[b] for b in live), default=0), len(live)
         if n == B:
             return B
         for b in (b for b in range(B) if done[b]):  # responses are read later, together
-            row = self.running[b]
+            row = self.row_of_slot[b]
             self.finished[row] = FinishedRow(None, self.tokens[b, :n_tokens[b]].clone(),
                                              self.hidden[b, :n_tokens[b] - 1].clone(),
                                              self.prompt_lens[row])
             self._unread_responses.append(row)
         # host: slot b < n keeps its row, or takes the next live row past n
         movers = iter([b for b in live if b >= n])
-        self.running = [self.running[b] if not done[b] else self.running[next(movers)]
-                        for b in range(n)]
+        self.row_of_slot = [self.row_of_slot[b] if not done[b] else self.row_of_slot[next(movers)]
+                            for b in range(n)]
         # device: the same moves, from the done mask, so no index crosses from the host: the live
         # slots in order, then the finished ones (uint8: CUDA sorts no bool before torch 2.6)
         order = torch.argsort(self.done.to(torch.uint8), stable=True)  # (B,)
         holes = sum(done[:n])  # finished slots before the new end = live slots past it
-        slots, rows = order[n:n + holes], order[n - holes:n]  # slots[i] gets slot rows[i]'s row
-        for name in ("tokens", "hidden", "end", "row_id", "n_tokens", "done"):
+        slots, sources = order[n:n + holes], order[n - holes:n]  # slot sources[i]'s row to slots[i]
+        for name in ("tokens", "hidden", "end", "device_row_of_slot", "n_tokens", "done"):
             t = getattr(self, name)
-            t[slots] = t[rows]  # the right side is a copy: safe in any order
+            t[slots] = t[sources]  # the right side is a copy: safe in any order
             setattr(self, name, t[:n])
         for keeper in (self.cache, self.draft_cache, self.sampler):
             if keeper is not None:
-                keeper.compact(n, slots, rows)
+                keeper.compact(n, slots, sources)
         return n
 
     @property
@@ -229,9 +232,9 @@ def generate_batch(batch, drafter=None, k=0, observer=None):
     """Run a RunningBatch until every row has finished: plain steps (k = 0) or speculative ones with
     k drafts. observer(batch, step): after the prefill (step None) and after every step's
     compaction (a Step); the harness counts and times there. -> (outputs, {"accept_len": tokens
-    per row per verify step, None without speculative steps}), counted from `generated`."""
+    per row per verify step, None without speculative steps}), counted from `n_generated`."""
     running, row_steps = batch.compact(), 0  # sync: one read a step, in compact
-    first = batch.generated  # the prefill's tokens
+    first = batch.n_generated  # the prefill's tokens
     if observer:
         observer(batch, None)
     while running:
@@ -240,7 +243,7 @@ def generate_batch(batch, drafter=None, k=0, observer=None):
         running, row_steps = batch.compact(), row_steps + B
         if observer:
             observer(batch, Step(B, k, n_emitted, n_acc))
-    accept_len = (batch.generated - first) / row_steps if k and row_steps else None
+    accept_len = (batch.n_generated - first) / row_steps if k and row_steps else None
     return batch.outputs(), {"accept_len": accept_len}
 
 
@@ -406,7 +409,7 @@ class RejectionSampler:
     def start_step(self, positions):
         pass  # nothing is fixed by position
 
-    def compact(self, n, slots, rows):
+    def compact(self, n, slots, sources):
         pass  # no per-row state
 
     def choose(self, logits, at=slice(None)):
@@ -442,8 +445,8 @@ class GumbelSampler:
             if positions.shape[1] > 1 and fits:
                 self.noise = gumbel_noise(self.step_seeds, self.vocab_size)  # (B, T, V)
 
-    def compact(self, n, slots, rows):
-        self.seeds[slots] = self.seeds[rows]  # as the batch's rows move
+    def compact(self, n, slots, sources):
+        self.seeds[slots] = self.seeds[sources]  # as the batch's rows move
         self.seeds = self.seeds[:n]
 
     def choose(self, logits, at=slice(None)):

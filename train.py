@@ -33,7 +33,7 @@ from harness.evaluate import evaluate_both
 from harness.instrument import RolloutStats, TimedDrafter, observers, liveness_observer
 from harness.liveness import Liveness, beat, watched_barrier
 from harness.model_free import LEARNED, proposer
-from harness.report import log_step, step_record, summary
+from harness.report import log_step, next_lines, plan_line, step_record, summary
 from rollout import Bandit, rollout
 from scheduler import (IdleWork, add_top1, drafter_schedule, idle_train, mean_top1,
                        start_drafter_sync, top1_pieces)
@@ -96,15 +96,9 @@ def run(args, rank, world_size, device):
     start = resume(ckpt_path, ck, s)
     if rank == 0:  # every step appears once: drop records past the checkpoint
         keep_records(metrics_path, start)
-        with open(os.path.join(args.out_dir, "task.json"), "w") as f:  # for python -m harness.report
+        with open(os.path.join(args.out_dir, "task.json"), "w") as f:  # harness.report reads it
             json.dump(task.meta(), f)
-    n_rows = args.prompts_per_step * args.group_size
-    per_rank = f"{n_rows // world_size}{'+' if n_rows % world_size else ''}"
-    updates = "on" if args.drafter_updates and args.tlt else "off"
-    print0(f"RL: {args.rl_steps} steps x {args.prompts_per_step} prompts x {args.group_size} "
-           f"samples on {world_size} rank(s) ({per_rank} rows each) | tlt "
-           f"{'on' if args.tlt else 'off'} | drafter updates {updates} | sd threshold "
-           f"{args.sd_threshold}")
+    print0(plan_line(args, world_size))
     for step in range(start, args.rl_steps):
         with autocast(args, device):  # rollout, drafter training, GRPO update
             rec, ranks = rl_step(step, s)
@@ -122,6 +116,8 @@ def run(args, rank, world_size, device):
         with open(metrics_path) as f:
             records = [r for r in map(json.loads, f) if r["step"] >= start]
         summary(records, acc0, acc1, time.time() - t_run, task)
+        for line in next_lines(args):
+            print0(line)
 
 
 def new_state(args, task, model, drafter, rank, world_size, device):

@@ -101,7 +101,7 @@ def parse_args(argv=None):
 
 
 def min_size(max_new, task):
-    """Smallest problem whose longest response (single steps only) is longer than max_new tokens."""
+    """Smallest problem whose longest response (task.response_len) is longer than max_new tokens."""
     return next((n for n in range(1, task.max_n + 1) if task.response_len(n) > max_new), task.max_n + 1)
 
 
@@ -190,7 +190,7 @@ def vocab_noise(device, vocabs=(50_257, 151_936), batches=(1, 64), repeats=5, sh
 
             def step(sampler, **how):  # a forward at 20 cached positions, logits (B, 1, V) -> tokens (B, 1)
                 cache.lengths.fill_(20)
-                cache.window = 21
+                cache.read_len = 21
                 logits = model(x, cache)[0]
                 if sampler == "gumbel":
                     return gumbel_choose(logits, 1.0, seeds, **how)

@@ -115,8 +115,9 @@ def model_flags(p):
     p.add_argument("--warmup-steps", type=int, default=2400, help="supervised optimizer steps for the target")
     p.add_argument("--warmup-tokens", type=int, default=2048, help="padded tokens per warm-up batch, all ranks together")
     p.add_argument("--warmup-lr", type=float, default=6e-3, help="peak learning rate of the target warm-up")
-    p.add_argument("--merge-init", type=on_off, default=True, metavar="on|off", help="start each labelled-digit "
-                   "token's embedding as (label + digit) / sqrt(2) (off: random, as every other token)")
+    p.add_argument("--merge-init", type=on_off, default=True, metavar="on|off", help="start each of the task's "
+                   "merged tokens' embeddings from its parts' (running sum: \"b7\" as (\"b\" + \"7\") / sqrt(2); off: "
+                   "random, as every other token)")
 
 
 def drafter_flags(p):

@@ -74,7 +74,7 @@ class DecodeStats:
                 self.drafted += step.k * step.batch_size
             self._pending.append((step, self._rows))
         # references only, read in `settle`: compact replaces `running` rather than changing it
-        self._rows = None if batch is None else batch.running
+        self._rows = None if batch is None else batch.row_of_slot
 
     def settle(self):
         """Read the pending device counts into the fields (one read); returns self."""
@@ -210,12 +210,12 @@ def check(ok, what):
 
 class BatchChecker:
     """An observer that checks, after every step's compaction, what a RunningBatch's steps rely on:
-    1. the host's `running` is the device's row_id: results go to the right rows;
+    1. the host's `row_of_slot` is the device's: results go to the right rows;
     2. every row's tokens and cached keys stay with it from one call to the next (compaction moves
        a row's keys with its tokens);
     3. the target cache holds every row's tokens but the pending one: lengths == n_tokens - 1;
-    4. n_tokens <= tokens_bound <= max_row_tokens: the attention windows it sizes cover every row;
-    5. n_tokens - 1 - draft_cache.lengths <= unread_bound: the drafter's catch-up reaches every state.
+    4. n_tokens <= n_tokens_bound <= max_row_tokens: attention reads far enough for every row;
+    5. n_tokens - 1 - draft_cache.lengths <= unread_states_bound: the drafter's catch-up reaches every state.
     Each check reads the device: debug runs only."""
 
     def __init__(self, then=None):
@@ -225,9 +225,9 @@ class BatchChecker:
         if batch is not self.batch:  # a new batch: its rows are new
             self.batch, self.seen = batch, {}
         n = batch.n_tokens
-        check(batch.row_id.tolist() == batch.running, "the host's rows are the device's")
+        check(batch.device_row_of_slot.tolist() == batch.row_of_slot, "the host's rows are the device's")
         keys = batch.cache.k[0, :, 0, :, 0]  # (B, max_len): layer 0, head 0, channel 0
-        for slot, row in enumerate(batch.running):
+        for slot, row in enumerate(batch.row_of_slot):
             if row in self.seen:
                 tokens, k = self.seen[row]
                 check(torch.equal(batch.tokens[slot, :len(tokens)], tokens)
@@ -235,10 +235,10 @@ class BatchChecker:
             L = int(n[slot]) - 1
             self.seen[row] = batch.tokens[slot, :L + 1].clone(), keys[slot, :L].clone()
         check(torch.equal(batch.cache.lengths, n - 1), "the target cache holds n_tokens - 1 positions")
-        check(not n.numel() or int(n.max()) <= batch.tokens_bound <= batch.max_row_tokens,
-              "tokens_bound bounds every row")
-        check(batch.draft_cache is None or bool((n - 1 - batch.draft_cache.lengths <= batch.unread_bound).all()),
-              "unread_bound bounds the drafter's unread states")
+        check(not n.numel() or int(n.max()) <= batch.n_tokens_bound <= batch.max_row_tokens,
+              "n_tokens_bound bounds every row")
+        check(batch.draft_cache is None or bool((n - 1 - batch.draft_cache.lengths <= batch.unread_states_bound).all()),
+              "unread_states_bound bounds the drafter's unread states")
         if self.then:
             self.then(batch, step)
 

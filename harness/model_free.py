@@ -10,7 +10,7 @@ what kind of drafter it holds:
     SiblingOrLearned   the learned drafter until every running row is the last of its group
 
 They read only what speculative.RunningBatch exposes as plain attributes: `tokens` (B, W),
-`n_tokens` (B,), `row_id` (B,) and `running` (the original row of each slot, on the device and on
+`n_tokens` (B,), `device_row_of_slot` (B,) and `row_of_slot` (the row each slot holds, on the device and on
 the host), and per original row on the host `group` (its distinct prompt), `prompts` and
 `finished` (None while the row runs, then its FinishedRow). The core knows nothing of groups.
 `proposer` maps train.py's --drafter names to a drafter.
@@ -170,7 +170,7 @@ class SiblingDrafter:
     def lookup(self, batch, k, groups):
         """-> drafts (B, k) and each row's match length (B,), 0 where no sibling matched.
 
-        Reads from the batch: tokens (B, W), of which row b holds its first n_tokens[b]; row_id
+        Reads from the batch: tokens (B, W), of which row b holds its first n_tokens[b]; device_row_of_slot
         (B,), the rows' original ids; and from `groups` (a GroupTexts): siblings (B0, S) by
         original id, -1 padding; now(...) -> texts (R, W) and their lengths (R,). It relies on these
         invariants, checked when TLT_DEBUG=1 (instrument.check):
@@ -188,10 +188,10 @@ class SiblingDrafter:
         M, dev = self.max_match, batch.tokens.device
         B, W = batch.tokens.shape
         n = batch.n_tokens  # (B,) the row's next position; its last token is the pending one
-        texts, lens = groups.now(batch.row_id, batch.tokens, batch.n_tokens)  # (R, W), (R,)
-        sib = groups.siblings[batch.row_id]  # (B, S) the row's siblings' texts, -1 padding
+        texts, lens = groups.now(batch.device_row_of_slot, batch.tokens, batch.n_tokens)  # (R, W), (R,)
+        sib = groups.siblings[batch.device_row_of_slot]  # (B, S) the row's siblings' texts, -1 padding
         if instrument.DEBUG:
-            _check_inputs(k, n, W, texts, lens, sib, batch.row_id)
+            _check_inputs(k, n, W, texts, lens, sib, batch.device_row_of_slot)
         cand = texts[sib.clamp(min=0)]  # (B, S, W)
         cand_len = torch.where(sib >= 0, lens[sib.clamp(min=0)], 0)  # (B, S); padding: empty
         at = (n[:, None] - M + torch.arange(M, device=dev)).clamp(min=0)  # (B, M)
@@ -240,5 +240,5 @@ class SiblingOrLearned:
         self.learned, self.siblings = learned, SiblingDrafter(max_match, finished)
 
     def propose(self, batch, k):
-        tail = self.siblings.groups(batch).all_finished(batch.running)
+        tail = self.siblings.groups(batch).all_finished(batch.row_of_slot)
         return (self.siblings if tail else self.learned).propose(batch, k)

@@ -12,14 +12,25 @@ good for one token and guesses after it.
 Everything here reads records only (train.py's `step_record`, one JSON line of metrics.jsonl
 per step), so any finished run can be looked at again:
 
-    python report.py out            # a run's --out-dir, or the path of its metrics.jsonl
-    python report.py out --bins 5
+    python -m harness.report out              # a run's --out-dir, or the path of its metrics.jsonl
+    python -m harness.report out --bins 5
+    python -m harness.report out out-frozen   # two or more runs of the same steps, compared
+    python -m harness.report out --svg none   # --svg PATH: where the SVG goes; none: no SVG
 
 prints the summary lines that the records hold (not the held-out accuracies, not the wall time)
 and the picture. The picture is text, at most 100 columns wide: per figure a sparkline of the
 blocks in BLOCKS, scaled from the figure's minimum to its maximum (both printed beside it, so a
 small change is not mistaken for a large one); a bin where the figure is null in every record
 (no speculative step in it) is left blank.
+
+Two or more runs (A, B, ...) are compared over the same bins instead: per figure a sparkline per
+run on one scale, then each later run's ratio to A per bin. Where the runs wrote the same
+responses at every step (equal `responses_digest`), each step did the same work in both, so a
+step's time ratio compares the methods free of the prompt mix that moves a step's time far more:
+the report then pairs them step by step and prints the median of the per-step ratios.
+
+Beside the text it writes an SVG file (harness/svg.py) of the binned curves that a browser
+opens: report.svg beside a single run's metrics.jsonl, compare.svg beside the first run's.
 
 Test: python -m pytest tests/test_report.py
 """
@@ -34,6 +45,7 @@ from harness.common import OneLineParser
 from harness.distributed import all_sum, gather_ranks, print0
 from harness.evaluate import format_accuracy, format_lengths
 from harness.instrument import checksum
+from harness.svg import small_multiples
 from scheduler import mean_top1
 
 TIMELINE_CHARS = {"plain": "#", "spec": "S", "train": "t", "wait": "."}
@@ -60,6 +72,13 @@ NEEDED = ("step", "step_time", "rollout_time", "update_time", "rollout_share", "
           "tail_share", "reward", "accept_len", "accept_rate", "sd_token_frac", "drafter_top1",
           "drafted_at", "accepted_at", "bandit_best", "response_len", "single_share",
           "skipped_update", "drafter_skipped")
+# the SVG's panels, each a PICTURE_ROWS row by its key (or the rollout time's); a comparison's text
+# draws all but the response length (its ratio is no cost), and pairs steps on the times
+ROLLOUT_ROW = ("rollout_time", "rollout time", seconds, "s", "no figure")
+FIGURE_ROWS = {r[0]: r for r in PICTURE_ROWS + (ROLLOUT_ROW,)}
+SVG_FIGURES = ("response_len", "accept_len", "rollout_time", "step_time")
+PAIRED = ("rollout_time", "step_time")
+LETTERS = "ABCDEFGHIJKLMNOPQRSTUVWXYZ"  # the compared runs' names in the text
 
 
 # -----------------------------------------------------------------------------
@@ -205,6 +224,30 @@ def render_timeline(records, width=64):
     return "\n".join(lines + [f"        {legend}   (full width = {total:.2f}s)"])
 
 
+def plan_line(args, world_size):
+    """The line before the first RL step: the step's shape and what TLT does in this run."""
+    n_rows = args.prompts_per_step * args.group_size
+    per_rank = f"{n_rows // world_size}{'+' if n_rows % world_size else ''}"
+    updates = "on" if args.drafter_updates and args.tlt else "off"
+    return (f"RL: {args.rl_steps} steps x {args.prompts_per_step} prompts x {args.group_size} samples on "
+            f"{world_size} rank(s) ({per_rank} rows each) | tlt {'on' if args.tlt else 'off'} | drafter "
+            f"updates {updates} | sd threshold {args.sd_threshold}")
+
+
+def next_lines(args):
+    """The run's last lines: the command that makes the same run with a frozen drafter from the same
+    warm-ups (the same responses at every step, so the two pair step by step), and the one that
+    compares them. 200 steps show the gap: the frozen drafter falls behind as RL moves the target,
+    most in the last tenth of the run, where the comparison's paired ratio stands above the noise."""
+    if not (args.tlt and args.drafter_updates):
+        return []
+    frozen = f"{args.out_dir.rstrip('/')}-frozen"
+    return ["\nthe same run with a frozen drafter, from the same warm-ups, and the two side by side:",
+            f"  torchrun --standalone --nproc_per_node=2 train.py --warmup-dir {args.warmup_dir} "
+            f"--out-dir {frozen} --drafter-updates off --eval-per-bucket 0",
+            f"  python -m harness.report {args.out_dir} {frozen}"]
+
+
 def log_step(rec, ranks, args):
     """Rank 0's line for the step, and every --timeline-every steps the ranks' timeline."""
     # n/a: no rank had time to score
@@ -313,12 +356,10 @@ def picture(history, task, bins=10):
     """The run drawn in text lines of at most 100 characters: each PICTURE_ROWS figure as a
     sparkline over at most `bins` bins of consecutive steps, then the acceptance at each draft
     position, first tenth of the run against the last."""
-    history = sorted(history, key=lambda h: h["step"])
+    history = by_step(history)
     edges = bin_edges(len(history), bins)
-    sizes = " or ".join(str(s) for s in sorted({hi - lo for lo, hi in zip(edges, edges[1:])}))
     lines = ["", "picture of the run: does the drafter hold as the target moves?",
-             f"  steps {history[0]['step']}..{history[-1]['step']} in {len(edges) - 1} bins of "
-             f"{sizes} step(s); each row: first bin -> last bin, then its range"]
+             f"  {binning(history, edges)}; each row: first bin -> last bin, then its range"]
     for key, label, fmt, unit, empty in PICTURE_ROWS:
         means = bin_means(history, key, edges)
         known = [m for m in means if m is not None]
@@ -330,11 +371,22 @@ def picture(history, task, bins=10):
     return lines + position_bars(history, task)
 
 
+def by_step(records):
+    """Records in step order: bins are of consecutive steps, whatever order the file holds."""
+    return sorted(records, key=lambda h: h["step"])
+
+
 def bin_edges(n, bins):
     """Edges of at most `bins` bins of consecutive records out of n, whose sizes differ by at
     most one."""
     bins = max(1, min(bins, n))
     return [i * n // bins for i in range(bins + 1)]
+
+
+def binning(history, edges):
+    """What the bins of a run's sorted records hold, for a picture's head line."""
+    sizes = " or ".join(str(s) for s in sorted({hi - lo for lo, hi in zip(edges, edges[1:])}))
+    return f"steps {history[0]['step']}..{history[-1]['step']} in {len(edges) - 1} bins of {sizes} step(s)"
 
 
 def bin_means(history, key, edges):
@@ -347,11 +399,11 @@ def bin_means(history, key, edges):
     return out
 
 
-def sparkline(values, cell=2):
-    """Values as blocks of `cell` characters, from ▁ at their minimum to █ at their maximum;
-    blanks for None. A flat figure draws at mid-height."""
+def sparkline(values, cell=2, scale=None):
+    """Values as blocks of `cell` characters, from ▁ at their minimum to █ at their maximum (or at
+    scale's (lo, hi): runs compared on one scale); blanks for None. A flat figure draws at mid-height."""
     known = [v for v in values if v is not None]
-    lo, hi = min(known), max(known)
+    lo, hi = scale or (min(known), max(known))
 
     def level(v):
         if v is None:
@@ -420,7 +472,92 @@ def accept_len_at(rates, k=4):
 
 
 # -----------------------------------------------------------------------------
-# python report.py <run dir or metrics.jsonl>
+# two or more runs of the same steps: the same bins side by side, step by step where they are paired
+
+def compare(runs, names, bins=10):
+    """Runs (each its records, all of the same steps) drawn in text lines: per figure a sparkline
+    per run on one scale over the same bins, each later run's ratio to run A per bin; then whether
+    the runs are paired, and if so the medians of their per-step ratios."""
+    runs = [by_step(run) for run in runs]
+    edges = bin_edges(len(runs[0]), bins)
+    lines = ["", "comparison: " + ", ".join(f"{c} = {name}" for c, name in zip(LETTERS, names)),
+             f"  {binning(runs[0], edges)}; each run's row: first bin -> last bin",
+             "  ratio X / A: run X's bin mean over run A's (above 1: X's is the larger; "
+             "for a time, X is slower)"]
+    for key in SVG_FIGURES[1:]:
+        lines += compare_rows(runs, names, FIGURE_ROWS[key], edges)
+    return lines + pairing_lines(runs)
+
+
+def compare_rows(runs, names, row, edges):
+    """One figure's rows: a sparkline per run, all on one scale so that their heights compare, then
+    the later runs' ratios to run A per bin (in columns under the bins) and over the whole run."""
+    key, label, fmt, unit, empty = row
+    means = [bin_means(run, key, edges) for run in runs]
+    known = [m for run_means in means for m in run_means if m is not None]
+    if not known:
+        return [f"  {label:16s}{empty}"]
+    scale = (min(known), max(known))
+    lines = [f"  {label}, {unit}: one scale for all runs, {fmt(scale[0])}..{fmt(scale[1])}"]
+    for c, name, run_means in zip(LETTERS, names, means):
+        ends = [m for m in run_means if m is not None]
+        trend = f"  {fmt(ends[0])} -> {fmt(ends[-1])}" if ends else ""
+        lines.append(f"    {c + ' ' + name:14.14s}{sparkline(run_means, cell=5, scale=scale)}{trend}")
+    whole_a = bin_means(runs[0], key, [0, len(runs[0])])[0]
+    for c, run, run_means in zip(LETTERS[1:], runs[1:], means[1:]):
+        ratios = [b / a if a and b is not None else None for a, b in zip(means[0], run_means)]
+        whole = bin_means(run, key, [0, len(run)])[0]
+        overall = f"  {whole / whole_a:.2f} overall" if whole_a and whole is not None else ""
+        lines.append(f"    {c + ' / A':14s}" + " ".join("  -  " if r is None else f"{r:5.2f}" for r in ratios)
+                     + overall)
+    return lines
+
+
+def pairing_lines(runs):
+    """Whether every run wrote run A's responses at every step (`responses_digest`) and, if so, the
+    median of each later run's per-step time ratios to A, over the run and over its last tenth
+    (a median: one step slowed by a shared machine moves it little)."""
+    n, k = len(runs[0]), max(1, len(runs[0]) // 10)
+    differ = sum(not same_responses(step) for step in zip(*runs))
+    if differ:
+        return [f"  not paired: the runs' responses differ at {differ} of {n} steps (responses_digest, "
+                "or none recorded),",
+                "  so their steps are not alike: the runs are compared by bins only"]
+    lines = [f"  paired: the runs wrote the same responses at all {n} steps (responses_digest);",
+             "  median of the per-step ratios to A (above 1: slower than A)"]
+    for c, run in zip(LETTERS[1:], runs[1:]):
+        for key in PAIRED:
+            ratios = [b[key] / a[key] for a, b in zip(runs[0], run)]
+            lines.append(f"    {c} / A  {FIGURE_ROWS[key][1]:13s}{statistics.median(ratios):5.2f} over all "
+                         f"{n} steps, {statistics.median(ratios[-k:]):.2f} over the last {k}")
+    return lines
+
+
+def same_responses(records):
+    """Whether the runs' records of one step hold one responses digest (a record written before
+    the digest existed holds none: it pairs with nothing)."""
+    digests = {r.get("responses_digest") for r in records}
+    return len(digests) == 1 and None not in digests
+
+
+def svg_picture(runs, names, bins=10):
+    """The SVG of the runs' SVG_FIGURES over the same bins (each point at its bin's middle step)."""
+    runs = [by_step(run) for run in runs]
+    edges = bin_edges(len(runs[0]), bins)
+    spans = list(zip(edges, edges[1:]))
+    panels = []
+    for key in SVG_FIGURES:
+        _, label, _, unit, _ = FIGURE_ROWS[key]
+        series = [[((run[lo]["step"] + run[hi - 1]["step"]) / 2, m)
+                   for (lo, hi), m in zip(spans, bin_means(run, key, edges)) if m is not None]
+                  for run in runs]
+        panels.append((key, f"{label} ({unit})", series))
+    title = f"{' vs '.join(names)}: means of {binning(runs[0], edges)}"
+    return small_multiples(title, names, panels)
+
+
+# -----------------------------------------------------------------------------
+# python -m harness.report <run dir or metrics.jsonl> [more runs, compared]
 
 def load_records(path):
     """A run directory's or a file's metrics.jsonl -> (records, None), or (None, what is wrong,
@@ -429,49 +566,100 @@ def load_records(path):
         path = os.path.join(path, "metrics.jsonl")
     if not os.path.isfile(path):
         return None, f"no such file: {path}"
+    try:
+        with open(path) as f:
+            lines = f.readlines()
+    except UnicodeDecodeError:  # a checkpoint given for a metrics file, say
+        return None, f"{path} is not a text file"
     records = []
-    with open(path) as f:
-        for i, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError as e:
-                return None, f"{path} line {i} is not JSON ({e.msg})"
-            if not isinstance(rec, dict):
-                return None, f"{path} line {i} is not a JSON object"
-            missing = [k for k in NEEDED if k not in rec]
-            if missing:
-                return None, f"{path} line {i} lacks {', '.join(missing)}"
-            records.append(rec)
+    for i, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError as e:
+            return None, f"{path} line {i} is not JSON ({e.msg})"
+        if not isinstance(rec, dict):
+            return None, f"{path} line {i} is not a JSON object"
+        missing = [k for k in NEEDED if k not in rec]
+        if missing:
+            return None, f"{path} line {i} lacks {', '.join(missing)}"
+        records.append(rec)
     return (records, None) if records else (None, f"{path} holds no records")
+
+
+def run_folder(path):
+    """The folder of a run given as its directory or as its metrics.jsonl."""
+    return path if os.path.isdir(path) else os.path.dirname(path)
+
+
+def run_names(paths):
+    """The runs' names for the comparison and the legend: their folders' names, or, where two share
+    one (a/out, b/out), the paths."""
+    names = [os.path.basename(os.path.abspath(run_folder(p))) for p in paths]
+    return names if len(set(names)) == len(names) else [os.path.normpath(run_folder(p)) for p in paths]
+
+
+def load_runs(paths, names):
+    """Each path's records -> (runs, None), or (None, what is wrong, in one line): a path's
+    load_records problem, or runs of different steps (there is nothing to put side by side)."""
+    runs = []
+    for path in paths:
+        records, problem = load_records(path)
+        if problem:
+            return None, problem
+        runs.append(records)
+    steps = [sorted(h["step"] for h in run) for run in runs]
+    if any(s != steps[0] for s in steps):
+        held = "; ".join(f"{name} has {len(s)} steps, {s[0]}..{s[-1]}" for name, s in zip(names, steps))
+        return None, f"the runs are of different steps ({held}): compare runs of the same steps"
+    return runs, None
 
 
 def run_task(path):
     """The task a run trained on, from the task.json that train.py writes beside metrics.jsonl (the
     default task for a run without one)."""
-    folder = path if os.path.isdir(path) else os.path.dirname(path)
     try:
-        with open(os.path.join(folder, "task.json")) as f:
+        with open(os.path.join(run_folder(path), "task.json")) as f:
             return tasks.from_meta(json.load(f))
     except FileNotFoundError:
         return tasks.from_meta({"name": "running_sum"})
 
 
 def main(argv=None):
-    p = OneLineParser(description="The summary and the picture of a run, from its metrics.jsonl.")
-    p.add_argument("path", help="a run's --out-dir, or the path of its metrics.jsonl")
+    p = OneLineParser(description="The summary and the picture of a run, from its metrics.jsonl; "
+                                  "two or more runs: compared.")
+    p.add_argument("paths", nargs="+", metavar="path",
+                   help="a run's --out-dir, or the path of its metrics.jsonl; two or more runs: compared")
     p.add_argument("--bins", type=int, default=10,
                    help="at most this many bins of consecutive steps in the picture")
+    p.add_argument("--svg", help="where to write the SVG picture (default: report.svg, or compare.svg for "
+                                 "several runs, beside the first run's metrics.jsonl); none: no SVG")
     args = p.parse_args(argv)
     if args.bins < 1:
         p.error(f"--bins must be at least 1, got {args.bins}")
-    records, problem = load_records(args.path)
+    if len(args.paths) > len(LETTERS):
+        p.error(f"at most {len(LETTERS)} runs, got {len(args.paths)}")
+    names = run_names(args.paths)
+    runs, problem = load_runs(args.paths, names)
     if problem:
         p.exit(2, f"error: {problem}\n")
-    task = run_task(args.path)
-    print0("summary")
-    for line in record_lines(records, task) + [skipped_line(records)] + picture(records, task, args.bins):
+    if len(runs) == 1:
+        records, task = runs[0], run_task(args.paths[0])
+        lines = (["summary"] + record_lines(records, task) + [skipped_line(records)]
+                 + picture(records, task, args.bins))
+    else:
+        lines = compare(runs, names, args.bins)
+    if args.svg != "none":
+        default = "compare.svg" if len(runs) > 1 else "report.svg"
+        path = args.svg or os.path.join(run_folder(args.paths[0]), default)
+        try:  # before the text is printed: bad input prints one error line and nothing else
+            with open(path, "w") as f:
+                f.write(svg_picture(runs, names, args.bins))
+        except OSError as e:
+            p.exit(2, f"error: cannot write the SVG to {path}: {e.strerror}\n")
+        lines.append(f"svg picture: {path} (open it in a browser)")
+    for line in lines:
         print0(line)
 
 

@@ -2,7 +2,7 @@
 idle ranks. The drafter is a by-product of RL that costs nothing extra to keep, and here it is
 used as it would be for serving: speculative decoding of the final model.
 
-    python -m harness.sample --out-dir out "a3 b7 c1:" "a9 b2:"     # answer these prompts
+    python -m harness.sample --out-dir out "a3 b7 c1:" "a9 b2:"     # these prompts (the running sum's)
     python -m harness.sample --out-dir out                          # 16 prompts of the held-out set
 
 It loads <out-dir>/ckpt.pt (the run's last target and drafter) and the warm-up drafter from
@@ -33,7 +33,7 @@ from speculative import autoregressive_generate, speculative_generate
 
 def parse_args(argv=None):
     p = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("prompts", nargs="*", help='problems of the run\'s task, such as "a3 b7 c1:" (default: --n held-out ones)')
+    p.add_argument("prompts", nargs="*", help="problems of the run's task (default: --n held-out ones)")
     p.add_argument("--out-dir", default="out", help="the train.py run to serve (its ckpt.pt)")
     p.add_argument("--warmup-dir", default=None, help="where its warm-up drafter is (default: --out-dir)")
     p.add_argument("--n", type=int, default=16, help="held-out prompts to answer when none are given")

@@ -19,7 +19,7 @@ Why the embedding init: see `init_merged_embeddings`. Without it the loss platea
 look-up is learned lasts a seed- and machine-dependent time, and the warm-up's accuracy with it.
 
 Why the curriculum (--warmup-alpha 2.0 -> --warmup-alpha-end 0.5). With a fixed mix of sizes a
-seed can leave the plateau late and never learn the rarest labels on long problems. Starting with
+seed can leave the plateau late and never learn the rarest labels on the running sum's long problems. Starting with
 mostly small problems, where the look-up is learned, and moving to the RL mix, where every label
 shows up often, lets every seed tried learn all of them (RESULTS.md has the runs).
 

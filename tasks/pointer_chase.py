@@ -1,14 +1,16 @@
 """The second task: pointer chasing, following a chain of links to its end, written in hops.
 
-    prompt:    eh qd yt wa zm ce uy dz ho ak:q
+    prompt:    Eh Qd Yt Wa Zm Ce Uy Dz Ho Ak:q
     response:  -d -z -m >m<|eos|>
 
-The prompt lists links ("qd": q links to d), shuffled, then the start. The real chain runs from the
+The prompt lists links ("Qd": q links to d), shuffled, then the start. The real chain runs from the
 start (q d z m); three distractor chains of 2 or 3 links each (w a k, c e h o, u y t) end elsewhere,
 and no end is ruled out by one look-up back, so the real end cannot be told from the other three
 without following the chain: answered outright, it is a guess among four ends. A single hop ("-z")
 looks up the one link that starts with the last letter written and writes where it leads: one
-attention look-up per written step. A jump ("=m") writes the letter two hops ahead, two look-ups in
+attention look-up per written step. A link's start is written in capitals: with one alphabet for
+both ends, "qd" and "dz" would both match a look-up of "d" alike, and the target never learned
+which end it was after (a warm-up stuck at chance, 4% right); with two, "d" looks for "D". A jump ("=m") writes the letter two hops ahead, two look-ups in
 one forward pass (expected near chance after the warm-up, as running_sum's jumps are; not measured
 for this task yet); the answer outright (">m") skips the rest. Written steps buy computation that
 one forward pass cannot do, as in reasoning models. The warm-up traces choose at every step, mostly
@@ -17,7 +19,7 @@ only for the final answer, RL should shift the choice toward single hops. The ch
 ("-", "=" or ">"), so RL moves the target at those tokens while the look-up that follows stays what
 it was. The long tail: n follows P(n) ~ n^-alpha, a single-hop response is 3n + 3 tokens (median 15,
 p90 30 at the defaults), and one prompt's samples differ in length by their choices. Simplified on
-purpose: lowercase letters only, so a problem holds at most 26 letters and max_n is at most 13;
+purpose: 26 letters only, so a problem holds at most 26 of them and max_n is at most 13;
 distractors have 2 or 3 links whatever n is (telling the real chain by its length takes following
 it too); a tiktoken Encoding built in-process (no download), one merge per ordered pair of distinct
 letters, so that finding the link from a letter is a single attention look-up.
@@ -32,7 +34,7 @@ import tiktoken
 from tasks import Task
 
 LETTERS = "abcdefghijklmnopqrstuvwxyz"
-PAIRS = [a + b for a in LETTERS for b in LETTERS if a != b]  # every possible link
+PAIRS = [a.upper() + b for a in LETTERS for b in LETTERS if a != b]  # every possible link, "Qd"
 EOS = "<|eos|>"
 PAD = "<|pad|>"
 DISTRACTORS = 3             # distractor chains per problem: four chain ends to guess among
@@ -43,12 +45,12 @@ SIZE_BUCKETS = ((1, 2), (3, 5), (6, 10), (11, MAX_N))  # inclusive ranges of n
 
 
 def build_tokenizer():
-    """Byte-level ranks plus one merge per link ("qd"), made in-process (no download)."""
+    """Byte-level ranks plus one merge per link ("Qd"), made in-process (no download)."""
     ranks = {bytes([i]): i for i in range(256)}
     for pair in PAIRS:
         ranks[pair.encode()] = len(ranks)
-    # the pattern merges "qd" only in the prompt's list, where a space or the colon follows it
-    return tiktoken.Encoding(name="pointer_chase", pat_str=r"[a-z]{2}(?=[ :])|\S|\s+",
+    # the pattern merges "Qd" only in the prompt's list, where a space or the colon follows it
+    return tiktoken.Encoding(name="pointer_chase", pat_str=r"[A-Z][a-z](?=[ :])|\S|\s+",
                              mergeable_ranks=ranks,
                              special_tokens={EOS: len(ranks), PAD: len(ranks) + 1})
 
@@ -63,14 +65,14 @@ def encode(text):
 
 @dataclass(frozen=True)
 class Problem:
-    links: tuple  # "qd": q links to d, in the prompt's order
+    links: tuple  # "Qd": q links to d, in the prompt's order
     start: str
 
     @property
     def chain(self):
         """The letters from the start to its chain's end. At most one hop per link, so that a
         cycle (only in a hand-made problem; parse_prompt rejects them) ends the walk too."""
-        after = {a: b for a, b in self.links}
+        after = {a.lower(): b for a, b in self.links}
         chain = [self.start]
         while chain[-1] in after and len(chain) <= len(self.links):
             chain.append(after[chain[-1]])
@@ -129,7 +131,7 @@ class PointerChase(Task):
         lengths = [size] + [rng.choice(DISTRACTOR_LINKS) for _ in range(DISTRACTORS)]
         letters = iter(rng.sample(LETTERS, sum(n + 1 for n in lengths)))
         chains = [[next(letters) for _ in range(n + 1)] for n in lengths]
-        links = [a + b for c in chains for a, b in zip(c, c[1:])]
+        links = [a.upper() + b for c in chains for a, b in zip(c, c[1:])]
         rng.shuffle(links)  # in chain order, the end would be where the first chain stops
         return Problem(tuple(links), chains[0][0])
 
@@ -164,7 +166,7 @@ class PointerChase(Task):
         return parse_prompt(text)
 
     def merges(self):
-        """Each link "qd" and its parts "q" and "d": see harness.warmup's --merge-init."""
+        """Each link "Qd" and its parts "Q" and "d": see harness.warmup's --merge-init."""
         one = ENC.encode_single_token
         return [(one(pair), (one(pair[0]), one(pair[1]))) for pair in PAIRS]
 
@@ -173,12 +175,12 @@ def parse_prompt(prompt):
     """Prompt text -> Problem, or None when it is not a well-formed prompt: links of two distinct
     letters, none starting where another starts, and a walk from the start that ends after one
     hop or more. Never raises."""
-    m = isinstance(prompt, str) and re.fullmatch(r"((?:[a-z]{2} )*[a-z]{2}):([a-z])", prompt)
+    m = isinstance(prompt, str) and re.fullmatch(r"((?:[A-Z][a-z] )*[A-Z][a-z]):([a-z])", prompt)
     if not m:
         return None
     links = tuple(m.group(1).split(" "))
-    starts = {a for a, _ in links}
-    if len(starts) < len(links) or any(a == b for a, b in links):
+    starts = {a.lower() for a, _ in links}
+    if len(starts) < len(links) or any(a.lower() == b for a, b in links):
         return None
     problem = Problem(links, m.group(2))
     return problem if problem.size >= 1 and problem.answer not in starts else None

@@ -11,13 +11,13 @@ in reasoning models. The warm-up traces choose at every step, mostly jumps (as b
 quickly), with single steps common enough for RL to find them. Rewarded only for the final answer,
 RL shifts the choice toward single steps, and the responses grow longest on the largest problems.
 The choice is one token (the label, or ">"), so RL moves the target at those tokens while the
-arithmetic that follows stays what it was. No jumps over two digits by default: RL learns to make
-those right instead of writing more (RESULTS.md). The long tail: n follows a power law
+arithmetic that follows stays what it was. The default mix has jumps of three digits and none of
+two: RL learns to make two-digit jumps right instead of writing more (RESULTS.md). The long tail: n follows a power law
 P(n) ~ n^-alpha, and one prompt's samples differ in length by their choices. Simplified on purpose:
 a tiktoken Encoding built in-process (no download), one merge per labelled digit, so that finding
 digit b in the prompt is a single attention look-up.
 
-Test: python -m pytest tests/test_task.py
+Test: python -m pytest tests/test_running_sum.py
 """
 import re
 from dataclasses import dataclass, field

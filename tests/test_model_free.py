@@ -55,8 +55,8 @@ def sibling_batch():
     groups.now = lambda *_: (groups.texts, groups.lens)
     finished = [None, None, SimpleNamespace(tokens=texts[2].clone()),
                 SimpleNamespace(tokens=texts[3, :5].clone()), None]
-    return Batch(tokens=tokens, n_tokens=lens[running], row_id=torch.tensor(running), groups=groups,
-                 running=running, group=[0, 0, 0, 1, 2], prompts=[[1], [1], [8], [7], [7]],
+    return Batch(tokens=tokens, n_tokens=lens[running], device_row_of_slot=torch.tensor(running), groups=groups,
+                 row_of_slot=running, group=[0, 0, 0, 1, 2], prompts=[[1], [1], [8], [7], [7]],
                  finished=finished)
 
 
@@ -120,20 +120,20 @@ def test_groups_are_the_rows_of_one_prompt_and_their_texts_outlive_them(greedy_s
     drafter = SiblingDrafter(finished=[[], [[3, 1]], [], [], []])
     gen = RunningBatch(target, prompts, N_NEW, temperature=1.0, eos_id=eos, sampler="gumbel",
                        keys=[5, 6, 7, 8, 9])
-    done = lambda g: drafter.groups(g).all_finished(g.running)  # noqa: E731
+    done = lambda g: drafter.groups(g).all_finished(g.row_of_slot)  # noqa: E731
     groups = drafter.groups(gen)
     # text 5: b + [3, 1], row 1's finished sibling
     assert groups.siblings.tolist() == [[2, 4], [3, 5], [0, 4], [1, 5], [0, 2]]
-    texts, lens = groups.now(gen.row_id, gen.tokens, gen.n_tokens)
+    texts, lens = groups.now(gen.device_row_of_slot, gen.tokens, gen.n_tokens)
     assert texts[5, :lens[5]].tolist() == b + [3, 1]
     assert not done(gen)
     seen = set()
     while gen.compact() > 0:
-        running = gen.row_id.tolist()
+        running = gen.device_row_of_slot.tolist()
         assert done(gen) == (len({tuple(prompts[i]) for i in running}) == len(running))
         seen.add(done(gen))
         assert drafter.groups(gen) is groups  # made once per batch
-        texts, lens = groups.now(gen.row_id, gen.tokens, gen.n_tokens)
+        texts, lens = groups.now(gen.device_row_of_slot, gen.tokens, gen.n_tokens)
         for i in range(5):  # every text is the row's tokens: as they are now, or as the row ended
             if i in running:
                 now = gen.tokens[running.index(i), :gen.n_tokens[running.index(i)]]
@@ -146,7 +146,7 @@ def test_groups_are_the_rows_of_one_prompt_and_their_texts_outlive_them(greedy_s
                          keys=[1, 2])
     lone = SiblingDrafter()
     assert lone.groups(alone).siblings.tolist() == [[-1], [-1]]
-    assert not lone.groups(alone).all_finished(alone.running)
+    assert not lone.groups(alone).all_finished(alone.row_of_slot)
     with pytest.raises(ValueError, match="5 lists of finished siblings for 2 prompts"):
         drafter.groups(alone)  # a new batch: new texts; these finished siblings are another's
 

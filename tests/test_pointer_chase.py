@@ -28,7 +28,7 @@ def ids_of(text):
 
 def ends(problem):
     """The letters no link leaves: one per chain."""
-    starts = {a for a, _ in problem.links}
+    starts = {a.lower() for a, _ in problem.links}
     return {b for _, b in problem.links if b not in starts}
 
 
@@ -140,7 +140,7 @@ def test_reward_is_one_for_the_reference_and_a_right_outright_answer():
 
 def test_reward_is_zero_for_garbage_and_never_raises():
     rng = random.Random(6)
-    p = DEFAULT.parse("eh qd yt wa zm ce uy dz ho ak:q")  # its end: m
+    p = DEFAULT.parse("Eh Qd Yt Wa Zm Ce Uy Dz Ho Ak:q")  # its end: m
     garbage = ["", " ", ">", ">>", "> m", ">mm", ">M", ">m>", "m", "-m", "=m", ">ｍ", ">\u200bm",
                ">m" + "\u200b", "<|eos|>", "<|pad|>", ">" + "m" * 5000]
     garbage += [bytes(rng.randrange(256) for _ in range(rng.randrange(1, 60))).decode(
@@ -169,11 +169,11 @@ def test_reward_on_random_ids_never_raises():
 
 def test_every_prompt_has_several_chain_ends_none_given_away():
     for p in by_size(ALL_SIZES, per_size=30, seed=8):
-        letters = [c for link in p.links for c in link]
-        assert all(a != b for a, b in p.links) and p.start not in {b for _, b in p.links}
+        letters = [c.lower() for link in p.links for c in link]
+        assert all(a.lower() != b for a, b in p.links) and p.start not in {b for _, b in p.links}
         assert len(set(letters)) == len(p.links) + 4  # distinct letters in 4 chains
         assert p.answer in ends(p) and len(ends(p)) == 4  # the docstring's "four ends"
-        before = {b: a for a, b in p.links}
+        before = {b: a.lower() for a, b in p.links}
         if p.size >= 2:  # one look-up back from any end never reaches a chain start
             assert all(before[e] in before for e in ends(p)), p.prompt()
 
@@ -217,7 +217,7 @@ def test_single_hops_only_without_an_rng():
     for p in by_size(ALL_SIZES, per_size=3, seed=11):
         assert walk(p, p.response()) == ["-"] * p.size
         assert DEFAULT.choice_share(ids_of(p.response())) == 1.0
-    p = DEFAULT.parse("eh qd yt wa zm ce uy dz ho ak:q")
+    p = DEFAULT.parse("Eh Qd Yt Wa Zm Ce Uy Dz Ho Ak:q")
     assert p.response() == "-d -z -m >m"  # the module docstring's example
     assert p.response(random.Random(0), (0.0, 1.0, 0.0)) == "=z =m >m"  # the last jump: 1 hop
 
@@ -237,22 +237,22 @@ def test_parse_round_trips_and_rejects_what_is_no_problem():
     task = TASKS["pointer_chase"]()
     for p in by_size(ALL_SIZES, per_size=10, seed=12):
         assert task.parse(p.prompt()) == p
-    rejected = ["", ":", "ab", "ab:", "ab:c", "ab:b", "ab ba:a", "ab bc ca:a", "ab ac:a", "aa:a",
-                "ab  bc:a", "ab bc:a\n", " ab:a", "AB:a", "ab:A", "abc:a", "a-b:a", "ab,bc:a",
-                None, 123, b"ab:a", ["ab:a"]]
+    rejected = ["", ":", "Ab", "Ab:", "Ab:c", "Ab:b", "Ab Ba:a", "Ab Bc Ca:a", "Ab Ac:a", "Aa:a",
+                "Ab  Bc:a", "Ab Bc:a\n", " Ab:a", "AB:a", "Ab:A", "Abc:a", "A-b:a", "Ab,Bc:a", "ab:a",
+                "ab bc:a", None, 123, b"Ab:a", ["Ab:a"]]
     for text in rejected:
         assert task.parse(text) is None, repr(text)
-    assert task.parse("ac bc:a") == Problem(("ac", "bc"), "a")  # two links into c: still one walk
-    assert task.parse("ab bc cd:b").size == 2
+    assert task.parse("Ac Bc:a") == Problem(("Ac", "Bc"), "a")  # two links into c: still one walk
+    assert task.parse("Ab Bc Cd:b").size == 2
     rng = random.Random(13)
     for _ in range(500):
-        text = "".join(rng.choice("abcz :-\n>") for _ in range(rng.randrange(0, 30)))
+        text = "".join(rng.choice("aAbBcCz :-\n>") for _ in range(rng.randrange(0, 30)))
         p = task.parse(text)
         assert p is None or (p.size >= 1 and p.prompt() == text)
 
 
 def test_a_hand_made_cycle_still_ends():
-    p = Problem(("ab", "bc", "ca"), "a")  # parse rejects it; the walk must stop anyway
+    p = Problem(("Ab", "Bc", "Ca"), "a")  # parse rejects it; the walk must stop anyway
     assert p.size <= 3 and DEFAULT.reward(p, ids_of(">a")) in (0.0, 1.0)
 
 

@@ -1,12 +1,14 @@
 """report.py on hand-made metrics.jsonl records: the step line, the timeline and the summary keep
 the text train.py prints; the picture shows a run's trends, the acceptance by position from
 summed counts, and says so when a run never speculated; the CLI reads a run directory and fails
-with one error line. No model runs; the CLI's processes take most of its time."""
+with one error line; two runs are compared by bins, and step by step where they wrote the same
+responses; the SVG holds each run's series. No model runs; the CLI's processes take most of its time."""
 import json
 import os
 import subprocess
 import sys
 import types
+import xml.etree.ElementTree as ET
 
 import pytest
 
@@ -253,3 +255,136 @@ def test_the_picture_shows_acceptance_by_problem_size_first_and_last():
     line = row(report.picture(history, TASK), "accepted by size")
     assert line == "  accepted by size      1-2 100.0% -> 90.0% | 3-5 95.0% -> 75.0% | 6-10 - -> 50.0%"
     assert not any("accepted by size" in x for x in report.picture([record(s) for s in range(20)], TASK))  # older records
+
+
+# -----------------------------------------------------------------------------
+# python -m harness.report run-a run-b: two runs side by side; the SVG
+
+SVG = "{http://www.w3.org/2000/svg}"
+
+
+def svg_series(path):
+    """{(run, figure): number of points} of each series (a polyline) in an SVG file."""
+    root = ET.parse(path).getroot()
+    return {(pl.get("data-run"), pl.get("data-figure")): len(pl.get("points").split())
+            for pl in root.iter(f"{SVG}polyline")}
+
+
+def paired_runs(tmp_path, b_digest=lambda s: f"d{s}"):
+    """Runs A and B of 20 steps: B's rollout takes 1.2 x A's at every step, B's step 1.5 x A's
+    but 0.5 x on the last tenth (steps 18, 19); B's file is out of step order. b_digest: B's
+    responses_digest at step s (A's is d<s>)."""
+    a = [record(s, rollout_time=1.0 + 0.1 * s, step_time=2.0 + 0.1 * s, responses_digest=f"d{s}")
+         for s in range(20)]
+    b = [record(s, rollout_time=1.2 * (1.0 + 0.1 * s), step_time=(1.5 if s < 18 else 0.5) * (2.0 + 0.1 * s),
+                responses_digest=b_digest(s)) for s in range(20)]
+    return write_run(tmp_path / "fast", a), write_run(tmp_path / "slow", b[::-1])
+
+
+def compared(capsys, *args):
+    report.main(list(args))
+    return capsys.readouterr().out.splitlines()
+
+
+def test_runs_with_the_same_responses_are_paired_step_by_step(tmp_path, capsys):
+    a, b = paired_runs(tmp_path)
+    out = compared(capsys, a, b)
+    assert out[1] == "comparison: A = fast, B = slow"
+    assert "ratio X / A: run X's bin mean over run A's" in out[3]  # which way the ratio goes
+    start = out.index("  rollout time, s: one scale for all runs, 1.050..3.420")  # bin means
+    assert out[start + 1].startswith("    A fast        ") and out[start + 2].startswith("    B slow        ")
+    assert out[start + 3] == "    B / A         " + " ".join([" 1.20"] * 10) + "  1.20 overall"
+    assert "  paired: the runs wrote the same responses at all 20 steps (responses_digest);" in out
+    assert out[-3:-1] == ["    B / A  rollout time  1.20 over all 20 steps, 1.20 over the last 2",
+                          "    B / A  step time     1.50 over all 20 steps, 0.50 over the last 2"]
+    assert out[-1] == f"svg picture: {os.path.join(a, 'compare.svg')} (open it in a browser)"
+    assert max(len(ln) for ln in out[:-1]) <= 100
+
+
+def test_runs_with_different_responses_are_compared_by_bins_only(tmp_path, capsys):
+    a, b = paired_runs(tmp_path, b_digest=lambda s: "other" if s in (3, 7) else f"d{s}")
+    out = compared(capsys, a, b, "--svg", "none")
+    assert ("  not paired: the runs' responses differ at 2 of 20 steps (responses_digest, or none recorded),"
+            in out)
+    assert not any("paired: the runs wrote" in ln or "over all" in ln for ln in out)
+    assert "    B / A         " + " ".join([" 1.20"] * 10) + "  1.20 overall" in out  # the bins still are
+    # records written before the digest existed pair with nothing, not with each other
+    runs = [[record(s) for s in range(20)]] * 2
+    assert report.pairing_lines(runs)[0].startswith("  not paired: the runs' responses differ at 20 of 20")
+
+
+def test_svg_holds_each_runs_series_with_a_point_per_bin_with_a_figure(tmp_path, capsys):
+    # run A speculated from step 4 on: its accept length has no figure in the first 2 bins of 2 steps
+    a = write_run(tmp_path / "A & <new>", [record(s, accept_len=None if s < 4 else 2.0) for s in range(20)])
+    b = write_run(tmp_path / "B", [record(s, response_len=40.0 + s) for s in range(20)])
+    svg_path = str(tmp_path / "pictures" / "c.svg")
+    os.makedirs(os.path.dirname(svg_path))
+    assert compared(capsys, a, b, "--svg", svg_path)[-1] == f"svg picture: {svg_path} (open it in a browser)"
+    figures = ("response_len", "accept_len", "rollout_time", "step_time")
+    expected = {(run, f): 8 if (run, f) == ("A & <new>", "accept_len") else 10
+                for run in ("A & <new>", "B") for f in figures}
+    assert svg_series(svg_path) == expected  # the run's name escaped, or the file would not parse
+    texts = [t.text for t in ET.parse(svg_path).getroot().iter(f"{SVG}text")]
+    assert {"A & <new>", "B", "accept length (tokens/verify)", "step time (s)", "0", "10"} <= set(texts)
+    report.main([a, b, "--svg", svg_path, "--bins", "5"])
+    assert set(svg_series(svg_path).values()) == {4, 5}
+
+
+def test_a_single_run_prints_what_it_printed_then_the_svg_path(tmp_path):
+    records = [record(s, accept_len=3.0 - 0.1 * s) for s in range(20)]
+    run = write_run(tmp_path / "run", records)
+    r = run_cli(run)
+    assert r.returncode == 0, r.stderr
+    text = (["summary"] + report.record_lines(records, TASK) + [report.skipped_line(records)]
+            + report.picture(records, TASK))
+    svg_path = os.path.join(run, "report.svg")
+    assert r.stdout.splitlines() == text + [f"svg picture: {svg_path} (open it in a browser)"]
+    assert svg_series(svg_path) == {("run", f): 10
+                                    for f in ("response_len", "accept_len", "rollout_time", "step_time")}
+    os.remove(svg_path)
+    r = run_cli(run, "--svg", "none")
+    assert r.stdout.splitlines() == text and not os.path.exists(svg_path)
+
+
+@pytest.mark.parametrize("b_steps", [None, range(19), range(1, 21)])
+def test_compare_on_bad_input_prints_one_error_line(tmp_path, capsys, b_steps):
+    # None: B is a directory without metrics.jsonl; else B's steps differ from A's 0..19
+    a = write_run(tmp_path / "a", [record(s) for s in range(20)])
+    b = tmp_path / "b"
+    os.makedirs(b)
+    if b_steps is not None:
+        write_run(b, [record(s) for s in b_steps])
+    with pytest.raises(SystemExit) as e:
+        report.main([a, str(b)])
+    out, err = capsys.readouterr()
+    assert e.value.code == 2 and out == ""
+    assert len(err.splitlines()) == 1 and err.startswith("error:"), err
+    assert ("no such file" if b_steps is None else "the runs are of different steps") in err
+    assert not os.path.exists(os.path.join(a, "compare.svg"))
+
+
+def test_a_binary_file_for_a_run_prints_one_error_line(tmp_path, capsys):
+    a = write_run(tmp_path / "a", [record(s) for s in range(5)])
+    (tmp_path / "ckpt.pt").write_bytes(b"PK\x03\x04\x80\xff" * 10)
+    with pytest.raises(SystemExit) as e:
+        report.main([a, str(tmp_path / "ckpt.pt")])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err == f"error: {tmp_path / 'ckpt.pt'} is not a text file\n"
+
+
+def test_an_unwritable_svg_path_prints_one_error_line(tmp_path):
+    a = write_run(tmp_path / "a", [record(s) for s in range(5)])
+    r = run_cli(a, a, "--svg", str(tmp_path / "no such dir" / "c.svg"))
+    assert r.returncode == 2 and r.stdout == ""
+    assert len(r.stderr.splitlines()) == 1 and r.stderr.startswith("error: cannot write the SVG"), r.stderr
+
+
+def test_a_run_ends_naming_its_frozen_twin_and_the_comparison():
+    """The default run's last lines: the frozen run from the same warm-ups, then the report of both;
+    a run that does not train its drafter has no such twin."""
+    from harness import config
+    lines = report.next_lines(config.parse_args(["--out-dir", "runs/a/"]))
+    assert "--warmup-dir runs/a/ --out-dir runs/a-frozen --drafter-updates off" in lines[1]
+    assert lines[2].strip() == "python -m harness.report runs/a/ runs/a-frozen"
+    for flags in (["--tlt", "off"], ["--drafter-updates", "off"]):
+        assert report.next_lines(config.parse_args(flags)) == []

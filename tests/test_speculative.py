@@ -143,8 +143,8 @@ def test_acceptance_by_row_follows_each_row_through_compaction():
     """A step's counts belong to the rows the batch held before that step's compaction: four rows,
     then rows 0 and 2 finish and rows 3 and 1 hold the two slots."""
     st = DecodeStats()
-    st(types.SimpleNamespace(running=[0, 1, 2, 3]), None)  # the prefill
-    after = types.SimpleNamespace(running=[3, 1])
+    st(types.SimpleNamespace(row_of_slot=[0, 1, 2, 3]), None)  # the prefill
+    after = types.SimpleNamespace(row_of_slot=[3, 1])
     st(after, Step(4, 4, torch.tensor([4, 1, 2, 5]), torch.tensor([3, 0, 2, 4])))
     st(after, Step(2, 4, torch.tensor([2, 3]), torch.tensor([1, 2])))
     st.settle()
@@ -236,7 +236,7 @@ def test_compact_drops_finished_rows_keeps_original_order(greedy_setup):
             sizes.append(n)
             running = [i for i, r in enumerate(gen.results) if r is None]
             assert n == gen.batch_size == len(running)
-            assert sorted(gen.row_id.tolist()) == running
+            assert sorted(gen.device_row_of_slot.tolist()) == running
             assert not bool(gen.done.any())
             assert gen.tokens.shape[0] == gen.hidden.shape[0] == gen.n_tokens.shape[0] == n
             assert gen.cache.batch_size == n
@@ -267,7 +267,7 @@ def test_compact_moves_marked_rows_to_results():
     gen.done = torch.tensor([True, False, True, False])
     assert gen.compact() == 2
     # row 1 stays in its slot and row 3 fills the hole left by row 0, so the cache copies one row
-    assert gen.row_id.tolist() == [3, 1]
+    assert gen.device_row_of_slot.tolist() == [3, 1]
     assert torch.equal(gen.tokens, before_tokens[[3, 1]])
     assert torch.equal(gen.cache.k, before_k[:, [3, 1]])
     assert torch.equal(gen.cache.lengths, before_len[[3, 1]])
@@ -295,9 +295,9 @@ def test_debug_checks_catch_a_broken_invariant(greedy_setup, monkeypatch):
     monkeypatch.setattr(instrument, "DEBUG", True)
     assert isinstance(instrument.liveness_observer(), instrument.BatchChecker)  # TLT_DEBUG=1 turns it on
     breaks = {"n_tokens - 1 positions": lambda g: setattr(g.cache, "lengths", g.cache.lengths + 1),
-              "tokens_bound bounds": lambda g: setattr(g, "tokens_bound", g.tokens_bound - 1),
-              "unread_bound bounds": lambda g: setattr(g, "unread_bound", 0),
-              "host's rows": lambda g: g.running.reverse(),
+              "n_tokens_bound bounds": lambda g: setattr(g, "n_tokens_bound", g.n_tokens_bound - 1),
+              "unread_states_bound bounds": lambda g: setattr(g, "unread_states_bound", 0),
+              "host's rows": lambda g: g.row_of_slot.reverse(),
               "keys with its tokens": lambda g: monkeypatch.setattr(g.cache, "compact", lambda n, *_: KVCache.compact(g.cache, n))}
     for what, brake in breaks.items():
         gen, check = RunningBatch(target, pool, N_NEW, temperature=0, max_draft=3), instrument.BatchChecker()
@@ -310,7 +310,7 @@ def test_debug_checks_catch_a_broken_invariant(greedy_setup, monkeypatch):
         brake(gen)
         with pytest.raises(AssertionError, match=what):
             if what == "keys with its tokens":
-                gen.done = gen.cache.rows == 0  # a hole at slot 0, for the last row to fill
+                gen.done = gen.cache.slots == 0  # a hole at slot 0, for the last row to fill
                 gen.compact()
             check(gen)
 
@@ -749,7 +749,7 @@ def test_steps_read_nothing_from_the_device(greedy_setup, sampler, temperature, 
     with counter:  # segments: compact, step, compact, step, ..., the last compact
         while gen.compact() > 0:
             sizes.append(gen.batch_size)
-            moved |= gen.running != sorted(gen.running)  # a row past the new end filled a hole
+            moved |= gen.row_of_slot != sorted(gen.row_of_slot)  # a row past the new end filled a hole
             counter.mark()
             step = next(schedule)
             if step is None:
