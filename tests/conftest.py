@@ -1,9 +1,11 @@
-"""Shared by the tests: the repository root on sys.path, and a helper to randomise tiny models."""
+"""Shared by the tests: the repository root on sys.path, a helper to randomise tiny models, and a
+fixture that fails any use of the network."""
 import os
+import random
+import socket
 import sys
 
-import random
-
+import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -11,6 +13,16 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from drafter import Drafter, DrafterBuffer, make_optimizer, train_step  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
 from speculative import RunningBatch, autoregressive_generate  # noqa: E402
+
+
+@pytest.fixture
+def no_network(monkeypatch):
+    """Every way out to the network fails the test: a tokenizer must be built in-process."""
+    def refuse(*a, **k):
+        raise AssertionError("touched the network")
+
+    for name in ("socket", "create_connection", "getaddrinfo"):
+        monkeypatch.setattr(socket, name, refuse)
 
 
 def randomize(module, seed, std):

@@ -3,7 +3,6 @@ their bounds, the reward, the distractors, the warm-up traces, choice_share, par
 and the settings' validation."""
 import math
 import random
-import socket
 from collections import Counter
 
 import numpy as np
@@ -53,15 +52,9 @@ def walk(problem, response):
 # ----------------------------------------------------------------------------- tokenizer
 
 
-def test_build_tokenizer_is_in_process(monkeypatch):
-    def no_network(*a, **k):
-        raise AssertionError("build_tokenizer touched the network")
-
-    monkeypatch.setattr(socket, "socket", no_network)
-    monkeypatch.setattr(socket, "create_connection", no_network)
-    monkeypatch.setattr(socket, "getaddrinfo", no_network)
+def test_build_tokenizer_is_in_process(no_network):
     enc = pc.build_tokenizer()
-    text = "eh qd yt wa zm ce uy dz ho ak:q-d -z -m >m"
+    text = "Eh Qd Yt Wa Zm Ce Uy Dz Ho Ak:q-d -z -m >m"
     assert enc.decode(enc.encode(text)) == text
     assert enc.encode(text) == pc.encode(text)  # a fresh build gives the module's ids
     assert enc.n_vocab == DEFAULT.vocab_size == 256 + len(pc.PAIRS) + 2

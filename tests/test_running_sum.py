@@ -1,7 +1,6 @@
 """Tests for tasks/running_sum.py: the in-process tokenizer, the reward, decode, the long-tailed size
 distribution, the stratified eval set, the settings' validation and training examples."""
 import random
-import socket
 from collections import Counter
 
 import numpy as np
@@ -26,13 +25,7 @@ def roundtrip(text):
 # ----------------------------------------------------------------------------- tokenizer
 
 
-def test_build_tokenizer_is_in_process(monkeypatch):
-    def no_network(*a, **k):
-        raise AssertionError("build_tokenizer touched the network")
-
-    monkeypatch.setattr(socket, "socket", no_network)
-    monkeypatch.setattr(socket, "create_connection", no_network)
-    monkeypatch.setattr(socket, "getaddrinfo", no_network)
+def test_build_tokenizer_is_in_process(no_network):
     enc = task.build_tokenizer()
     text = task.Problem((3, 7, 1)).prompt()
     assert enc.decode(enc.encode(text)) == text

@@ -1,0 +1,92 @@
+"""The task interface (tasks/__init__.py), checked on every registered task: what the rest of the
+project relies on, whatever the task. Each task's own format has its own file of tests."""
+import dataclasses
+import random
+
+import numpy as np
+import pytest
+
+import tasks
+
+ALL = [cls() for cls in tasks.TASKS.values()]
+IDS = [t.name for t in ALL]
+
+
+@pytest.mark.parametrize("task", ALL, ids=IDS)
+def test_problems_fit_the_bounds_the_model_is_sized_by(task):
+    rng = random.Random(0)
+    for _ in range(500):
+        p = task.sample(rng)
+        assert 1 <= p.size <= task.max_n
+        prompt = task.prompt_ids(p)
+        assert 0 < len(prompt) <= task.max_prompt_len
+        ids, plen = task.warmup_example(p, rng)
+        assert ids[:plen] == prompt and ids[-1] == task.eos_id and ids.count(task.eos_id) == 1
+        assert len(ids) - plen <= task.response_len(p.size) <= task.max_response_len
+        assert task.pad_id not in ids and max(ids) < task.vocab_size
+        assert task.reward(p, ids[plen:]) in (0.0, 1.0)
+
+
+@pytest.mark.parametrize("task", ALL, ids=IDS)
+def test_the_longest_responses_are_long_tailed(task):
+    """p90 of the longest response at the sizes drawn is at least twice the median (fixed seed,
+    20,000 draws: the quantiles of a discrete size move by less than one size between seeds)."""
+    rng = random.Random(1)
+    lengths = np.array([task.response_len(task.sample(rng).size) for _ in range(20_000)])
+    assert np.percentile(lengths, 90) >= 2 * np.median(lengths)
+
+
+@pytest.mark.parametrize("task", ALL, ids=IDS)
+def test_reward_and_decode_never_raise_on_random_ids(task):
+    rng = random.Random(2)
+    p = task.sample(rng)
+    for _ in range(300):
+        ids = [rng.randrange(-2, task.vocab_size + 2) for _ in range(rng.randrange(0, 40))]
+        assert task.reward(p, ids) in (0.0, 1.0)
+        assert isinstance(task.decode(ids), str) and 0.0 <= task.choice_share(ids) <= 1.0
+    assert task.decode(task.prompt_ids(p) + [task.eos_id] + task.prompt_ids(p)) == task.decode(task.prompt_ids(p))
+
+
+@pytest.mark.parametrize("task", ALL, ids=IDS)
+def test_the_held_out_set_is_fixed_and_covers_every_bucket(task):
+    a, b = task.eval_set(per_bucket=3), task.eval_set(per_bucket=3)
+    assert a == b and len(a) == 3 * len(task.buckets())
+    assert {task.bucket_of(p.size) for p in a} == {f"{lo}-{hi}" for lo, hi in task.size_buckets if lo <= task.max_n}
+
+
+@pytest.mark.parametrize("task", ALL, ids=IDS)
+def test_a_parsed_prompt_is_the_problem(task):
+    for p in task.eval_set(per_bucket=2):
+        assert task.parse(task.decode(task.prompt_ids(p))) == p
+    assert task.parse("") is None and task.parse("not a problem at all") is None
+
+
+@pytest.mark.parametrize("task", ALL, ids=IDS)
+def test_merges_start_from_parts_that_spell_them(task):
+    for merged, parts in task.merges():
+        assert task.decode([merged]) == "".join(task.decode([i]) for i in parts)
+
+
+@pytest.mark.parametrize("task", ALL, ids=IDS)
+def test_meta_makes_the_task_again_and_names_its_code(task):
+    other = dataclasses.replace(task, alpha=task.alpha + 0.25)
+    assert tasks.from_meta(task.meta()) == task and tasks.from_meta(other.meta()) == other
+    assert task.meta()["name"] == task.name and len(task.meta()["code"]) == 16
+    assert task.meta() != other.meta()
+
+
+def test_the_code_digest_follows_the_source(monkeypatch):
+    """A task's meta holds a digest of its module's source: the same source, the same digest; an
+    edited source (planted: the source read back with a comment added), another."""
+    import inspect
+    task = ALL[0]
+    before = task.meta()["code"]
+    assert type(task)().meta()["code"] == before
+    real = inspect.getsource
+    monkeypatch.setattr(inspect, "getsource", lambda obj: real(obj) + "# an edit\n")
+    assert task.meta()["code"] != before
+
+
+def test_an_unknown_task_is_named_with_the_registered_ones():
+    with pytest.raises(ValueError, match="registered: " + ", ".join(tasks.TASKS)):
+        tasks.from_meta({"name": "no_such_task"})
