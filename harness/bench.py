@@ -1,15 +1,15 @@
 """Side-by-side measurements: what speculative decoding and TLT buy, in one run on one machine.
 
-    python bench.py            # decoding: plain vs speculative for batch sizes 1..64 and k in 1..8
-    python bench.py --e2e      # RL steps: --tlt off, on, on with a frozen drafter, on with each model-free drafter
-    python bench.py --drift    # a target moved away from the drafter: frozen vs online-trained drafter
-    python bench.py --drafters out   # after a train.py run: its online-trained drafter vs the warm-up one
-    python bench.py --vocab    # the exact-token sampler at vocabularies of 50k and 152k tokens (random weights)
+    python -m harness.bench            # decoding: plain vs speculative for batch sizes 1..64 and k in 1..8
+    python -m harness.bench --e2e      # RL steps: --tlt off, on, on with a frozen drafter, on with each model-free drafter
+    python -m harness.bench --drift    # a target moved away from the drafter: frozen vs online-trained drafter
+    python -m harness.bench --drafters out   # after a train.py run: its online-trained drafter vs the warm-up one
+    python -m harness.bench --vocab    # the exact-token sampler at vocabularies of 50k and 152k tokens (random weights)
 
 All but --vocab load the warmed-up target and drafter from --out-dir (warming them up first if absent, with
 train.py's defaults plus --train-args), on the GPU when there is one, print a table, and end with
 one JSON line holding every figure. Checkpoints made with other flags need the same flags here, e.g.
-    python bench.py --out-dir out_4x128 --train-args "--n-layer 4 --n-embd 128 --warmup-lr 3e-3 --warmup-steps 900"
+    python -m harness.bench --out-dir out_4x128 --train-args "--n-layer 4 --n-embd 128 --warmup-lr 3e-3 --warmup-steps 900"
 --train-args "--dtype bfloat16" runs every forward under bf16 autocast, as train.py does; its
 warm-ups are bf16 ones, so it needs a --out-dir of its own.
 

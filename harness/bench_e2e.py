@@ -1,9 +1,9 @@
 """RL-level comparisons: what TLT buys over whole rollouts and RL steps, and how the drafter holds up
 when the target moves. Run through bench.py, which parses the flags and loads the warmed-up models:
 
-    python bench.py --e2e      # RL steps: --tlt off, on, on with a frozen drafter, on with each model-free drafter
-    python bench.py --drift    # a target moved away from the drafter: frozen vs online-trained drafter
-    python bench.py --drafters out   # after a train.py run: its online-trained drafter vs the warm-up one
+    python -m harness.bench --e2e      # RL steps: --tlt off, on, on with a frozen drafter, on with each model-free drafter
+    python -m harness.bench --drift    # a target moved away from the drafter: frozen vs online-trained drafter
+    python -m harness.bench --drafters out   # after a train.py run: its online-trained drafter vs the warm-up one
 
 End-to-end bench (`e2e_bench`). train.py runs from the same warm-ups and seed, each its own torchrun
 group (E2E_VARIANTS): --tlt off, on, on with a frozen drafter, on with the n-gram drafter (TLT-Base),

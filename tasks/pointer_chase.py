@@ -1,24 +1,26 @@
 """The second task: pointer chasing, following a chain of links to its end, written in hops.
 
     prompt:    Eh Qd Yt Wa Zm Ce Uy Dz Ho Ak:q
-    response:  -d -z -m >m<|eos|>
+    response:  -qd -dz -zm >m<|eos|>
 
 The prompt lists links ("Qd": q links to d), shuffled, then the start. The real chain runs from the
 start (q d z m); three distractor chains of 2 or 3 links each (w a k, c e h o, u y t) end elsewhere,
 and no end is ruled out by one look-up back, so the real end cannot be told from the other three
-without following the chain: answered outright, it is a guess among four ends. A single hop ("-z")
-looks up the one link that starts with the last letter written and writes where it leads: one
-attention look-up per written step. A link's start is written in capitals: with one alphabet for
-both ends, "qd" and "dz" would both match a look-up of "d" alike, and the target never learned
-which end it was after (a warm-up stuck at chance, 4% right); with two, "d" looks for "D". A jump ("=m") writes the letter two hops ahead, two look-ups in
-one forward pass (expected near chance after the warm-up, as running_sum's jumps are; not measured
-for this task yet); the answer outright (">m") skips the rest. Written steps buy computation that
+without following the chain: answered outright, it is a guess among four ends. A single hop
+("-dz") writes its kind, the letter it stands on and where that letter's link leads: the last token
+is one attention look-up from the one before it, "d" looking for the link "Dz". A link's start is
+written in capitals: with one alphabet for both ends, "qd" and "dz" would both match a look-up of
+"d"; and the step writes the letter it stands on, so that the look-up's query is the token just
+read (a first version wrote only where it led, "-z", and its target never learned the look-up: the
+warm-up stalled at a loss of 1.2, 4% right at every size). A jump ("=dm") writes the letter two hops
+ahead, two look-ups in one forward pass (expected near chance after the warm-up, as running_sum's
+jumps are); the answer outright (">m") skips the rest. Written steps buy computation that
 one forward pass cannot do, as in reasoning models. The warm-up traces choose at every step, mostly
 jumps (as base models answer quickly), with single hops common enough for RL to find them; rewarded
 only for the final answer, RL should shift the choice toward single hops. The choice is one token
 ("-", "=" or ">"), so RL moves the target at those tokens while the look-up that follows stays what
-it was. The long tail: n follows P(n) ~ n^-alpha, a single-hop response is 3n + 3 tokens (median 15,
-p90 30 at the defaults), and one prompt's samples differ in length by their choices. Simplified on
+it was. The long tail: n follows P(n) ~ n^-alpha, a single-hop response is 4n + 3 tokens (median 19,
+p90 39 at the defaults), and one prompt's samples differ in length by their choices. Simplified on
 purpose: 26 letters only, so a problem holds at most 26 of them and max_n is at most 13;
 distractors have 2 or 3 links whatever n is (telling the real chain by its length takes following
 it too); a tiktoken Encoding built in-process (no download), one merge per ordered pair of distinct
@@ -97,8 +99,8 @@ class Problem:
             k = rng.choices(range(3), weights=strides)[0] if rng else 0
             if k == 2:  # the answer outright
                 break
-            i = min(i + k + 1, self.size)  # a jump with one hop left lands on the end
-            steps.append("-="[k] + chain[i])
+            here, i = chain[i], min(i + k + 1, self.size)  # a jump with one hop left: the end
+            steps.append("-="[k] + here + chain[i])
         return " ".join(steps + [">" + self.answer])
 
 
@@ -109,8 +111,8 @@ class PointerChase(Task):
         "help": f"largest problem (links to follow), at most {MAX_N}"})
     # warm-up traces: P(single hop), P(jump of two hops), P(the answer outright)
     strides: tuple = field(default=(0.40, 0.55, 0.05), metadata={
-        "help": "warm-up traces: the probability, at every step, of a single hop (-z), a jump "
-                "of two hops (=m), and of the answer outright (>m)"})
+        "help": "warm-up traces: the probability, at every step, of a single hop (-dz), a jump "
+                "of two hops (=dm), and of the answer outright (>m)"})
 
     name = "pointer_chase"
     choice = "single hops"
@@ -153,7 +155,7 @@ class PointerChase(Task):
 
     @staticmethod
     def response_len(n):  # the longest response (single hops only), <|eos|> included
-        return 3 * n + 3  # "-z " is 3 tokens, ">m" 2, then <|eos|>
+        return 4 * n + 3  # "-dz " is 4 tokens, ">m" 2, then <|eos|>
 
     @property
     def max_prompt_len(self):  # each link and the space or colon after it, then the start
@@ -187,7 +189,7 @@ def parse_prompt(prompt):
 
 
 def hop_share(response):
-    """The share of a response's written steps that are single hops ("-z", not "=m"; the answer
+    """The share of a response's written steps that are single hops ("-dz", not "=dm"; the answer
     ">m" is no step)."""
-    steps = re.findall(r"([-=])[a-z]", response)
+    steps = re.findall(r"([-=])[a-z]{2}", response)
     return steps.count("-") / len(steps) if steps else 0.0

@@ -60,7 +60,7 @@ def test_expected_steps_counts_verify_steps_to_emit_a_row():
 
 
 def test_host_traffic_report_of_a_rollout_like_train_py(capsys, monkeypatch):
-    """The report python bench.py prints: a rollout of train.py's rows for step 0 on one rank, one
+    """The report `python -m harness.bench` prints: a rollout of train.py's rows for step 0 on one rank, one
     read per decoding step (its compaction) and no copy from the host, the prefill's one read its
     compaction, as a JSON-ready figure."""
     import json

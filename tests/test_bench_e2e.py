@@ -1,6 +1,6 @@
 """bench_e2e.py's comparisons on tiny models: the controlled drafter comparison shares its prompts and
 random stream, and the drift bench moves copies, never the models it is given. The end-to-end runs
-themselves (train.py under torchrun) are left to `python bench.py --e2e`."""
+themselves (train.py under torchrun) are left to `python -m harness.bench --e2e`."""
 import os
 import sys
 

@@ -37,7 +37,9 @@ def walk(problem, response):
     chain, i, choices = problem.chain, 0, []
     steps = response.split(" ")
     for j, step in enumerate(steps):
-        kind, letter = step[0], step[1:]
+        kind, letter = step[0], step[-1]
+        if kind in "-=":  # it writes the letter it stands on, then where it goes
+            assert len(step) == 3 and step[1] == chain[i], response
         if i < problem.size:
             choices.append(kind)
         if kind == ">":
@@ -54,7 +56,7 @@ def walk(problem, response):
 
 def test_build_tokenizer_is_in_process(no_network):
     enc = pc.build_tokenizer()
-    text = "Eh Qd Yt Wa Zm Ce Uy Dz Ho Ak:q-d -z -m >m"
+    text = "Eh Qd Yt Wa Zm Ce Uy Dz Ho Ak:q-qd -dz -zm >m"
     assert enc.decode(enc.encode(text)) == text
     assert enc.encode(text) == pc.encode(text)  # a fresh build gives the module's ids
     assert enc.n_vocab == DEFAULT.vocab_size == 256 + len(pc.PAIRS) + 2
@@ -211,16 +213,16 @@ def test_single_hops_only_without_an_rng():
         assert walk(p, p.response()) == ["-"] * p.size
         assert DEFAULT.choice_share(ids_of(p.response())) == 1.0
     p = DEFAULT.parse("Eh Qd Yt Wa Zm Ce Uy Dz Ho Ak:q")
-    assert p.response() == "-d -z -m >m"  # the module docstring's example
-    assert p.response(random.Random(0), (0.0, 1.0, 0.0)) == "=z =m >m"  # the last jump: 1 hop
+    assert p.response() == "-qd -dz -zm >m"  # the module docstring's example
+    assert p.response(random.Random(0), (0.0, 1.0, 0.0)) == "=qz =zm >m"  # the last jump: 1 hop
 
 
 def test_choice_share_counts_the_single_hops_among_the_written_steps():
     share = DEFAULT.choice_share
-    assert share(ids_of("-d =m >m")) == 0.5 and share(ids_of("-d -z =m >m")) == pytest.approx(2 / 3)
-    assert share(ids_of("=z =m >m")) == 0.0 and share(ids_of("-d -z -m >m")) == 1.0
+    assert share(ids_of("-qd =dm >m")) == 0.5 and share(ids_of("-qd -dz =zm >m")) == pytest.approx(2 / 3)
+    assert share(ids_of("=qz =zm >m")) == 0.0 and share(ids_of("-qd -dz -zm >m")) == 1.0
     assert share(ids_of(">m")) == 0.0 and share(ids_of("")) == 0.0
-    assert share(ids_of("-d =z") + ids_of("-m -k")) == 0.5  # nothing after <|eos|> counts
+    assert share(ids_of("-qd =dz") + ids_of("-zm -mk")) == 0.5  # nothing after <|eos|> counts
 
 
 # ----------------------------------------------------------------------------- parse

@@ -188,7 +188,7 @@ def test_picture_fits_a_100_column_terminal():
 
 
 # -----------------------------------------------------------------------------
-# python report.py <run dir or metrics.jsonl>
+# python -m harness.report <run dir or metrics.jsonl>
 
 def write_run(path, records):
     os.makedirs(path, exist_ok=True)

@@ -1,4 +1,4 @@
-"""Tests for sampling.py and speculative.py: the verify rules, greedy and sampled losslessness, stats, compaction.
+"""Tests for speculative.py (the running batch, the samplers and their verify rules): the verify rules, greedy and sampled losslessness, stats, compaction.
 
 How they can fail, and why they are not weak:
 
