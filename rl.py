@@ -188,10 +188,10 @@ def grpo_update(net, opt, sequences, prompt_lens, advantages, cfg, ref_model=Non
     no_sync = getattr(net, "no_sync", nullcontext)  # DDP: all-reduce after the last micro-batch
     for epoch in range(cfg.epochs):
         opt.zero_grad(set_to_none=True)
-        for m_i, rows in enumerate(micro):
-            tokens, mask = collate([sequences[i] for i in rows], [prompt_lens[i] for i in rows],
-                                   cfg.pad_id, device)  # (B, T), (B, T-1)
-            adv = advantages[rows].to(device)  # (B,)
+        for m_i, seq_ids in enumerate(micro):  # a micro-batch: indices into sequences
+            tokens, mask = collate([sequences[i] for i in seq_ids],  # (B, T), (B, T-1)
+                                   [prompt_lens[i] for i in seq_ids], cfg.pad_id, device)
+            adv = advantages[seq_ids].to(device)  # (B,)
             with no_sync() if m_i < len(micro) - 1 else nullcontext():
                 logp = token_logprobs(net, tokens, cfg.temperature)
                 # the rollout came from the weights of epoch 0: their log-probs are the "old" ones

@@ -235,17 +235,22 @@ def plan_line(args, world_size):
 
 
 def next_lines(args):
-    """The run's last lines: the command that makes the same run with a frozen drafter from the same
-    warm-ups (the same responses at every step, so the two pair step by step), and the one that
-    compares them. 200 steps show the gap: the frozen drafter falls behind as RL moves the target,
-    most in the last tenth of the run, where the comparison's paired ratio stands above the noise."""
+    """The run's last lines: how to see the drafter's worth in time. Two runs from the same warm-ups,
+    this one and one with a frozen drafter, write the same responses at every step, so the report
+    pairs them step by step. 600 steps, not 200: the frozen drafter keeps falling behind as RL moves
+    the target, and the last tenth holds 60 paired steps rather than 20. (Its cost in time is still
+    near a shared 2-core machine's noise between runs; RESULTS.md has both.) This run goes on to 600
+    by resuming: `--rl-steps` is not in the checkpoint's settings."""
     if not (args.tlt and args.drafter_updates):
         return []
-    frozen = f"{args.out_dir.rstrip('/')}-frozen"
-    return ["\nthe same run with a frozen drafter, from the same warm-ups, and the two side by side:",
-            f"  torchrun --standalone --nproc_per_node=2 train.py --warmup-dir {args.warmup_dir} "
-            f"--out-dir {frozen} --drafter-updates off --eval-per-bucket 0",
-            f"  python -m harness.report {args.out_dir} {frozen}"]
+    steps, frozen = max(600, args.rl_steps), f"{args.out_dir.rstrip('/')}-frozen"
+    run = f"  torchrun --standalone --nproc_per_node=2 train.py --warmup-dir {args.warmup_dir} --rl-steps {steps}"
+    lines = ["", f"the drafter's worth in time: this run and the same with a frozen drafter, {steps} steps "
+                 "each, side by side (add this run's other flags):"]
+    if args.rl_steps < steps:
+        lines.append(f"{run} --out-dir {args.out_dir} --eval-per-bucket 0")
+    return lines + [f"{run} --out-dir {frozen} --drafter-updates off --eval-per-bucket 0",
+                    f"  python -m harness.report {args.out_dir} {frozen}"]
 
 
 def log_step(rec, ranks, args):

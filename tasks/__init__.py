@@ -11,7 +11,7 @@ What a task writes:
 
     name, choice                the --task name; what `choice_share` counts, in the summary's words
     size_buckets                the held-out set's and the report's problem-size ranges
-    encoding                    its tiktoken.Encoding, built in-process; `<|eos|>` and `<|pad|>` in it
+    encoding                    its tiktoken.Encoding, built in-process, with `<|eos|>`, `<|pad|>`
     problem(rng, size)          a random problem of `size`, an object with a `.size`
     prompt_ids(problem)         its prompt as token ids
     reward(problem, ids)        1.0 right, 0.0 wrong, for a response's token ids; never raises
@@ -44,8 +44,8 @@ from typing import ClassVar
 @dataclass(frozen=True)
 class Task:
     max_n: int = field(default=10, metadata={"help": "largest problem size"})
-    alpha: float = field(default=0.5, metadata={"help": "tail exponent of the problem sizes, "
-                                                        "P(n) ~ n^-alpha (smaller: a heavier tail)"})
+    alpha: float = field(default=0.5, metadata={
+        "help": "tail exponent of the problem sizes, P(n) ~ n^-alpha (smaller: a heavier tail)"})
 
     name: ClassVar[str]
     choice: ClassVar[str]
@@ -81,7 +81,7 @@ class Task:
 
     # ------------------------------------------------------------------ problems
     def sample(self, rng, size=None):
-        """A problem of `size`, or of a size drawn from P(n) ~ n^-alpha on 1..max_n: the long tail."""
+        """A problem of `size`, or of a size drawn from P(n) ~ n^-alpha on 1..max_n (the tail)."""
         if size is None:
             sizes = range(1, self.max_n + 1)
             size = rng.choices(sizes, weights=[n ** -self.alpha for n in sizes])[0]
@@ -102,13 +102,15 @@ class Task:
     def eval_set(self, per_bucket=40, seed=1234):
         """The fixed held-out set: `per_bucket` problems for each size bucket within max_n."""
         rng = random.Random(seed)
-        return [self.sample(rng, rng.randint(lo, hi)) for lo, hi in self.buckets() for _ in range(per_bucket)]
+        return [self.sample(rng, rng.randint(lo, hi))
+                for lo, hi in self.buckets() for _ in range(per_bucket)]
 
     def bucket_of(self, n):
-        return next((f"{lo}-{hi}" for lo, hi in self.size_buckets if lo <= n <= hi), f">{self.size_buckets[-1][1]}")
+        inside = (f"{lo}-{hi}" for lo, hi in self.size_buckets if lo <= n <= hi)
+        return next(inside, f">{self.size_buckets[-1][1]}")
 
     def mean_by_size(self, problems, values):
-        """-> {"overall": mean, "1-2": mean, ...} over the buckets present (of rewards: accuracy)."""
+        """-> {"overall": mean, "1-2": mean, ...} over the buckets present (of rewards: accuracy)"""
         table = {"overall": list(values)}
         for p, v in zip(problems, values):
             table.setdefault(self.bucket_of(p.size), []).append(v)
@@ -119,7 +121,8 @@ class Task:
         module's source and this class's). A warm-up cached by other code is not reused
         (harness.warmup), and `from_meta` makes the task again (harness.report)."""
         code = inspect.getsource(inspect.getmodule(type(self))) + inspect.getsource(Task)
-        return {"name": self.name, **asdict(self), "code": hashlib.sha256(code.encode()).hexdigest()[:16]}
+        digest = hashlib.sha256(code.encode()).hexdigest()[:16]
+        return {"name": self.name, **asdict(self), "code": digest}
 
 
 # the registry: each task subclasses Task, above

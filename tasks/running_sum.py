@@ -12,10 +12,10 @@ quickly), with single steps common enough for RL to find them. Rewarded only for
 RL shifts the choice toward single steps, and the responses grow longest on the largest problems.
 The choice is one token (the label, or ">"), so RL moves the target at those tokens while the
 arithmetic that follows stays what it was. The default mix has jumps of three digits and none of
-two: RL learns to make two-digit jumps right instead of writing more (RESULTS.md). The long tail: n follows a power law
-P(n) ~ n^-alpha, and one prompt's samples differ in length by their choices. Simplified on purpose:
-a tiktoken Encoding built in-process (no download), one merge per labelled digit, so that finding
-digit b in the prompt is a single attention look-up.
+two: RL learns to make two-digit jumps right instead of writing more (RESULTS.md). The long tail:
+n follows a power law P(n) ~ n^-alpha, and one prompt's samples differ in length by their
+choices. Simplified on purpose: a tiktoken Encoding built in-process (no download), one merge per
+labelled digit, so that finding digit b in the prompt is a single attention look-up.
 
 Test: python -m pytest tests/test_running_sum.py
 """
@@ -89,11 +89,13 @@ class Problem:
 @dataclass(frozen=True)
 class RunningSum(Task):
     """The running sum as a `Task` (tasks/__init__.py): its settings, each a train.py flag."""
-    max_n: int = field(default=10, metadata={"help": f"largest problem (digits to sum), at most {len(LABELS)}"})
+    max_n: int = field(default=10, metadata={
+        "help": f"largest problem (digits to sum), at most {len(LABELS)}"})
     # warm-up traces: P(single step), P(jump of 2), P(jump of 3), P(the answer outright)
     strides: tuple = field(default=(0.40, 0.0, 0.55, 0.05), metadata={
-        "help": "warm-up traces: the probability, at every step, of a single step (b7=3+7=0), a jump over "
-                "2 digits (c1=1), over 3 (d5=6), ..., and last of the answer outright (>8)"})
+        "help": "warm-up traces: the probability, at every step, of a single step (b7=3+7=0), "
+                "a jump over 2 digits (c1=1), over 3 (d5=6), ..., and last of the answer outright "
+                "(>8)"})
 
     name = "running_sum"
     choice = "single steps"

@@ -380,11 +380,15 @@ def test_an_unwritable_svg_path_prints_one_error_line(tmp_path):
 
 
 def test_a_run_ends_naming_its_frozen_twin_and_the_comparison():
-    """The default run's last lines: the frozen run from the same warm-ups, then the report of both;
-    a run that does not train its drafter has no such twin."""
+    """The default run's last lines: this run resumed to 600 steps, the same with a frozen drafter
+    from the same warm-ups, then the report of both; a run that does not train its drafter has no
+    such twin, and one of 600 steps or more needs no resuming."""
     from harness import config
     lines = report.next_lines(config.parse_args(["--out-dir", "runs/a/"]))
-    assert "--warmup-dir runs/a/ --out-dir runs/a-frozen --drafter-updates off" in lines[1]
-    assert lines[2].strip() == "python -m harness.report runs/a/ runs/a-frozen"
+    assert "--warmup-dir runs/a/ --rl-steps 600 --out-dir runs/a/ --eval-per-bucket 0" in lines[2]
+    assert "--rl-steps 600 --out-dir runs/a-frozen --drafter-updates off" in lines[3]
+    assert lines[4].strip() == "python -m harness.report runs/a/ runs/a-frozen"
+    longer = report.next_lines(config.parse_args(["--rl-steps", "800"]))
+    assert len(longer) == 4 and "--rl-steps 800 --out-dir out-frozen" in longer[2]
     for flags in (["--tlt", "off"], ["--drafter-updates", "off"]):
         assert report.next_lines(config.parse_args(flags)) == []
