@@ -8,16 +8,16 @@ start (q d z m); three distractor chains of 2 or 3 links each (w a k, c e h o, u
 and no end is ruled out by one look-up back, so the real end cannot be told from the other three
 without following the chain: answered outright, it is a guess among four ends. A single hop
 ("-dz") writes its kind, the letter it stands on and where that letter's link leads: the last token
-is one attention look-up from the one before it, "d" looking for the link "Dz". A link's start is
-written in capitals: with one alphabet for both ends, "qd" and "dz" would both match a look-up of
-"d"; and the step writes the letter it stands on, so that the look-up's query is the token just
-read (a first version wrote only where it led, "-z", and its target never learned the look-up: the
-warm-up stalled at a loss of 1.2, 4% right at every size). A jump ("=dm") writes the letter two hops
-ahead, two look-ups in one forward pass (expected near chance after the warm-up, as running_sum's
-jumps are); the answer outright (">m") skips the rest. Written steps buy computation that
-one forward pass cannot do, as in reasoning models. The warm-up traces choose at every step, mostly
-jumps (as base models answer quickly), with single hops common enough for RL to find them; rewarded
-only for the final answer, RL should shift the choice toward single hops. The choice is one token
+is one attention look-up from the one before it, "d" looking for the link "Dz" (a link's start is
+in capitals, so that "qd" and "dz" do not both match a look-up of "d"). A jump ("=dm") writes the
+letter two hops ahead, two look-ups in one forward pass; the answer outright (">m") skips the rest.
+Written steps should buy computation that one forward pass cannot do, as in the running sum, but
+not yet here: the default target's warm-up does not learn the look-up (held-out accuracy 4-6% at
+every size, below the 25% of a guess among the chain ends; three formats tried, RESULTS.md). The
+task is here as the interface's second user: it trains, and TLT writes its tokens exactly.
+The warm-up traces choose at every step, mostly jumps (as base models answer quickly), with single
+hops common enough for RL to find them; rewarded only for the final answer, RL should shift the
+choice toward single hops. The choice is one token
 ("-", "=" or ">"), so RL moves the target at those tokens while the look-up that follows stays what
 it was. The long tail: n follows P(n) ~ n^-alpha, a single-hop response is 4n + 3 tokens (median 19,
 p90 39 at the defaults), and one prompt's samples differ in length by their choices. Simplified on
