@@ -13,7 +13,7 @@ in capitals, so that "qd" and "dz" do not both match a look-up of "d"). A jump (
 letter two hops ahead, two look-ups in one forward pass; the answer outright (">m") skips the rest.
 Written steps should buy computation that one forward pass cannot do, as in the running sum, but
 not yet here: the default target's warm-up does not learn the look-up (held-out accuracy 4-6% at
-every size, below the 25% of a guess among the chain ends; three formats tried, RESULTS.md). The
+every size, below the 25% of a guess among the chain ends; four formats tried, RESULTS.md). The
 task is here as the interface's second user: it trains, and TLT writes its tokens exactly.
 The warm-up traces choose at every step, mostly jumps (as base models answer quickly), with single
 hops common enough for RL to find them; rewarded only for the final answer, RL should shift the
