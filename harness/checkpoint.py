@@ -93,12 +93,12 @@ def load_on_rank0(path, expected_meta, stale="error"):
             with beating(f"reading {path}"):  # the others wait for it by liveness, in from_rank0
                 found = load_checked(path, expected_meta)
         except Mismatch as e:
-            found = ("stale", str(e), e.diff) if stale == "redo" else str(e)
+            found = ("stale", e.diff) if stale == "redo" else str(e)
         except SystemExit as e:
             found = str(e)
     found = from_rank0(found)
     if isinstance(found, tuple):
-        print0(f"not reusing {path}: it was made by other code or settings ({found[2]}); making it afresh")
+        print0(f"not reusing {path}: it was made by other code or settings ({found[1]}); making it afresh")
         return None
     if isinstance(found, str):
         raise SystemExit(found)

@@ -31,6 +31,15 @@ def task_of(args, warmup=False):
     return cls(**{**settings, **({"alpha": args.warmup_alpha} if warmup else {})})
 
 
+def task_fields():
+    """Every registered task's settings by name -> (the field, the tasks that have it), a flag each."""
+    out = {}
+    for cls in tasks.TASKS.values():
+        for f in dataclasses.fields(cls):
+            out.setdefault(f.name, (f, []))[1].append(cls)
+    return out
+
+
 def model_config(args, task):
     """The target's shape, from the flags and the task's vocabulary."""
     return GPTConfig(vocab_size=task.vocab_size, block_size=args.block_size, n_layer=args.n_layer,
@@ -90,15 +99,10 @@ def task_flags(p):
     """The task (--task), its settings (each task's dataclass fields, by name) and the target
     warm-up's curriculum over problem sizes."""
     p.add_argument("--task", default="running_sum", choices=list(tasks.TASKS), help="the workload (tasks/)")
-    seen = set()
-    for cls in tasks.TASKS.values():
-        for f in dataclasses.fields(cls):
-            if f.name in seen:
-                continue
-            seen.add(f.name)
-            kind = floats if f.type is tuple else f.type
-            p.add_argument(f"--{f.name.replace('_', '-')}", type=kind, default=None,
-                           help=f"{f.metadata.get('help', '')} ({cls.name}: {f.default})")
+    for name, (f, owners) in task_fields().items():
+        defaults = "; ".join(f"{cls.name}: {getattr(cls, name)}" for cls in owners)
+        p.add_argument(f"--{name.replace('_', '-')}", type=floats if f.type is tuple else f.type,
+                       default=None, help=f"{f.metadata.get('help', '')} ({defaults})")
     p.add_argument("--warmup-alpha", type=float, default=2.0, help="tail exponent of the problem sizes at the start "
                    "of the target warm-up: mostly small problems, where the look-up is learned")
     p.add_argument("--warmup-alpha-end", type=float, default=0.5, help="the exponent moves linearly from "
@@ -200,10 +204,9 @@ def check_args(p, args):
         p.error(f"--draft-ks takes comma-separated integers, got {args.draft_ks!r}")
     if min(args.draft_ks) < 0 or len(set(args.draft_ks)) != len(args.draft_ks):
         p.error(f"--draft-ks must be distinct non-negative integers, got {args.draft_ks}")
-    given = {f.name for f in dataclasses.fields(tasks.TASKS[args.task])}
-    for f in (f for cls in tasks.TASKS.values() for f in dataclasses.fields(cls)):
-        if f.name not in given and getattr(args, f.name) is not None:
-            p.error(f"--{f.name.replace('_', '-')} is not a setting of --task {args.task}")
+    for name, (_, owners) in task_fields().items():
+        if tasks.TASKS[args.task] not in owners and getattr(args, name) is not None:
+            p.error(f"--{name.replace('_', '-')} is not a setting of --task {args.task}")
     try:  # the task and model configs check their own fields; a bad one is a flag error here
         task = task_of(args)
         task_of(args, warmup=True), dataclasses.replace(task, alpha=args.warmup_alpha_end)
