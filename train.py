@@ -33,7 +33,8 @@ from harness.evaluate import evaluate_both
 from harness.instrument import RolloutStats, TimedDrafter, observers, liveness_observer
 from harness.liveness import Liveness, beat, watched_barrier
 from harness.model_free import LEARNED, proposer
-from harness.report import log_step, next_lines, plan_line, step_record, summary
+from harness.report import log_step, next_lines, plan_line, step_record
+from harness.summary import summary
 from rollout import Bandit, rollout
 from scheduler import (IdleWork, add_top1, drafter_schedule, idle_train, mean_top1,
                        start_drafter_sync, top1_pieces)

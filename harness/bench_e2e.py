@@ -38,7 +38,8 @@ from harness import config
 from harness import warmup
 from drafter import Drafter, DrafterBuffer, make_optimizer, train_step
 from harness.instrument import RolloutStats
-from harness.report import best_arms, bucket_sizes, by_position, format_positions
+from harness.report import best_arms
+from harness.summary import bucket_sizes, by_position, format_positions
 from rl import step_rows
 from rollout import Bandit, rollout
 from speculative import speculative_generate

@@ -2,7 +2,8 @@
 
     checksum                   a hash of a module's weights: the ranks' drafters are identical
     DecodeStats, RolloutStats  what a generate call or a rollout decoded, by draft position, and
-                               (a rollout) its timing, tail share and timeline: observers
+                               (a rollout) its timing, tail share, seconds by batch size and
+                               timeline: observers
     HostTraffic, host_traffic  the reads and copies a GPU would pay, counted on any device
     count_syncs                the syncs a GPU itself reports per speculative step
     Stopwatch, TimedDrafter    time spent in one region (drafting) without a sync per visit
@@ -24,7 +25,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from rollout import rollout
+from rollout import Bandit, rollout
 from speculative import RunningBatch
 
 DEBUG = os.environ.get("TLT_DEBUG") == "1"
@@ -151,9 +152,9 @@ def add_segment(segments, kind, start, end):
 class RolloutStats(DecodeStats):
     """A rollout's DecodeStats plus its timing, from the observer's own clock, started when it is
     made (make it just before the rollout; the steps' ends are after compaction's read, so the
-    clock waits for the device): seconds per phase, every step's batch size and seconds, and the
-    timeline's [kind, start, end] segments. `finish(n_rows)` ends the clock and sets the tail
-    share."""
+    clock waits for the device): seconds per phase, every step's batch size, seconds and whether it
+    was speculative, and the timeline's [kind, start, end] segments. `finish(n_rows)` ends the clock
+    and sets the tail share and the seconds by batch size."""
     time: float = 0.0
     prefill_time: float = 0.0
     plain_time: float = 0.0
@@ -162,7 +163,9 @@ class RolloutStats(DecodeStats):
     draft_time: float = 0.0  # spent drafting, set by its caller (a TimedDrafter's seconds)
     batch_sizes: list = field(default_factory=list)
     step_times: list = field(default_factory=list)
+    spec_steps: list = field(default_factory=list)  # per step: whether it was speculative
     segments: list = field(default_factory=list)
+    by_batch: dict = field(default_factory=dict)  # set by finish: seconds_by_batch's
 
     def __post_init__(self):
         super().__post_init__()
@@ -178,6 +181,7 @@ class RolloutStats(DecodeStats):
             return
         self.batch_sizes.append(step.batch_size)
         self.step_times.append(end - start)
+        self.spec_steps.append(bool(step.k))
         if step.k:
             self.spec_time += end - start
         else:
@@ -185,11 +189,26 @@ class RolloutStats(DecodeStats):
         add_segment(self.segments, "spec" if step.k else "plain", start, end)
 
     def finish(self, n_rows):
-        """The rollout has returned: its time, its tail share over its n_rows rows; returns self."""
+        """The rollout has returned: its time, its tail share over its n_rows rows, its seconds by
+        batch size (the prefill's at all n_rows); returns self."""
         self.settle()  # sync: the counts the steps left on the device, read once
         self.time = time.perf_counter() - self._t0
         self.tail_share = tail_share(self.batch_sizes, self.step_times, self.time, n_rows)
+        prefill = [(n_rows, self.prefill_time, False)] if n_rows else []  # plain, at the full batch size
+        self.by_batch = seconds_by_batch(prefill + list(zip(self.batch_sizes, self.step_times, self.spec_steps)))
         return self
+
+
+def seconds_by_batch(steps):
+    """A rollout's seconds by running-batch size, in the bandit's buckets (rollout.Bandit.bucket: 1,
+    2, 3-4, 5-8, ...), plain and speculative steps apart -> {"plain": [...], "spec": [...]}, one
+    entry per bucket up to the largest batch's: where the time goes as the batch drains.
+    steps: [(batch size, seconds, speculative)]."""
+    n = max((Bandit.bucket(b) + 1 for b, _, _ in steps), default=0)
+    out = {"plain": [0.0] * n, "spec": [0.0] * n}
+    for b, t, spec in steps:
+        out["spec" if spec else "plain"][Bandit.bucket(b)] += t
+    return out
 
 
 def tail_share(batch_sizes, step_times, total_time, n_rows, done_frac=0.9):

@@ -1,16 +1,12 @@
-"""What a run shows: the step line, the timeline, the summary and its picture, from metrics.jsonl.
+"""What a run shows: the step's record and line, the timeline, the comparison of runs and the SVG.
 
 train.py prints one line per RL step (`log_step`), every --timeline-every steps the ranks'
-timeline (`render_timeline`), and at the end a summary (`summary`) that closes with a picture of
-the run. The picture answers the question the adaptive drafter exists for: does the drafter hold
-as the target moves? Over bins of consecutive RL steps it draws what the target writes (response
-length), how the drafter fares (teacher-forced top-1, accept length) and what the step costs
-(step time, rollout share); then the acceptance at each draft position in the first tenth of
-the run against the last tenth, since an average accept length alone hides a drafter that is
-good for one token and guesses after it.
+timeline (`render_timeline`, kept in that step's record too), and at the end the summary and its
+picture (harness/summary.py). A step's record (`step_record`, one JSON line of metrics.jsonl)
+holds its times and shares, the drafter's figures, every response's length, how far apart the
+ranks finished their rollouts and where the slowest rank's rollout time went by running-batch size.
 
-Everything here reads records only (train.py's `step_record`, one JSON line of metrics.jsonl
-per step), so any finished run can be looked at again:
+Everything here reads records only, so any finished run can be looked at again:
 
     python -m harness.report out              # a run's --out-dir, or the path of its metrics.jsonl
     python -m harness.report out --bins 5
@@ -18,10 +14,7 @@ per step), so any finished run can be looked at again:
     python -m harness.report out --svg none   # --svg PATH: where the SVG goes; none: no SVG
 
 prints the summary lines that the records hold (not the held-out accuracies, not the wall time)
-and the picture. The picture is text, at most 100 columns wide: per figure a sparkline of the
-blocks in BLOCKS, scaled from the figure's minimum to its maximum (both printed beside it, so a
-small change is not mistaken for a large one); a bin where the figure is null in every record
-(no speculative step in it) is left blank.
+and the picture (harness/summary.py says what they show).
 
 Two or more runs (A, B, ...) are compared over the same bins instead: per figure a sparkline per
 run on one scale, then each later run's ratio to A per bin. Where the runs wrote the same
@@ -29,8 +22,9 @@ responses at every step (equal `responses_digest`), each step did the same work 
 step's time ratio compares the methods free of the prompt mix that moves a step's time far more:
 the report then pairs them step by step and prints the median of the per-step ratios.
 
-Beside the text it writes an SVG file (harness/svg.py) of the binned curves that a browser
-opens: report.svg beside a single run's metrics.jsonl, compare.svg beside the first run's.
+Beside the text it writes an SVG file (harness/svg.py) that a browser opens: report.svg beside a
+single run's metrics.jsonl (the binned curves, the response lengths' median, p90 and max per bin,
+and a few steps' timelines rank by rank), compare.svg beside the first run's (the binned curves).
 
 Test: python -m pytest tests/test_report.py
 """
@@ -43,30 +37,14 @@ import warnings
 import tasks
 from harness.common import OneLineParser
 from harness.distributed import all_sum, gather_ranks, print0
-from harness.evaluate import format_accuracy, format_lengths
 from harness.instrument import checksum
+from harness.summary import (PICTURE_ROWS, bin_edges, bin_means, binning, bucket_sizes, by_step,
+                             length_distribution, picture, record_lines, seconds, skipped_line, sparkline)
 from harness.svg import small_multiples
 from scheduler import mean_top1
 
 TIMELINE_CHARS = {"plain": "#", "spec": "S", "train": "t", "wait": "."}
-BLOCKS = " ▁▂▃▄▅▆▇█"  # a sparkline's levels; " " is a bin without a figure
-EIGHTHS = " ▏▎▍▌▋▊▉"  # a bar's last, partial cell
-BAR_WIDTH = 40  # cells of a bar at 100%
 
-
-def seconds(v):
-    """A step time for the picture: milliseconds shown for short steps, whole seconds for long."""
-    return f"{v:.3f}" if v < 10 else f"{v:.1f}" if v < 1000 else f"{v:.0f}"
-
-
-# the picture's rows: (record key, label, how a value prints, unit, what a row without any figure
-# says): what the target writes, how the drafter fares, what the step costs
-NO_SD = "no speculative steps (accept_len is null in every record: --tlt off, or no SD step ran)"
-PICTURE_ROWS = (("response_len", "response length", "{:.1f}".format, "tokens", "no figure"),
-                ("drafter_top1", "drafter top-1", "{:.1%}".format, "", "not scored in any step"),
-                ("accept_len", "accept length", "{:.2f}".format, "tokens/verify", NO_SD),
-                ("step_time", "step time", seconds, "s", "no figure"),
-                ("rollout_share", "rollout share", "{:.0%}".format, "", "no figure"))
 # what the summary and the picture read from each record (the CLI checks them before it draws)
 NEEDED = ("step", "step_time", "rollout_time", "update_time", "rollout_share", "slowest_wait",
           "tail_share", "reward", "accept_len", "accept_rate", "sd_token_frac", "drafter_top1",
@@ -99,27 +77,33 @@ def step_record(s, step, problems, rows, stats, idle, update, times):
              "idle_time": idle["seconds"], "drafter_steps": idle["steps"],
              "wait_to_update": t_update - t0 - stats.time, "drafter_skipped": idle["skipped"],
              "tokens": stats.tokens, "drafter_checksum": checksum(s.drafter), "rows": len(rows),
-             "tail_share": stats.tail_share, "buffer_tokens": s.buffer.held_tokens(), "segments": segments}
+             "tail_share": stats.tail_share, "buffer_tokens": s.buffer.held_tokens(), "segments": segments,
+             "by_batch": stats.by_batch}
     counts = {"tokens": stats.tokens, "sd_tokens": stats.sd_tokens, "sd_row_steps": stats.sd_row_steps,
               "accepted": stats.accepted, "drafted": stats.drafted, "top1_agree": idle["top1"][0],
               "top1_positions": idle["top1"][1], "single": sum(s.task.choice_share(r.response) for r in rows),
               "response_tokens": sum(len(r.response) for r in rows),
               **position_counts(stats, max(s.args.draft_ks)), **size_counts(stats, [p.size for p in problems], s.task)}
     rec, ranks = rank_record(step, local, all_sum(counts, s.device), all_rewards, responses,
-                             t1 - t0, t1 - t_update)
+                             t1 - t0, t1 - t_update, timeline=timeline_due(step, s.args))
     rec.update(loss=loss, clip_frac=clip, skipped_update=skipped, drafter_lr=idle["lr"],
                drafter_depth=idle["depth"], drafter_health=mean_top1(s.recent_top1),
                bandit_best=best_arms(s.bandit))
     return rec, ranks
 
 
-def rank_record(step, local, total, all_rewards, responses, step_time, update_time):
-    """The record from this rank's `local` part and the sums over ranks, and every rank's part."""
+def rank_record(step, local, total, all_rewards, responses, step_time, update_time, timeline=False):
+    """The record from this rank's `local` part and the sums over ranks, and every rank's part.
+    responses: every response's token ids in global row order; timeline: whether the record keeps
+    every rank's timeline segments (they are long: only on the steps whose timeline is printed)."""
     ranks = gather_ranks(local)
     if len({r["drafter_checksum"] for r in ranks}) > 1:
         warnings.warn(f"step {step}: the ranks' drafters differ after the sync ({[r['drafter_checksum'] for r in ranks]})")
     slowest = max(ranks, key=lambda r: r["rollout_time"])
     rollout_max, n_rows = slowest["rollout_time"], all_rewards.numel()
+    lens, by_batch = [len(r) for r in responses], slowest["by_batch"]
+    # every rank's [kind, start, end] segments to 0.1 ms, kept on the steps whose timeline is printed
+    segments = [[[kind, round(a, 4), round(b, 4)] for kind, a, b in r["segments"]] for r in ranks]
     # one hash of every response of the step in global row order: two runs, on any numbers of ranks,
     # can be compared token for token
     digest = hashlib.sha256(json.dumps(responses).encode()).hexdigest()[:16]
@@ -144,12 +128,18 @@ def rank_record(step, local, total, all_rewards, responses, step_time, update_ti
         # what the target writes: mean response length and the share of the task's choice (the
         # running sum's single steps) among its choices
         "response_len": total["response_tokens"] / n_rows, "single_share": total["single"] / n_rows,
+        # its long tail: every response's length (global row order), the step's median and longest
+        "response_lens": lens, "response_median": statistics.median(lens), "response_max": max(lens),
+        # how much earlier the fastest rank finished its rollout than the slowest: the idle time to train on
+        "rank_spread": 1 - min(r["rollout_time"] for r in ranks) / rollout_max if rollout_max > 0 else 0.0,
+        # the slowest rank's rollout seconds by running-batch size (the bandit's buckets), plain and speculative
+        "rollout_by_batch": {"buckets": [bucket_sizes(i) for i in range(len(by_batch["plain"]))], **by_batch},
+        "timeline": segments if timeline else None,
         "sd_token_frac": total["sd_tokens"] / max(total["tokens"], 1), "tok_s": total["tokens"] / max(rollout_max, 1e-9),
         "idle_time": max(r["idle_time"] for r in ranks), "drafter_steps": sum(r["drafter_steps"] for r in ranks),
         "drafter_skipped": sum(r["drafter_skipped"] for r in ranks), "drafter_checksum": local["drafter_checksum"],
-        "ranks": [{k: v for k, v in r.items() if k != "segments"} for r in ranks],
+        "ranks": [{k: v for k, v in r.items() if k not in ("segments", "by_batch")} for r in ranks],
     }, ranks
-
 
 
 # -----------------------------------------------------------------------------
@@ -172,28 +162,6 @@ def size_counts(stats, sizes, task):
         out[f"drafted_size{i}"] = sum(v[0] for v in rows)
         out[f"accepted_size{i}"] = sum(v[1] for v in rows)
     return out
-
-
-def by_position(records):
-    """Acceptance at each draft position summed over records (metrics.jsonl's, with their
-    `drafted_at` and `accepted_at`) -> ([rates or None], [drafts decided])."""
-    drafted, accepted = column_sums(records, "drafted_at"), column_sums(records, "accepted_at")
-    return [a / d if d else None for a, d in zip(accepted, drafted)], drafted
-
-
-def column_sums(records, key):
-    """The sum over records of a per-position (or per-bucket) list, position by position."""
-    return [sum(c) for c in zip(*(r[key] for r in records))]
-
-
-def format_positions(rates):
-    """Rates by position as percentages for a log line; '-' where no draft was decided."""
-    return " ".join("  -  " if r is None else f"{100 * r:4.1f}" for r in rates)
-
-
-def bucket_sizes(bucket):
-    """The batch sizes a bandit bucket holds, for logs: 0 -> "1", 1 -> "2", 2 -> "3-4", ..."""
-    return str(2 ** bucket) if bucket < 2 else f"{2 ** (bucket - 1) + 1}-{2 ** bucket}"
 
 
 def best_arms(bandit):
@@ -266,214 +234,14 @@ def log_step(rec, ranks, args):
            f"idle {rec['idle_time']:.2f}s | drafter steps {rec['drafter_steps']}"
            + (f" ({rec['drafter_skipped']} non-finite, skipped)" if rec["drafter_skipped"] else "")
            + (" | SKIPPED non-finite update" if rec["skipped_update"] else ""))
-    last = rec["step"] == args.rl_steps - 1
-    if args.timeline_every and (rec["step"] % args.timeline_every == 0 or last):
+    if timeline_due(rec["step"], args):
         print0(render_timeline(ranks))
 
 
-# -----------------------------------------------------------------------------
-# the summary
-
-def summary(history, acc0, acc1, total_time, task):
-    """The end of a run: what its records show, the held-out accuracies before and after RL
-    (acc0, acc1: evaluate_both's; empty when not evaluated), the wall time, then the picture."""
-    print0("\nsummary")
-    for line in record_lines(history, task):
-        print0(line)
-    if not acc0:
-        print0("  held-out accuracy     not evaluated (--eval-per-bucket 0)")
-    else:
-        for kind in ("greedy", "sampled"):
-            for name, acc in (("before RL", acc0), ("after RL", acc1)):
-                print0(f"  {kind:7s} {name:9s}     {format_accuracy(acc[kind])}")
-        for name, acc in (("before RL", acc0), ("after RL", acc1)):
-            print0(f"  length  {name:9s}     {format_lengths(acc['length'])} tokens (sampled)")
-    print0(skipped_line(history))
-    print0(f"  wall time             {total_time:.0f}s")
-    for line in picture(history, task):
-        print0(line)
-
-
-def record_lines(history, task):
-    """The summary's lines that the records alone hold, up to the held-out accuracies: times,
-    shares, the drafter, the bandit, reward and lengths."""
-    def mean(key):
-        vals = [h[key] for h in history if h[key] is not None]
-        return sum(vals) / len(vals) if vals else float("nan")
-    wait_max = max(h["slowest_wait"] for h in history)
-    tail = statistics.median(h["tail_share"] for h in history)
-    lines = [f"  RL steps              {len(history)}",
-             f"  mean step time        {mean('step_time'):.3f}s (rollout "
-             f"{mean('rollout_time'):.3f}s, update {mean('update_time'):.3f}s, "
-             f"rollout share {100 * mean('rollout_share'):.0f}%)",
-             f"  slowest rank's wait   {1000 * mean('slowest_wait'):.1f} ms mean, from its "
-             f"rollout's end to its update's start (max {1000 * wait_max:.1f} ms)",
-             f"  tail share            {100 * tail:.0f}% median (the slowest rank's rollout time "
-             f"after 90% of its rows had finished)"]
-    top1 = [h["drafter_top1"] for h in history if h["drafter_top1"] is not None]
-    if top1:
-        n = max(1, len(top1) // 10)
-        lines.append(f"  drafter top-1         {100 * sum(top1[:n]) / n:.1f}% -> "
-                     f"{100 * sum(top1[-n:]) / n:.1f}% (teacher-forced agreement with the target "
-                     f"on each step's fresh rows, before training on them; "
-                     f"first and last {n} steps)")
-    lines.append(f"  mean accept length    {mean('accept_len'):.2f} tokens per verify step, "
-                 f"{100 * mean('accept_rate'):.0f}% of drafted tokens accepted, "
-                 f"SD token share {100 * mean('sd_token_frac'):.0f}%")
-    rates, drafted = by_position(history)
-    if any(drafted):
-        lines.append(f"  accepted by position  {format_positions(rates)} % (draft 1..{len(rates)}, "
-                     f"given the earlier ones were; {sum(drafted):,} drafts decided)")
-    n = max(1, len(history) // 10)
-    for when, rec in ((f"after step {history[n - 1]['step']}", history[n - 1]), ("end of run", history[-1])):
-        if rec["bandit_best"]:
-            ks = ", ".join(f"{bucket_sizes(int(b))}: {k}" for b, k in rec["bandit_best"].items())
-            lines.append(f"  bandit's k per batch  {ks} (rank 0, {when})")
-    return lines + trend_lines(history, task.choice)
-
-
-def trend_lines(history, choice):
-    """Reward and what the target writes, first tenth of the run against the last: a step's
-    reward swings with its prompt mix, tenths of the run show the trend."""
-    n = max(1, len(history) // 10)
-
-    def tenths(key):
-        return sum(h[key] for h in history[:n]) / n, sum(h[key] for h in history[-n:]) / n
-    reward = "  reward                {:.3f} -> {:.3f}".format(*tenths("reward"))
-    length = "  response length       {:.1f} -> {:.1f} tokens".format(*tenths("response_len"))
-    if any(h["single_share"] for h in history):
-        length += f", {choice} " + "{:.0%} -> {:.0%}".format(*tenths("single_share"))
-    return [reward + f" (means of the first and the last {n} steps)",
-            length + f" (first and last {n} steps)"]
-
-
-def skipped_line(history):
-    """The summary's count of the updates skipped for a non-finite loss or gradient."""
-    return (f"  skipped updates       {sum(h['skipped_update'] for h in history)} of the target, "
-            f"{sum(h['drafter_skipped'] for h in history)} drafter steps "
-            f"(non-finite loss or gradient)")
-
-
-# -----------------------------------------------------------------------------
-# the picture: does the drafter hold as the target moves?
-
-def picture(history, task, bins=10):
-    """The run drawn in text lines of at most 100 characters: each PICTURE_ROWS figure as a
-    sparkline over at most `bins` bins of consecutive steps, then the acceptance at each draft
-    position, first tenth of the run against the last."""
-    history = by_step(history)
-    edges = bin_edges(len(history), bins)
-    lines = ["", "picture of the run: does the drafter hold as the target moves?",
-             f"  {binning(history, edges)}; each row: first bin -> last bin, then its range"]
-    for key, label, fmt, unit, empty in PICTURE_ROWS:
-        means = bin_means(history, key, edges)
-        known = [m for m in means if m is not None]
-        if not known:
-            lines.append(f"  {label:16s}{empty}")
-            continue
-        lines.append(f"  {label:16s}{sparkline(means)}  {fmt(known[0])} -> {fmt(known[-1])}, "
-                     f"range {fmt(min(known))}..{fmt(max(known))} {unit}".rstrip())
-    return lines + position_bars(history, task)
-
-
-def by_step(records):
-    """Records in step order: bins are of consecutive steps, whatever order the file holds."""
-    return sorted(records, key=lambda h: h["step"])
-
-
-def bin_edges(n, bins):
-    """Edges of at most `bins` bins of consecutive records out of n, whose sizes differ by at
-    most one."""
-    bins = max(1, min(bins, n))
-    return [i * n // bins for i in range(bins + 1)]
-
-
-def binning(history, edges):
-    """What the bins of a run's sorted records hold, for a picture's head line."""
-    sizes = " or ".join(str(s) for s in sorted({hi - lo for lo, hi in zip(edges, edges[1:])}))
-    return f"steps {history[0]['step']}..{history[-1]['step']} in {len(edges) - 1} bins of {sizes} step(s)"
-
-
-def bin_means(history, key, edges):
-    """Per bin, the mean of a figure over its records where it is not null; None where it is
-    null in all of them."""
-    out = []
-    for lo, hi in zip(edges, edges[1:]):
-        vals = [h[key] for h in history[lo:hi] if h[key] is not None]
-        out.append(sum(vals) / len(vals) if vals else None)
-    return out
-
-
-def sparkline(values, cell=2, scale=None):
-    """Values as blocks of `cell` characters, from ▁ at their minimum to █ at their maximum (or at
-    scale's (lo, hi): runs compared on one scale); blanks for None. A flat figure draws at mid-height."""
-    known = [v for v in values if v is not None]
-    lo, hi = scale or (min(known), max(known))
-
-    def level(v):
-        if v is None:
-            return 0
-        return 1 + (round(7 * (v - lo) / (hi - lo)) if hi > lo else 4)
-    return " ".join(BLOCKS[level(v)] * cell for v in values)
-
-
-def bar(frac, width=BAR_WIDTH):
-    """A horizontal bar of `width` cells for a fraction in [0, 1], in eighths of a cell."""
-    full, part = divmod(round(max(0.0, min(1.0, frac)) * width * 8), 8)
-    return ("█" * full + (EIGHTHS[part] if part else "")).ljust(width)
-
-
-def position_bars(history, task):
-    """Acceptance at each draft position (given the earlier ones were accepted), summed over the
-    first tenth of the run and over the last tenth, one bar each: a drafter going stale as the
-    target moves loses its later positions first."""
-    n = max(1, len(history) // 10)
-    parts = [(f"first {n}", by_position(history[:n])), (f"last {n}", by_position(history[-n:]))]
-    steps = f"{n} step{'s' if n > 1 else ''}"
-    if not any(any(drafted) for _, (_, drafted) in parts):
-        return [f"  accepted by position  no drafts decided in the first or the last {steps}"]
-    lines = [f"  accepted by position (% of the drafts decided there; first and last {steps})"]
-    for i in range(max(len(rates) for _, (rates, _) in parts)):
-        for j, (name, (rates, drafted)) in enumerate(parts):
-            head = f"    draft {i + 1:<2d} {name:9s}" if j == 0 else f"{'':13s}{name:9s}"
-            rate = rates[i] if i < len(rates) else None
-            if rate is None:
-                lines.append(f"{head}|{' ' * BAR_WIDTH}|   -   no drafts")
-            else:
-                lines.append(f"{head}|{bar(rate)}| {100 * rate:5.1f}% of {drafted[i]:,}")
-    implied = [accept_len_at(rates) for _, (rates, _) in parts]
-    if None not in implied:
-        lines.append(f"  at k = 4 these give {implied[0]:.2f} -> {implied[1]:.2f} tokens per verify step "
-                     f"(1 + a1 + a1 a2 + ...)")
-    return lines + size_line(history[:n], history[-n:], task)
-
-
-def size_line(first, last, task):
-    """Drafts accepted by problem-size bucket, first records against last; none for records
-    written before the counts existed."""
-    if any("drafted_by_size" not in r for r in first + last):
-        return []
-    names = [f"{lo}-{hi}" for lo, hi in task.size_buckets]
-    sums = [column_sums(part, key) for part in (first, last) for key in ("drafted_by_size", "accepted_by_size")]
-    cells = [f"{name} {percent(a0, d0)} -> {percent(a1, d1)}"
-             for name, d0, a0, d1, a1 in zip(names, *sums) if d0 or d1]
-    return [f"  accepted by size      {' | '.join(cells)}"] if cells else []
-
-
-def percent(accepted, drafted):
-    return f"{100 * accepted / drafted:.1f}%" if drafted else "-"
-
-
-def accept_len_at(rates, k=4):
-    """The tokens per verify step that drafts of k tokens would give at these acceptance rates by
-    position: 1 + a1 + a1 a2 + ... + a1 ... ak. None without a rate at each of the k positions."""
-    if len(rates) < k or None in rates[:k]:
-        return None
-    out, kept = 1.0, 1.0
-    for a in rates[:k]:
-        kept *= a
-        out += kept
-    return out
+def timeline_due(step, args):
+    """Whether a step's timeline is printed (and kept in its record): every --timeline-every steps
+    and the last."""
+    return bool(args.timeline_every) and (step % args.timeline_every == 0 or step == args.rl_steps - 1)
 
 
 # -----------------------------------------------------------------------------
@@ -546,19 +314,49 @@ def same_responses(records):
 
 
 def svg_picture(runs, names, bins=10):
-    """The SVG of the runs' SVG_FIGURES over the same bins (each point at its bin's middle step)."""
+    """The SVG of the runs' SVG_FIGURES over the same bins (each point at its bin's middle step); of
+    a single run also its response lengths' median, p90 and max per bin, and a few steps' timelines."""
     runs = [by_step(run) for run in runs]
     edges = bin_edges(len(runs[0]), bins)
     spans = list(zip(edges, edges[1:]))
     panels = []
     for key in SVG_FIGURES:
         _, label, _, unit, _ = FIGURE_ROWS[key]
-        series = [[((run[lo]["step"] + run[hi - 1]["step"]) / 2, m)
-                   for (lo, hi), m in zip(spans, bin_means(run, key, edges)) if m is not None]
+        series = [[(x, m) for x, m in zip(middles(run, spans), bin_means(run, key, edges)) if m is not None]
                   for run in runs]
-        panels.append((key, f"{label} ({unit})", series))
+        panels.append((key, f"{label} ({unit})", series, None))
     title = f"{' vs '.join(names)}: means of {binning(runs[0], edges)}"
-    return small_multiples(title, names, panels)
+    if len(runs) > 1:
+        return small_multiples(title, names, panels)
+    stats = ("median", "p90", "max")
+    panels.append(("response_lengths", "response lengths (tokens)", length_series(runs[0], spans, stats), stats))
+    return small_multiples(title, names, panels, timeline=timeline_steps(runs[0]))
+
+
+def length_series(history, spans, stats):
+    """The series of each of `stats` (length_distribution's) of the response lengths pooled over each
+    bin, at the bin's middle step; bins of records written before the lengths were draw no point."""
+    series = [[] for _ in stats]
+    for x, (lo, hi) in zip(middles(history, spans), spans):
+        lens = [n for h in history[lo:hi] for n in h.get("response_lens", ())]
+        if lens:
+            d = length_distribution(lens)
+            for points, stat in zip(series, stats):
+                points.append((x, d[stat]))
+    return series
+
+
+def middles(history, spans):
+    """Each bin's middle step: where its point is drawn."""
+    return [(history[lo]["step"] + history[hi - 1]["step"]) / 2 for lo, hi in spans]
+
+
+def timeline_steps(history, most=3):
+    """Up to `most` steps whose records hold the ranks' timeline, the first, the last and between
+    them evenly -> [(step, [each rank's segments])]."""
+    held = [h for h in history if h.get("timeline")]
+    picks = sorted({i * (len(held) - 1) // max(most - 1, 1) for i in range(most)}) if held else []
+    return [(held[i]["step"], held[i]["timeline"]) for i in picks]
 
 
 # -----------------------------------------------------------------------------

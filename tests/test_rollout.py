@@ -9,7 +9,8 @@ import torch
 from drafter import Drafter
 from model import GPT, GPTConfig
 from harness.instrument import HostTraffic, RolloutStats, TimedDrafter, observers, tail_share
-from harness.report import best_arms, bucket_sizes
+from harness.report import best_arms
+from harness.summary import bucket_sizes
 from rollout import ARMS, Bandit, rollout
 
 EOS = 3

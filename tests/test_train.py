@@ -27,7 +27,8 @@ TINY = ["--max-n", "4", "--block-size", "56", "--n-layer", "1", "--n-head", "2",
         "--ckpt-every", "1", "--timeline-every", "0"]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 STEP_KEYS = {"step", "step_time", "rollout_time", "update_time", "reward", "accept_len", "sd_token_frac",
-             "drafter_checksum", "ranks"}
+             "drafter_checksum", "ranks", "response_lens", "response_median", "response_max", "rank_spread",
+             "rollout_by_batch", "timeline"}
 RANK_KEYS = {"rank", "rollout_time", "idle_time", "drafter_steps", "tokens", "drafter_checksum"}
 
 
@@ -63,6 +64,13 @@ def test_single_process_run_then_resume(tmp_path):
         assert STEP_KEYS <= set(m)
         assert len(m["ranks"]) == 1 and RANK_KEYS <= set(m["ranks"][0])
         assert m["step_time"] >= m["rollout_time"] > 0
+        # the long tail: every row's length (4 prompts x 2), one rank (no spread, no timeline: --timeline-every 0),
+        # its rollout's seconds by batch size, the prefill's at all 8 rows
+        assert len(m["response_lens"]) == 8 and sum(m["response_lens"]) / 8 == pytest.approx(m["response_len"])
+        assert m["response_max"] == max(m["response_lens"]) and m["rank_spread"] == 0.0 and m["timeline"] is None
+        by_batch = m["rollout_by_batch"]
+        assert by_batch["buckets"] == ["1", "2", "3-4", "5-8"] and by_batch["plain"][3] > 0
+        assert 0 < sum(by_batch["plain"]) + sum(by_batch["spec"]) <= m["rollout_time"]
     assert "held-out accuracy after RL" in r.stdout and "summary" in r.stdout
     assert "speculative vs plain decoding, greedy: 0 of 4 held-out responses differ" in r.stdout
     assert "speculative vs plain decoding, sampled at T=1: " in r.stdout
