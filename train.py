@@ -117,7 +117,7 @@ def run(args, rank, world_size, device):
         with open(metrics_path) as f:
             records = [r for r in map(json.loads, f) if r["step"] >= start]
         summary(records, acc0, acc1, time.time() - t_run, task)
-        for line in next_lines(args):
+        for line in next_lines(args, world_size):
             print0(line)
 
 

@@ -8,9 +8,13 @@ A reader learning TLT may skip this file: it is plumbing, nothing in it knows ab
     save_on_rank0, load_on_rank0    several ranks: only rank 0 touches the file; the others wait for it
                                     by liveness (rank 0 beats meanwhile, up to --io-deadline) and follow
                                     its answer
+    kept_name                       where a cache (the warm-ups) made by other settings is kept: one
+                                    file per key, never overwritten by another task's or setting's
 
 Test: python -m pytest tests/test_train.py tests/test_scheduler.py -k "checkpoint or finite or resume"
 """
+import hashlib
+import json
 import os
 
 import torch
@@ -60,10 +64,10 @@ def _flatten(d, prefix=""):
 class Mismatch(SystemExit):
     """A checkpoint made with other settings; `diff` names the differences in one line."""
 
-    def __init__(self, path, diff):
+    def __init__(self, path, diff, meta):
         super().__init__(f"error: checkpoint {path} was made with a different config ({diff}); "
                          f"delete it or use another --out-dir")
-        self.diff = diff
+        self.diff, self.meta = diff, meta  # meta: what made the file
 
 
 def load_checked(path, expected_meta):
@@ -77,29 +81,52 @@ def load_checked(path, expected_meta):
         want, have = _flatten(expected_meta), _flatten(got if isinstance(got, dict) else {})
         diff = [f"{k} {have.get(k)} there, {want.get(k)} here" for k in sorted(set(want) | set(have))
                 if want.get(k) != have.get(k)]
-        raise Mismatch(path, "; ".join(diff[:4]) + ("; ..." if len(diff) > 4 else ""))
+        raise Mismatch(path, "; ".join(diff[:4]) + ("; ..." if len(diff) > 4 else ""), got)
     return ckpt
+
+
+def kept_name(path, meta):
+    """Where a cached file made with `meta` is kept once a file of other settings needs its name:
+    out/target_warmup.pt -> out/target_warmup.<digest of meta>.pt. One file per key: a run of another
+    task or setting in the same folder never replaces a warm-up, and a later run of the first settings
+    finds it again."""
+    digest = hashlib.sha256(json.dumps(meta, sort_keys=True, default=str).encode()).hexdigest()[:12]
+    root, ext = os.path.splitext(path)
+    return f"{root}.{digest}{ext}"
 
 
 def load_on_rank0(path, expected_meta, stale="error"):
     """`load_checked` on rank 0, its answer on every rank: the checkpoint, or None when there is none.
     Whether to load or to warm up (or resume) is one decision for all ranks (`from_rank0`),
-    so only rank 0 needs to see the file. A refused file stops every rank with rank 0's message;
-    with stale="redo" (a cache: the warm-ups) a file made with other settings is passed over
-    instead, with one line that names the differences, and the caller makes it afresh."""
+    so only rank 0 needs to see the file. A refused file stops every rank with rank 0's message.
+    With stale="keep" (a cache: the warm-ups) a file made with other settings is kept under its own
+    key (`kept_name`) instead; one kept earlier under this call's key takes the name back and is
+    loaded, else None: the caller makes it afresh. Each case says so in one line."""
     found = None
     if (dist.get_rank() if dist.is_initialized() else 0) == 0 and os.path.exists(path):
         try:
             with beating(f"reading {path}"):  # the others wait for it by liveness, in from_rank0
                 found = load_checked(path, expected_meta)
         except Mismatch as e:
-            found = ("stale", e.diff) if stale == "redo" else str(e)
+            found = str(e) if stale != "keep" else swap_kept(path, expected_meta, e)
         except SystemExit as e:
             found = str(e)
     found = from_rank0(found)
-    if isinstance(found, tuple):
-        print0(f"not reusing {path}: it was made by other code or settings ({found[1]}); making it afresh")
-        return None
     if isinstance(found, str):
         raise SystemExit(found)
     return found
+
+
+def swap_kept(path, expected_meta, mismatch):
+    """Rank 0: keep the stale file at `path` under its own key; bring back and load the one kept
+    under `expected_meta`'s key, if there is one (None: make it afresh)."""
+    kept, wanted = kept_name(path, mismatch.meta), kept_name(path, expected_meta)
+    os.replace(path, kept)
+    if not os.path.exists(wanted):
+        print0(f"not reusing {path}: it was made by other code or settings ({mismatch.diff}); kept it as "
+               f"{kept}; making it afresh")
+        return None
+    os.replace(wanted, path)
+    print0(f"{path} was made by other code or settings ({mismatch.diff}); kept it as {kept} and reusing "
+           f"{path}, kept from an earlier run of these settings")
+    return load_checked(path, expected_meta)

@@ -11,6 +11,7 @@ Test: python -m pytest tests/test_train.py -k flags
 import argparse
 import dataclasses
 import os
+import sys
 
 import torch
 
@@ -68,6 +69,7 @@ def parse_args(argv=None, description=None):
     for add_flags in (run_flags, task_flags, model_flags, drafter_flags, rl_flags, tlt_flags, logging_flags):
         add_flags(p)
     args = p.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # as given: the run's last lines repeat them
     check_args(p, args)
     args.warmup_dir = args.warmup_dir or args.out_dir
     args.rl_seed = args.seed if args.rl_seed is None else args.rl_seed

@@ -31,6 +31,7 @@ Test: python -m pytest tests/test_report.py
 import hashlib
 import json
 import os
+import shlex
 import statistics
 import warnings
 
@@ -202,23 +203,45 @@ def plan_line(args, world_size):
             f"updates {updates} | sd threshold {args.sd_threshold}")
 
 
-def next_lines(args):
+def next_lines(args, world_size=2):
     """The run's last lines: how to see the drafter's worth in time. Two runs from the same warm-ups,
     this one and one with a frozen drafter, write the same responses at every step, so the report
     pairs them step by step. 600 steps, not 200: the frozen drafter keeps falling behind as RL moves
     the target, and the last tenth holds 60 paired steps rather than 20. (Its cost in time is still
     near a shared 2-core machine's noise between runs; RESULTS.md has both.) This run goes on to 600
-    by resuming: `--rl-steps` is not in the checkpoint's settings."""
+    by resuming: `--rl-steps` is not in the checkpoint's settings. The commands are whole: they
+    carry every other flag this run was given (--task and its settings included), so that pasting
+    them trains on the same workload."""
     if not (args.tlt and args.drafter_updates):
         return []
     steps, frozen = max(600, args.rl_steps), f"{args.out_dir.rstrip('/')}-frozen"
-    run = f"  torchrun --standalone --nproc_per_node=2 train.py --warmup-dir {args.warmup_dir} --rl-steps {steps}"
+    given = "".join(f" {shlex.quote(a)}" for a in other_flags(args.argv, RESET_FLAGS))
+    run = (f"  torchrun --standalone --nproc_per_node={world_size} train.py{given} --warmup-dir {args.warmup_dir} "
+           f"--rl-steps {steps}")
     lines = ["", f"the drafter's worth in time: this run and the same with a frozen drafter, {steps} steps "
-                 "each, side by side (add this run's other flags):"]
+                 "each, side by side:"]
     if args.rl_steps < steps:
         lines.append(f"{run} --out-dir {args.out_dir} --eval-per-bucket 0")
     return lines + [f"{run} --out-dir {frozen} --drafter-updates off --eval-per-bucket 0",
                     f"  python -m harness.report {args.out_dir} {frozen}"]
+
+
+# the flags next_lines sets itself
+RESET_FLAGS = ("--out-dir", "--warmup-dir", "--rl-steps", "--eval-per-bucket", "--drafter-updates")
+
+
+def other_flags(argv, drop):
+    """The command line `argv` without the flags in `drop` and their values ("--flag value" or
+    "--flag=value")."""
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a in drop:
+            skip = True
+        elif a.split("=", 1)[0] not in drop:
+            out.append(a)
+    return out
 
 
 def log_step(rec, ranks, args):

@@ -12,8 +12,9 @@ Each is saved in --warmup-dir (target_warmup.pt, drafter_warmup.pt) with what ma
 the task's name, settings and a digest of its code, the model's and the drafter's shapes, the
 recipe and seeds) and reused by any later run whose meta matches, so that runs which differ only in
 their RL settings (the --tlt off / on comparison, other RL seeds) start from the same models. A
-warm-up made by anything else is never reused: one line names the difference and a fresh warm-up
-replaces it.
+warm-up made by anything else is never reused and never lost: one line names the difference, the old
+file is kept under a name of its own key (checkpoint.kept_name), and a fresh warm-up takes the plain
+name; a later run of the old settings takes the kept one back.
 
 Why the embedding init: see `init_merged_embeddings`. Without it the loss plateau before the
 look-up is learned lasts a seed- and machine-dependent time, and the warm-up's accuracy with it.
@@ -311,7 +312,7 @@ def prepare_models(args, task, warmup_task, ddp, rank, world_size, device):
         model(torch.zeros(1, 1, dtype=torch.long, device=device))[0].sum().backward()
     model.zero_grad(set_to_none=True)
     path, meta = os.path.join(args.warmup_dir, "target_warmup.pt"), model_meta(args, config, warmup_task)
-    cached = load_on_rank0(path, meta, stale="redo")
+    cached = load_on_rank0(path, meta, stale="keep")
     if cached:
         model.load_state_dict(cached["model"])
         print0(f"reusing the warmed-up target from {path}")
@@ -323,7 +324,7 @@ def prepare_models(args, task, warmup_task, ddp, rank, world_size, device):
         print0("cold start: no drafter warm-up; the drafter is built from nothing on idle ranks during RL")
         return model, drafter
     path, meta = os.path.join(args.warmup_dir, "drafter_warmup.pt"), drafter_meta(args, config, task, warmup_task)
-    cached = load_on_rank0(path, meta, stale="redo")
+    cached = load_on_rank0(path, meta, stale="keep")
     if cached:
         drafter.load_state_dict(cached["drafter"])
         print0(f"reusing the warmed-up drafter from {path}")

@@ -545,9 +545,16 @@ def test_a_run_ends_naming_its_frozen_twin_and_the_comparison():
     from harness import config
     lines = report.next_lines(config.parse_args(["--out-dir", "runs/a/"]))
     assert "--warmup-dir runs/a/ --rl-steps 600 --out-dir runs/a/ --eval-per-bucket 0" in lines[2]
+    assert "--nproc_per_node=2 train.py --warmup-dir" in lines[2]  # no other flag was given
     assert "--rl-steps 600 --out-dir runs/a-frozen --drafter-updates off" in lines[3]
     assert lines[4].strip() == "python -m harness.report runs/a/ runs/a-frozen"
     longer = report.next_lines(config.parse_args(["--rl-steps", "800"]))
     assert len(longer) == 4 and "--rl-steps 800 --out-dir out-frozen" in longer[2]
+    # every other flag the run was given, whole: the task and its settings are the workload
+    given = ["--task", "pointer_chase", "--max-n=6", "--out-dir", "b", "--rl-steps", "50", "--eval-per-bucket", "3"]
+    lines = report.next_lines(config.parse_args(given), world_size=4)
+    assert lines[2] == ("  torchrun --standalone --nproc_per_node=4 train.py --task pointer_chase --max-n=6 "
+                        "--warmup-dir b --rl-steps 600 --out-dir b --eval-per-bucket 0")
+    assert lines[3].startswith("  torchrun --standalone --nproc_per_node=4 train.py --task pointer_chase --max-n=6 ")
     for flags in (["--tlt", "off"], ["--drafter-updates", "off"]):
         assert report.next_lines(config.parse_args(flags)) == []

@@ -520,6 +520,14 @@ def test_a_warmup_made_by_other_task_code_or_another_drafter_shape_is_made_afres
     out = capsys.readouterr().out
     assert "reusing the warmed-up target" in out and "drafter_layers 1 there, 2 here" in out
     assert len(drafter.stack.blocks) == 2 and "drafter warmup" in out
+    # nothing was replaced: each settings' warm-ups are kept, and the one-layer drafter comes back
+    names = sorted(os.listdir(tmp_path / "warm"))
+    assert len([n for n in names if n.startswith("target_warmup")]) == 2, names  # old code, new code
+    assert len([n for n in names if n.startswith("drafter_warmup")]) == 3, names
+    _, drafter = _prepare(flags)
+    out = capsys.readouterr().out
+    assert "reusing the warmed-up target" in out and "kept from an earlier run of these settings" in out
+    assert len(drafter.stack.blocks) == 1 and "drafter warmup" not in out
 
 
 @pytest.mark.parametrize("name", sorted(__import__("tasks").TASKS))
