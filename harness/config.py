@@ -106,7 +106,7 @@ def task_flags(p):
         p.add_argument(f"--{name.replace('_', '-')}", type=floats if f.type is tuple else f.type,
                        default=None, help=f"{f.metadata.get('help', '')} ({defaults})")
     p.add_argument("--warmup-alpha", type=float, default=2.0, help="tail exponent of the problem sizes at the start "
-                   "of the target warm-up: mostly small problems, where the look-up is learned")
+                   "of the target warm-up: mostly small problems, where a task's basic skill is learned first")
     p.add_argument("--warmup-alpha-end", type=float, default=0.5, help="the exponent moves linearly from "
                    "--warmup-alpha to this over the warm-up, a curriculum toward long problems (equal: none)")
 
@@ -122,7 +122,7 @@ def model_flags(p):
     p.add_argument("--warmup-tokens", type=int, default=2048, help="padded tokens per warm-up batch, all ranks together")
     p.add_argument("--warmup-lr", type=float, default=6e-3, help="peak learning rate of the target warm-up")
     p.add_argument("--merge-init", type=on_off, default=True, metavar="on|off", help="start each of the task's "
-                   "merged tokens' embeddings from its parts' (running sum: \"b7\" as (\"b\" + \"7\") / sqrt(2); off: "
+                   "merged tokens' embeddings from its parts' (Task.merges: a task without merges is unaffected; off: "
                    "random, as every other token)")
 
 

@@ -82,7 +82,7 @@ def step_record(s, step, problems, rows, stats, idle, update, times):
              "by_batch": stats.by_batch}
     counts = {"tokens": stats.tokens, "sd_tokens": stats.sd_tokens, "sd_row_steps": stats.sd_row_steps,
               "accepted": stats.accepted, "drafted": stats.drafted, "top1_agree": idle["top1"][0],
-              "top1_positions": idle["top1"][1], "single": sum(s.task.choice_share(r.response) for r in rows),
+              "top1_positions": idle["top1"][1], "single": sum(s.task.choice_share(p, r.response) for p, r in zip(problems, rows)),
               "response_tokens": sum(len(r.response) for r in rows),
               **position_counts(stats, max(s.args.draft_ks)), **size_counts(stats, [p.size for p in problems], s.task)}
     rec, ranks = rank_record(step, local, all_sum(counts, s.device), all_rewards, responses,

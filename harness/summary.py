@@ -123,7 +123,7 @@ def trend_lines(history, choice):
         return sum(h[key] for h in history[:n]) / n, sum(h[key] for h in history[-n:]) / n
     reward = "  reward                {:.3f} -> {:.3f}".format(*tenths("reward"))
     length = "  response length       {:.1f} -> {:.1f} tokens".format(*tenths("response_len"))
-    if any(h["single_share"] for h in history):
+    if choice and any(h["single_share"] for h in history):
         length += f", {choice} " + "{:.0%} -> {:.0%}".format(*tenths("single_share"))
     return [reward + f" (means of the first and the last {n} steps)",
             length + f" (first and last {n} steps)"]

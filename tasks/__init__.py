@@ -9,7 +9,7 @@ A task is a frozen dataclass that subclasses `Task`. Its fields are its settings
 is a train.py flag of the same name (`max_n` is --max-n; `metadata={"help": ...}` is its help).
 What a task writes:
 
-    name, choice                the --task name; what `choice_share` counts, in the summary's words
+    name                        the --task name
     size_buckets                the held-out set's and the report's problem-size ranges
     encoding                    its tiktoken.Encoding, built in-process, with `<|eos|>`, `<|pad|>`
     problem(rng, size)          a random problem of `size`, an object with a `.size`
@@ -19,14 +19,18 @@ What a task writes:
                                     supervised warm-up trace
     response_len(size)          the longest response of a problem of `size`, <|eos|> included
     max_prompt_len              the longest prompt at max_n
-    choice_share(ids)           the share of a response's choices that RL is expected to move
-                                toward (the summary prints it first and last)
     parse(text)                 a user's prompt text -> a problem, or None (harness.sample)
-    merges()                    optional: (merged token, its parts) pairs, whose embeddings start as
-                                the parts' (harness.warmup; see --merge-init)
 
-`Task` gives every task the rest: problem sizes from a power law P(n) ~ n^-alpha on 1..max_n (the
-long tail), `sample`, `eval_set`, `decode`, `mean_by_size`, and the token ids.
+Optional, with defaults here:
+
+    choice, choice_share(problem, ids)   what RL is expected to move a response's choices toward, in
+                                the summary's words, and its share among a response's choices (the
+                                summary prints it first and last; None and 0.0: no such line)
+    merges()                    (merged token, its parts) pairs, whose embeddings start as the parts'
+                                (harness.warmup; see --merge-init)
+
+`Task` gives every task the rest: problem sizes from a power law P(n) ~ n^-alpha on min_n..max_n
+(the long tail), `sample`, `eval_set`, `decode`, `mean_by_size`, and the token ids.
 
 Adding a task: one file in this folder with a `Task` subclass, and its import and name in `TASKS`
 below.
@@ -43,17 +47,18 @@ from typing import ClassVar
 
 @dataclass(frozen=True)
 class Task:
+    min_n: int = field(default=1, metadata={"help": "smallest problem size"})
     max_n: int = field(default=10, metadata={"help": "largest problem size"})
     alpha: float = field(default=0.5, metadata={
         "help": "tail exponent of the problem sizes, P(n) ~ n^-alpha (smaller: a heavier tail)"})
 
     name: ClassVar[str]
-    choice: ClassVar[str]
+    choice: ClassVar[str] = None
     size_buckets: ClassVar[tuple]  # inclusive ranges of problem size
 
     def __post_init__(self):  # a NaN fails every rule
-        if not self.max_n >= 1:
-            raise ValueError(f"max_n must be at least 1, got {self.max_n}")
+        if not 1 <= self.min_n <= self.max_n:
+            raise ValueError(f"need 1 <= min_n <= max_n, got min_n {self.min_n}, max_n {self.max_n}")
         if not self.alpha >= 0:
             raise ValueError(f"alpha must be >= 0, got {self.alpha}")
 
@@ -79,11 +84,14 @@ class Task:
     def merges(self):
         return []
 
+    def choice_share(self, problem, response_ids):
+        return 0.0
+
     # ------------------------------------------------------------------ problems
     def sample(self, rng, size=None):
-        """A problem of `size`, or of a size drawn from P(n) ~ n^-alpha on 1..max_n (the tail)."""
+        """A problem of `size`, or of a size drawn from P(n) ~ n^-alpha on min_n..max_n (the tail)."""
         if size is None:
-            sizes = range(1, self.max_n + 1)
+            sizes = range(self.min_n, self.max_n + 1)
             size = rng.choices(sizes, weights=[n ** -self.alpha for n in sizes])[0]
         return self.problem(rng, size)
 
@@ -96,8 +104,9 @@ class Task:
         return self.max_prompt_len + self.max_response_len
 
     def buckets(self):
-        """The size buckets within max_n, the last one cut there."""
-        return [(lo, min(hi, self.max_n)) for lo, hi in self.size_buckets if lo <= self.max_n]
+        """The size buckets within min_n..max_n, the first and the last cut there."""
+        return [(max(lo, self.min_n), min(hi, self.max_n)) for lo, hi in self.size_buckets
+                if lo <= self.max_n and hi >= self.min_n]
 
     def eval_set(self, per_bucket=40, seed=1234):
         """The fixed held-out set: `per_bucket` problems for each size bucket within max_n."""

@@ -161,7 +161,7 @@ class PointerChase(Task):
     def max_prompt_len(self):  # each link and the space or colon after it, then the start
         return 2 * (self.max_n + DISTRACTORS * max(DISTRACTOR_LINKS)) + 1
 
-    def choice_share(self, response_ids):
+    def choice_share(self, problem, response_ids):
         return hop_share(self.decode(response_ids))
 
     def parse(self, text):

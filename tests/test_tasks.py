@@ -43,7 +43,7 @@ def test_reward_and_decode_never_raise_on_random_ids(task):
     for _ in range(300):
         ids = [rng.randrange(-2, task.vocab_size + 2) for _ in range(rng.randrange(0, 40))]
         assert task.reward(p, ids) in (0.0, 1.0)
-        assert isinstance(task.decode(ids), str) and 0.0 <= task.choice_share(ids) <= 1.0
+        assert isinstance(task.decode(ids), str) and 0.0 <= task.choice_share(p, ids) <= 1.0
     assert task.decode(task.prompt_ids(p) + [task.eos_id] + task.prompt_ids(p)) == task.decode(task.prompt_ids(p))
 
 
@@ -90,3 +90,21 @@ def test_the_code_digest_follows_the_source(monkeypatch):
 def test_an_unknown_task_is_named_with_the_registered_ones():
     with pytest.raises(ValueError, match="registered: " + ", ".join(tasks.TASKS)):
         tasks.from_meta({"name": "no_such_task"})
+
+
+def test_a_task_may_start_its_sizes_above_1_and_leave_out_the_choice():
+    """What a task of one's own needs no more than its interface: sizes from min_n (a sort needs two
+    items), and no `choice` (the summary then prints no choice share)."""
+    from harness.summary import trend_lines
+    base = tasks.TASKS["running_sum"]
+    task = dataclasses.replace(base(), min_n=3, max_n=7)
+    rng = random.Random(3)
+    assert {task.sample(rng).size for _ in range(2000)} == set(range(3, 8))
+    assert task.buckets() == [(3, 5), (6, 7)]
+    assert {p.size for p in task.eval_set(per_bucket=50)} == set(range(3, 8))
+    with pytest.raises(ValueError, match="min_n"):
+        base(min_n=5, max_n=4)
+    history = [{"reward": 0.5, "response_len": 10.0, "single_share": 0.5}]
+    assert ", single steps 50% -> 50%" in trend_lines(history, "single steps")[1]
+    assert trend_lines(history, tasks.Task.choice)[1] == "  response length       10.0 -> 10.0 tokens (first and last 1 steps)"
+    assert tasks.Task.choice_share(task, None, [1, 2]) == 0.0
