@@ -13,7 +13,9 @@ RL shifts the choice toward single steps, and the responses grow longest on the 
 The choice is one token (the label, or ">"), so RL moves the target at those tokens while the
 arithmetic that follows stays what it was. The default mix has jumps of three digits and none of
 two: RL learns to make two-digit jumps right instead of writing more (RESULTS.md). The long tail:
-n follows a power law P(n) ~ n^-alpha, and one prompt's samples differ in length by their
+n follows a power law P(n) ~ n^-1.5 on 1..20, so half the problems are one or two digits and one
+in twenty has 11 or more: a step's longest response is several times its median, the rank that
+holds it rolls out long after the other, and one prompt's samples differ in length by their
 choices. Simplified on purpose: a tiktoken Encoding built in-process (no download), one merge per
 labelled digit, so that finding digit b in the prompt is a single attention look-up.
 
@@ -89,8 +91,10 @@ class Problem:
 @dataclass(frozen=True)
 class RunningSum(Task):
     """The running sum as a `Task` (tasks/__init__.py): its settings, each a train.py flag."""
-    max_n: int = field(default=10, metadata={
+    max_n: int = field(default=20, metadata={
         "help": f"largest problem (digits to sum), at most {len(LABELS)}"})
+    alpha: float = field(default=1.5, metadata={
+        "help": "tail exponent of the problem sizes, P(n) ~ n^-alpha (smaller: a heavier tail)"})
     # warm-up traces: P(single step), P(jump of 2), P(jump of 3), P(the answer outright)
     strides: tuple = field(default=(0.40, 0.0, 0.55, 0.05), metadata={
         "help": "warm-up traces: the probability, at every step, of a single step (b7=3+7=0), "
@@ -130,7 +134,7 @@ class RunningSum(Task):
     def max_prompt_len(self):
         return 2 * self.max_n
 
-    def choice_share(self, response_ids):
+    def choice_share(self, problem, response_ids):
         return single_share(self.decode(response_ids))
 
     def parse(self, text):

@@ -165,7 +165,7 @@ def test_default_response_lengths_are_long_tailed():
     med, p90, p99 = np.percentile(lengths, [50, 90, 99])
     print(f"\nwarm-up trace tokens (eos included), default TaskConfig, n=20000: "
           f"median {med:.0f}, p90 {p90:.0f}, p99 {p99:.0f}, max {lengths.max()}")
-    assert p90 >= 2 * med and p99 >= 3 * med, (med, p90, p99)  # measured: 17, 35, 53
+    assert p90 >= 2 * med and p99 >= 3 * med, (med, p90, p99)  # measured: 12, 31, 67
     assert lengths.max() <= cfg.max_response_len
     assert lengths.min() >= 1
 
