@@ -41,7 +41,7 @@ class IdleWork:
     train: bool = True  # train it (--drafter-updates); else only the scoring
     batch_size: int = 8  # sequences per drafter step
     depth: int = 3  # chained passes per drafter step
-    piece_tokens: int = 256  # padded positions in one piece of idle work, at most
+    piece_tokens: int = 128  # padded positions in one piece of idle work, at most
 
 
 def many_ranks():

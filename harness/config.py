@@ -140,8 +140,9 @@ def drafter_flags(p):
     p.add_argument("--drafter-batch", type=int, default=8, help="sequences per drafter training step")
     p.add_argument("--drafter-depth", type=int, default=3, help="chained passes per drafter training step: the drafter "
                    "trains on its own predictions this many drafts deep (1: teacher forcing alone)")
-    p.add_argument("--drafter-idle-tokens", type=int, default=256, help="padded positions per drafter step on "
-                   "idle ranks at most (fewer sequences when they are long): how long the last rank can wait for one")
+    p.add_argument("--drafter-idle-tokens", type=int, default=128, help="padded positions per drafter step on "
+                   "idle ranks at most (fewer sequences when they are long): how long the last rank can wait for one, "
+                   "and how short an idle time can still finish one")
     p.add_argument("--drafter-keep", type=int, default=32, help="RL steps of hidden states the drafter buffer keeps")
     p.add_argument("--drafter-keep-tokens", type=int, default=1_000_000, help="and at most this many tokens, the oldest "
                    "sequences dropped first (bounded memory; at least --block-size)")

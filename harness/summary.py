@@ -230,7 +230,6 @@ def bucket_sizes(bucket):
     return str(2 ** bucket) if bucket < 2 else f"{2 ** (bucket - 1) + 1}-{2 ** bucket}"
 
 
-
 def padded_sums(lists):
     """Position by position, the sums of lists of any lengths (past its end a list adds nothing)."""
     return [sum(v[i] for v in lists if i < len(v)) for i in range(max(map(len, lists), default=0))]
