@@ -103,8 +103,6 @@ def rank_record(step, local, total, all_rewards, responses, step_time, update_ti
     slowest = max(ranks, key=lambda r: r["rollout_time"])
     rollout_max, n_rows = slowest["rollout_time"], all_rewards.numel()
     lens, by_batch = [len(r) for r in responses], slowest["by_batch"]
-    # every rank's [kind, start, end] segments to 0.1 ms, kept on the steps whose timeline is printed
-    segments = [[[kind, round(a, 4), round(b, 4)] for kind, a, b in r["segments"]] for r in ranks]
     # one hash of every response of the step in global row order: two runs, on any numbers of ranks,
     # can be compared token for token
     digest = hashlib.sha256(json.dumps(responses).encode()).hexdigest()[:16]
@@ -135,7 +133,9 @@ def rank_record(step, local, total, all_rewards, responses, step_time, update_ti
         "rank_spread": 1 - min(r["rollout_time"] for r in ranks) / rollout_max if rollout_max > 0 else 0.0,
         # the slowest rank's rollout seconds by running-batch size (the bandit's buckets), plain and speculative
         "rollout_by_batch": {"buckets": [bucket_sizes(i) for i in range(len(by_batch["plain"]))], **by_batch},
-        "timeline": segments if timeline else None,
+        # every rank's [kind, start, end] segments to 0.1 ms, kept on the steps whose timeline is printed
+        "timeline": [[[kind, round(a, 4), round(b, 4)] for kind, a, b in r["segments"]] for r in ranks]
+        if timeline else None,
         "sd_token_frac": total["sd_tokens"] / max(total["tokens"], 1), "tok_s": total["tokens"] / max(rollout_max, 1e-9),
         "idle_time": max(r["idle_time"] for r in ranks), "drafter_steps": sum(r["drafter_steps"] for r in ranks),
         "drafter_skipped": sum(r["drafter_skipped"] for r in ranks), "drafter_checksum": local["drafter_checksum"],
