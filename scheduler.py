@@ -55,7 +55,7 @@ def idle_train(drafter, optimizer, buffer, rng, work, scoring=(), barrier=None, 
     also watches that slow ranks are alive. -> (steps, skipped steps, idle seconds, busy), busy the
     [start, end] seconds of the turns that worked (None: none did). grace_s is short: a barrier's
     round trip between ranks takes well under a millisecond, and every millisecond of grace is idle
-    time that trains nothing (at 20 ms a third of the steps trained not at all)."""
+    time that trains nothing."""
     t0 = time.perf_counter()
     scoring = deque(scoring)
     if not many_ranks():  # no idle time, and nobody to delay
