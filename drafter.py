@@ -1,24 +1,22 @@
 """The drafter: one transformer layer (by default) on the target's hidden states (EAGLE style).
 
-At position t it fuses the target's final hidden state h_t (the LM head's input) with the
-embedding of the next token x_{t+1}, and predicts h_{t+1}, which the target's own LM head turns into
-logits for x_{t+2}. Drafting several tokens, it feeds its predicted state back in place of the
-target's:
+At position t it reads the target's final hidden state h_t (the LM head's input) and the embedding
+of the next token x_{t+1}, and predicts h_{t+1}; the target's own LM head turns that into logits
+for x_{t+2}. To draft several tokens it feeds its predicted state back in place of the target's:
 
     (h_t, x_{t+1}) -> in_proj -> 1 block -> norm -> h~_{t+1} -> lm_head -> x_{t+2}
 
-The embedding and LM head are the target's, read through a plain attribute and detached: neither
-trained nor saved here. The loss is EAGLE's: smooth-L1 on h_{t+1} (weight 1.0: a whole vector of
-signal per position) plus a soft cross-entropy against the target's distribution (0.1: the part
-that decides acceptance), counted on response positions only; each padded row holds one sequence.
+The embedding and LM head are the target's, read through a plain attribute and detached: this
+module neither trains nor saves them. The loss is EAGLE's: smooth-L1 on h_{t+1} (weight 1.0: a
+whole vector of signal per position) plus a soft cross-entropy against the target's distribution
+(0.1: the part that decides acceptance), on response positions only, one sequence per padded row.
 
-Training as it drafts: teacher forcing alone shows the drafter only real states, and a drafter
-trained so is good for one token and guesses after it. So a step runs the drafter DEPTH drafts deep
-from every position at once (`chained_states`, EAGLE-3's training-time test), each pass reading the
-previous pass's predictions and attending to exactly what its cache holds when it drafts there.
+Teacher forcing alone shows the drafter only real states: it would be good for one token and guess
+after it. So a training step runs it as it drafts, DEPTH passes deep from every position at once
+(`chained_states`, EAGLE-3's training-time test). A *chain* is the drafts made one after another
+from one real pair; each pass attends to exactly what the drafter's cache holds there.
 
-The buffer keeps the last steps' (tokens, hidden states) within a token bound; `train_step` serves
-the warm-up and the idle ranks alike.
+The buffer keeps recent (tokens, hidden states); `train_step` serves the warm-up and idle ranks.
 
 Test: python -m pytest tests/test_drafter.py
 """
@@ -31,7 +29,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from model import KVCache, LayerNorm, RotaryStack
+from model import Blocks, KVCache, LayerNorm
 
 HIDDEN_WEIGHT = 1.0
 CE_WEIGHT = 0.1
@@ -45,7 +43,7 @@ class Drafter(nn.Module):
         C = self.config.n_embd
         self.__dict__["target"] = target  # shared, frozen, out of state_dict() and parameters()
         self.in_proj = nn.Linear(2 * C, C, bias=False)
-        self.stack = RotaryStack(self.config, n_layer)
+        self.stack = Blocks(self.config, n_layer)
         self.norm = LayerNorm(C)
         for p in self.parameters():
             if p.dim() == 2:
@@ -63,37 +61,38 @@ class Drafter(nn.Module):
         return self.in_proj(torch.cat([hidden, emb], dim=-1)).to(self.in_proj.weight.dtype)
 
     def propose(self, batch, k):
-        """k drafts per row of a speculative.RunningBatch (B, k) and, with rejection sampling, their
-        distributions q (B, k, V). It first catches up on the target states it has not read, then
-        drafts, feeding back its own predicted state; draft i is the batch sampler's choice at
-        position L + 1 + i. Its cache lives on the batch, which moves it with the rows."""
+        """Draft k tokens per row of a speculative.RunningBatch -> drafts (B, k) and, with rejection
+        sampling, their distributions q (B, k, V). It catches up on the target states recorded
+        since it last drafted, then drafts, feeding back its own states. Draft i is the sampler's
+        choice at position L + 1 + i. Its cache lives on the batch, which moves it with the rows."""
         B, L = batch.batch_size, batch.n_tokens - 1  # L (B,): the target cache's length
-        if batch.draft_cache is None:  # the switch to SD: no recorded state read yet
+        if batch.draft_cache is None:  # the switch to speculation: no recorded state read yet
             batch.draft_cache = self.new_cache(B, batch.cache.max_len, dtype=batch.cache.kv.dtype)
-            batch.unread_states_bound = batch.n_tokens_bound
+            batch.drafter_lag_bound = batch.longest_row_bound
         cache = batch.draft_cache
-        # catch up: each row re-reads its last T pairs (h_j, x_{j+1}), j < L, T a bound on those it
-        # has not read; a row with L < T also reads padding past L: dead entries, rolled back below
-        T = min(batch.unread_states_bound, batch.n_tokens_bound - 1)
-        start = (L - T).clamp_(min=0)  # (B,)
-        j = start[:, None] + batch.cache.offsets[:T]  # (B, T)
-        cache.lengths, cache.read_len = start, batch.n_tokens_bound - 1
-        rows = batch.cache.slots[:, None]
+        # Catch up in one pass, as wide for every row: row b re-reads its last `window` pairs
+        # (h_j, x_{j+1}), j = L - window .. L - 1, where `window` bounds how many any row has not
+        # read. A row with L < window starts at j = 0 and also reads pairs past its end.
+        window = min(batch.drafter_lag_bound, batch.longest_row_bound - 1)
+        start = (L - window).clamp_(min=0)  # (B,) the first pair each row re-reads
+        j = start[:, None] + batch.cache.position_ids[:window]  # (B, window)
+        cache.lengths, cache.keys_to_read = start, batch.longest_row_bound - 1
+        rows = batch.cache.slot_ids[:, None]
         logits, h = self(batch.hidden[rows, j], batch.tokens.gather(1, j + 1), cache)
         last = (L - 1 - start)[:, None, None]  # (B, 1, 1): the column of pair L - 1
         logits = logits.gather(1, last.expand(B, 1, logits.shape[-1]))  # (B, 1, V)
         h = h.gather(1, last.expand(B, 1, h.shape[-1]))  # (B, 1, C)
-        cache.lengths = L
+        cache.lengths = L  # drops the pairs read past a row's end: never read again
         drafts, qs = [], []
         for i in range(k):  # draft k tokens, feeding back its own state
             d, q = batch.sampler.choose(logits, slice(i, i + 1))  # (B, 1), (B, 1, V) or None
             drafts.append(d)
             qs.append(q)
             if i + 1 < k:
-                cache.read_len = batch.n_tokens_bound + i
+                cache.keys_to_read = batch.longest_row_bound + i
                 logits, h = self(h, d, cache)  # (B, 1, V), (B, 1, C)
         cache.lengths = L  # entries built on guessed states are redone next step
-        batch.unread_states_bound = 0  # the step that drafted adds its own tokens
+        batch.drafter_lag_bound = 0  # it has read every recorded state; the step adds k + 1
         return torch.cat(drafts, 1), None if qs[0] is None else torch.cat(qs, 1)
 
     def new_cache(self, batch_size, max_len=None, device=None, dtype=None):
@@ -103,16 +102,16 @@ class Drafter(nn.Module):
 
 
 class DrafterBuffer:
-    """(tokens, target hidden states) of the last `keep_steps` RL steps, at most `keep_tokens`
-    tokens in all (None: no bound), the oldest dropped first. A rollout's rows are only staged on
-    the critical path (`add_rows`, no copy); idle turns store them on the host in pieces
-    (`store_staged`, in `dtype`). Both bounds count staged and stored rows together, at once, so a
-    rank that never idles holds no more. Stored sequences are kept in length order (`by_len`).
+    """The (tokens, target hidden states) of the last `keep_steps` RL steps, at most `keep_tokens`
+    tokens in all (None: no bound); the oldest go first. On the critical path a rollout's rows are
+    only staged (`add_rows`, no copy); idle turns store them on the host, a piece at a time
+    (`store_staged`, in `dtype`). Both bounds count staged and stored rows together, so a rank
+    that never idles holds no more. Stored sequences are kept sorted by length (`by_len`).
 
-    An approximation: a stored row's hidden states are the target's of the step that sampled it, up
-    to keep_steps RL steps ago, while the loss reads them through today's LM head (shared with the
-    target). Recomputing them would cost a target forward per stored row; each RL step moves the
-    target by one small optimizer step, and the window trades fresh rows against more of them."""
+    An approximation: a stored row keeps the hidden states of the step that sampled it, up to
+    keep_steps RL steps ago, while the loss reads them through today's LM head. Recomputing them
+    would cost a target forward per row. Each RL step moves the target by one small optimizer
+    step, and the window trades fresh rows against more of them."""
 
     def __init__(self, keep_steps=32, keep_tokens=None, dtype=torch.float32):
         self.keep_steps, self.keep_tokens, self.dtype = keep_steps, keep_tokens, dtype
@@ -205,8 +204,8 @@ def pair_batch(seqs, device="cpu"):
         hidden   h_0  h_1  h_2 ... h_{N-2}
         pair t   (h_t, x_{t+1}) -> h_{t+1}, and so x_{t+2},  t = 0 .. N-3
 
-    mask[b, t] from t = prompt_len - 1 on: x_{t+2} is a response token after the first, what the
-    drafter drafts. -> h_in (B, T, C), x_next (B, T), h_tgt (B, T, C), mask (B, T) bool."""
+    mask[b, t] holds from t = prompt_len - 1 on, where x_{t+2} is a response token after the first
+    (what a drafter drafts). -> h_in (B, T, C), x_next (B, T), h_tgt (B, T, C), mask (B, T) bool."""
     T = max(h.shape[0] for _, h, _ in seqs) - 1  # pairs per sequence: one fewer than states
     B, C = len(seqs), seqs[0][1].shape[1]
     h_in, h_tgt = torch.zeros(B, T, C), torch.zeros(B, T, C)
@@ -222,18 +221,19 @@ def pair_batch(seqs, device="cpu"):
 
 
 def chain_attention_mask(T, d, device=None):
-    """Chained pass d's attention mask over the keys of passes 0..d, (T, (d + 1) T) bool: its
-    entry at t is the d-th draft after the real pair at s = t - d, when the drafter's cache holds
-    the real pairs up to s and this chain's own entries at s + 1 .. t."""
+    """Chained pass d's attention mask over the keys of passes 0..d side by side, (T, (d+1) T) bool.
+    Pass d at t drafts for the chain that starts at the real pair s = t - d; drafting there, the
+    cache holds the real pairs 0..s (pass 0's keys) and pass j's key at s + j, j = 1..d."""
     t = torch.arange(T, device=device)[:, None]  # (T, 1) query positions
     u = torch.arange(T, device=device)[None, :]  # (1, T) key positions
-    return torch.cat([u <= t - d] + [u == t - d + j for j in range(1, d + 1)], dim=1)
+    s = t - d  # (T, 1) where each query's chain starts
+    return torch.cat([u <= s] + [u == s + j for j in range(1, d + 1)], dim=1)
 
 
 def chained_states(drafter, h_in, x_next, depth):
-    """The drafter run as it drafts, `depth` deep from every position at once, one pass at a time
-    (a generator: a caller may stop between passes). Pass 0 reads the target's states; pass d reads
-    at t what pass d - 1 predicted at t - 1. Yields each pass's predicted states h~ (B, T, C)."""
+    """The drafter run as it drafts, `depth` deep from every position at once. A generator, so a
+    caller may stop between passes, it yields each pass's predicted states h~ (B, T, C). Pass 0
+    reads the target's states; pass d reads at t what pass d - 1 predicted at t - 1."""
     emb = F.embedding(x_next, drafter.target.wte.weight.detach())  # (B, T, C)
     T = h_in.shape[1]
     past = [[] for _ in drafter.stack.blocks]  # every pass's keys and values, per block
@@ -241,27 +241,28 @@ def chained_states(drafter, h_in, x_next, depth):
     for d in range(depth):
         x = drafter.project_in(h_feed, emb)
         mask = chain_attention_mask(T, d, h_in.device)
-        state = drafter.norm(drafter.stack(x, chain=(past, mask)))
+        state = drafter.norm(drafter.stack(x, past=past, past_mask=mask))
         yield state
         # the next pass sees, at position t, this pass's guess of h_t (made at t - 1)
         h_feed = torch.cat([h_in[:, :1], state[:, :-1].detach()], dim=1)
 
 
 def chain_loss_masks(mask, depth):
-    """The positions pass d counts: mask[t] and mask[t - d] (its chain starts at a pair the drafter
-    drafts from). -> list of `depth` (B, T) bool."""
+    """The positions each pass's loss counts -> `depth` masks (B, T) bool. Pass d counts t where
+    mask[t] and mask[t - d]: its chain starts at s = t - d, a pair the drafter drafts from."""
     masks = [mask]
     for d in range(1, depth):
-        masks.append(torch.zeros_like(mask))
-        masks[d][:, d:] = mask[:, d:] & mask[:, :-d]  # none where a row is d or fewer pairs long
+        counted = torch.zeros_like(mask)  # the first d positions start no chain
+        counted[:, d:] = mask[:, d:] & mask[:, :-d]  # at t: mask[t] and mask[t - d]
+        masks.append(counted)
     return masks
 
 
 def drafter_loss(drafter, h_in, x_next, h_tgt, mask, n_positions=None, depth=DEPTH,
                  preempted=None):
-    """The loss of `depth` chained passes, summed over each pass's positions and divided by
-    depth x n_positions (default: this batch's count). preempted: asked between passes; once True,
-    the loss is abandoned (None)."""
+    """The loss of `depth` chained passes: summed over each pass's positions, divided by depth x
+    n_positions (default: this batch's count). `preempted` is asked between passes; once it says
+    True, the loss is abandoned (None)."""
     with torch.no_grad():  # both softmaxes in float32
         p_target = F.softmax(F.linear(h_tgt, drafter.target.lm_head.weight).float(), dim=-1)
     n = mask.sum() if n_positions is None else torch.as_tensor(float(n_positions))
@@ -278,10 +279,10 @@ def drafter_loss(drafter, h_in, x_next, h_tgt, mask, n_positions=None, depth=DEP
 
 
 def train_step(drafter, optimizer, batch, depth=DEPTH, sync_grads=False, preempted=None):
-    """One optimizer step on a batch (`DrafterBuffer.sample`) -> (loss, applied). `preempted`,
-    asked between passes and before the backward and the optimizer step, abandons it (None, False).
-    sync_grads: every rank trains together (the warm-up) on the mean over all their positions.
-    A step whose gradient is not finite is not applied."""
+    """One optimizer step on a batch from `DrafterBuffer.sample` -> (loss, applied). `preempted` is
+    asked between passes and before the backward and the optimizer step; True abandons the step
+    (None, False). With sync_grads every rank trains together (the warm-up), on the mean over all
+    their positions. A step whose gradient is not finite is not applied."""
     n_local = batch[3].sum().double()  # the positions the loss counts here
     # under sync_grads the loss is a sum, divided after one all-reduce of [grads, positions]
     loss = drafter_loss(drafter, *batch, n_positions=1.0 if sync_grads else None, depth=depth,
@@ -309,9 +310,8 @@ def train_step(drafter, optimizer, batch, depth=DEPTH, sync_grads=False, preempt
 
 @torch.no_grad()
 def top1_agreement(drafter, h_in, x_next, h_tgt, mask):
-    """Teacher-forced top-1 agreement (it sets the drafter's online rate): over the masked
-    positions, how often its argmax for x_{t+2} is the target's.
-    -> (agreeing positions, positions)."""
+    """Teacher-forced top-1 agreement, which sets the drafter's online rate: over the masked
+    positions, how often its argmax for x_{t+2} is the target's -> (agreeing, positions)."""
     logits, _ = drafter(h_in, x_next)
     target = F.linear(h_tgt[mask], drafter.target.lm_head.weight)  # (positions, V)
     agree = (logits[mask].argmax(-1) == target.argmax(-1)).sum()

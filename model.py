@@ -1,14 +1,13 @@
-"""The target model: a small causal transformer with a ragged, preallocated KV cache.
+"""The target model: a small causal transformer with a preallocated KV cache, one length per row.
 
-GPT.forward(idx, cache=None) -> (logits, hidden), `hidden` the LM head's input, which the drafter
-reads (EAGLE style). The cache holds a length per row: appending T tokens writes row b at positions
-lengths[b] .. lengths[b]+T-1; rolling a row back (a rejected draft, padding) assigns a smaller
-length, as a query at position p reads keys <= p only. Deep and narrow on purpose (12 layers of
-width 48): a CPU step costs kernel launches, so one drafter layer is a small share, as on a GPU.
+GPT.forward(idx, cache=None) returns (logits, hidden), `hidden` the LM head's input, which the
+drafter reads. Appending T tokens writes row b at positions lengths[b] .. lengths[b] + T - 1.
+Rolling a row back (a rejected draft) is assigning a smaller length: a query at p reads keys <= p.
 
-Simplified on purpose: rotary positions (a gather: positions are per row), LayerNorm without bias,
-tanh GELU, a tied LM head, no dropout. bf16 is autocast over float32 weights: the residual stream,
-norms, rotary multiply and `hidden` stay float32 on every device; the cache is in autocast's dtype.
+Simplified on purpose: rotary positions (a gather: each row has its own), LayerNorm without bias,
+tanh GELU, a tied LM head, no dropout. Deep and narrow (12 x 48): a CPU step costs its kernel
+launches, so one drafter layer is a small share of it, as on a GPU. Under bf16 autocast the weights,
+residual stream, norms, rotary multiply and `hidden` stay float32; the cache is in autocast's dtype.
 
 Test: python -m pytest tests/test_model.py
 """
@@ -47,12 +46,12 @@ class KVCache:
         self.kv = torch.zeros(shape, device=device, dtype=dtype)  # k, v side by side: one write
         self.lengths = torch.zeros(batch_size, dtype=torch.long, device=device)
         self.max_len = max_len
-        # how many positions the next forward's attention reads, >= max(lengths) + T, set from the
-        # host (None: a sync)
-        self.read_len = None
-        # 0 .. max_len-1 and 0 .. B-1, made once: slicing them is free, a fresh arange is a kernel
-        self.offsets = torch.arange(max_len, device=device)
-        self.slots = torch.arange(batch_size, device=device)
+        # How many positions the next forward's attention reads, >= max(lengths) + T. Given by the
+        # host, it saves that forward a device read (None: it reads the lengths, a sync).
+        self.keys_to_read = None
+        # made once: a slice is free, a fresh arange is a kernel launch
+        self.position_ids = torch.arange(max_len, device=device)  # 0 .. max_len - 1
+        self.slot_ids = torch.arange(batch_size, device=device)  # 0 .. B - 1
 
     @property
     def k(self):
@@ -62,19 +61,19 @@ class KVCache:
     def batch_size(self):
         return self.lengths.shape[0]
 
-    def compact(self, n, slots=None, sources=None):
-        """Compaction: slots `slots` get the rows of slots `sources` (index tensors: a list is a
-        host copy), then the cache is its first n slots; live rows past the end fill the holes, not
-        all rows move."""
-        if slots is not None:  # the right side is a copy: safe in any order
-            self.kv[:, :, slots] = self.kv[:, :, sources]
-            self.lengths = self.lengths.index_copy(0, slots, self.lengths[sources])
-        self.kv, self.lengths, self.slots = self.kv[:, :, :n], self.lengths[:n], self.slots[:n]
+    def compact(self, n, holes=None, movers=None):
+        """Slots `holes` take the rows of slots `movers`, then the cache keeps its first n slots.
+        Both are index tensors on the device (a list would be a copy from the host)."""
+        if holes is not None:  # the right side is a copy: safe in any order
+            self.kv[:, :, holes] = self.kv[:, :, movers]
+            self.lengths = self.lengths.index_copy(0, holes, self.lengths[movers])
+        self.kv, self.lengths = self.kv[:, :, :n], self.lengths[:n]
+        self.slot_ids = self.slot_ids[:n]
 
 
 class LayerNorm(nn.LayerNorm):
-    """LayerNorm without bias (one fused kernel; RMSNorm is a few), in its weight's dtype whatever
-    autocast's per-device rule; autocast is switched off by hand, cheaper than a context manager."""
+    """LayerNorm without bias: one fused kernel (RMSNorm is a few). It runs in its weight's dtype
+    under autocast too, switched off by hand (cheaper than a context manager)."""
 
     def __init__(self, n_embd):
         super().__init__(n_embd, bias=False)
@@ -97,7 +96,7 @@ class Attention(nn.Module):
         self.qkv = nn.Linear(config.n_embd, 3 * config.n_embd, bias=False)
         self.proj = nn.Linear(config.n_embd, config.n_embd, bias=False)
 
-    def forward(self, x, rot, kv=None, where=None, mask=None, past=None):
+    def forward(self, x, rot, kv=None, write_at=None, mask=None, past=None):
         B, T, C = x.shape
         qkv = self.qkv(x).view(B, T, 3, self.n_head, C // self.n_head).permute(2, 0, 3, 1, 4)
         # rotary: channel pairs as complex numbers times rot (3, B, 1, T, hd/2), in >= float32
@@ -111,9 +110,9 @@ class Attention(nn.Module):
             y = F.scaled_dot_product_attention(q, keys[0], keys[1], attn_mask=mask)
         elif kv is None:  # plain causal pass, positions 0..T-1
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        else:  # kv: this layer's (2, B, H, max_len, hd) cache; row b's T entries go at where
-            kv[:, where[0], :, where[1]] = qkv[1:].permute(1, 3, 0, 2, 4).to(kv.dtype)
-            keys = kv[:, :, :, :mask.shape[-1]]  # (2, B, H, read_len, hd)
+        else:  # kv: this layer's (2, B, H, max_len, hd) cache; row b's T entries go at write_at
+            kv[:, write_at[0], :, write_at[1]] = qkv[1:].permute(1, 3, 0, 2, 4).to(kv.dtype)
+            keys = kv[:, :, :, :mask.shape[-1]]  # (2, B, H, n_keys, hd)
             y = F.scaled_dot_product_attention(q, keys[0], keys[1], attn_mask=mask)
         return self.proj(y.transpose(1, 2).reshape(B, T, C))
 
@@ -127,14 +126,14 @@ class Block(nn.Module):
         self.fc = nn.Linear(config.n_embd, 4 * config.n_embd, bias=False)
         self.out = nn.Linear(4 * config.n_embd, config.n_embd, bias=False)
 
-    def forward(self, x, rot, kv=None, where=None, mask=None, past=None):
+    def forward(self, x, rot, kv=None, write_at=None, mask=None, past=None):
         # x stays in the weights' dtype: an add promotes a branch's bf16 (autocast) to it
-        x = x + self.attn(self.norm1(x), rot, kv, where, mask, past)
+        x = x + self.attn(self.norm1(x), rot, kv, write_at, mask, past)
         return x + self.out(F.gelu(self.fc(self.norm2(x)), approximate="tanh"))
 
 
-class RotaryStack(nn.Module):
-    """The blocks, with what the target and the drafter share: positions, rotary, cache writes."""
+class Blocks(nn.Module):
+    """The blocks, and what target and drafter share: positions, rotary, cache writes, the mask."""
 
     def __init__(self, config, n_layer):
         super().__init__()
@@ -160,35 +159,36 @@ class RotaryStack(nn.Module):
             self.rope = self._rope_table(self.rope.device)
         return self
 
-    def forward(self, x, cache=None, chain=None):
-        """x (B, T, C) -> (B, T, C); chain: per block the earlier passes' keys, values; a mask."""
+    def forward(self, x, cache=None, past=None, past_mask=None):
+        """x (B, T, C) -> (B, T, C). With a cache, row b's tokens follow its cached ones. The
+        drafter's chained training passes give `past` (per block, earlier passes' keys, values)."""
         B, T, _ = x.shape
         if cache is None:
             pos = torch.arange(T, device=x.device).expand(B, T)
-            read_len, limit = T, self.config.block_size
+            n_keys, limit = T, self.config.block_size
         else:
-            pos = cache.lengths[:, None] + cache.offsets[:T]  # (B, T)
-            read_len, cache.read_len = cache.read_len, None
-            if read_len is None:
-                read_len = int(cache.lengths.max()) + T  # sync: none given, read the longest row
+            pos = cache.lengths[:, None] + cache.position_ids[:T]  # (B, T)
+            n_keys, cache.keys_to_read = cache.keys_to_read, None  # given for one forward only
+            if n_keys is None:
+                n_keys = int(cache.lengths.max()) + T  # sync: none given, read the longest row
             limit = min(cache.max_len, self.config.block_size)
-        if read_len > limit:
-            raise ValueError(f"position {read_len - 1} is past the model's {limit} positions")
+        if n_keys > limit:
+            raise ValueError(f"position {n_keys - 1} is past the model's {limit} positions")
         # (3, B, 1, T, hd/2): the rotation of each row's queries, keys and values at its positions
         rot = torch.view_as_complex(self.rope[pos]).permute(2, 0, 1, 3)[:, :, None]
-        where = mask = None
+        write_at, mask = None, past_mask
         if cache is not None:  # a query at position p sees keys 0..p of its own row, nothing stale
-            where = (cache.slots[:, None], pos)
+            write_at = (cache.slot_ids[:, None], pos)  # row b's new keys and values go at pos[b]
             # in the dtype SDPA computes in (the autocast one, if on), so it casts nothing per layer
             dev = x.device.type
             dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
-            unseen = cache.offsets[:read_len] > pos[:, None, :, None]  # (B, 1, T, read_len)
+            unseen = cache.position_ids[:n_keys] > pos[:, None, :, None]  # (B, 1, T, n_keys)
             mask = unseen.new_zeros(unseen.shape, dtype=dtype).masked_fill_(unseen, float("-inf"))
-        chained, mask = chain if chain is not None else ([None] * len(self.blocks), mask)
+        past = past if past is not None else [None] * len(self.blocks)
         for i, block in enumerate(self.blocks):
             # block i's cache slice, taken here: taken before block i - 1 writes, it breaks autograd
             kv = None if cache is None else cache.kv[i]
-            x = block(x, rot, kv, where, mask, chained[i])
+            x = block(x, rot, kv, write_at, mask, past[i])
         if cache is not None:
             cache.lengths = cache.lengths + T
         return x
@@ -199,7 +199,7 @@ class GPT(nn.Module):
         super().__init__()
         self.config = config
         self.wte = nn.Embedding(config.vocab_size, config.n_embd)
-        self.stack = RotaryStack(config, config.n_layer)
+        self.stack = Blocks(config, config.n_layer)
         self.norm = LayerNorm(config.n_embd)
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         self.lm_head.weight = self.wte.weight  # tied: the drafter shares both through the target

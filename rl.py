@@ -1,9 +1,9 @@
 """GRPO: group-normalised advantages, the clipped policy-gradient loss, and the update.
 
-Each prompt is sampled G times (a group); a response's advantage is its reward minus the group's
+Each prompt is sampled G times (a group). A response's advantage is its reward minus the group's
 mean, over the group's std (0 when all are equal: no signal). The loss is PPO's clipped surrogate
-on per-token ratios, a mean over the response tokens of all ranks together, with log-probs at the
-rollout's temperature T, log softmax(z / T), so that the policy that sampled is the one trained:
+on per-token ratios, a mean over the response tokens of all ranks together. Log-probs are taken at
+the rollout's temperature T, log softmax(z / T), so the policy that sampled is the one trained:
 
     ratio_t = exp(logp_t - logp_old_t)
     loss    = -mean_t min(ratio_t * A, clip(ratio_t, 1 - eps, 1 + eps) * A)   [+ beta * KL_t]
@@ -25,9 +25,8 @@ import torch.nn.functional as F
 
 # ------------------------------------------------------------------------ seeds, the step's rows
 def derive_seed(*parts):
-    """A seed for any tuple of integers, such as (base seed, rank, step, purpose) (`Seed` says which
-    order each stream uses): each random stream gets its own seed, and nothing reseeds the global
-    generator inside a loop."""
+    """A seed for any tuple of integers, such as (base seed, rank, step, purpose): each random
+    stream gets its own (`Seed` says its order), so nothing reseeds the global generator."""
     h = 0
     for x in parts:
         h = (h * 1_000_003 + int(x)) % (2 ** 61 - 1)
@@ -59,7 +58,7 @@ def rl_problems(args, task, step):
 
 def step_rows(args, task, step, rank, world_size):
     """This rank's slice of the global batch's rows (problems x G; a group may span ranks), their
-    keys (by global place, so --sampler gumbel's tokens match on any ranks), and the row count."""
+    keys and the row count. Keys follow global places, so "gumbel" tokens match on any ranks."""
     problems = rl_problems(args, task, step)
     n_rows = len(problems) * args.group_size
     mine = range(rank * n_rows // world_size, (rank + 1) * n_rows // world_size)
@@ -70,8 +69,8 @@ def step_rows(args, task, step, rank, world_size):
 
 def group_advantages(rewards, group_size, eps=1e-6):
     """rewards (N,) in groups of `group_size` consecutive rows -> advantages (N,). The divisor is
-    the population (not sample) std, a choice: the advantages are sqrt(G / (G - 1)) times those
-    of TRL's sample std (1.155 at the default G = 4)."""
+    the population std, not the sample std (a choice): the advantages are sqrt(G / (G - 1)) times
+    TRL's (1.155 at the default G = 4)."""
     if rewards.numel() % group_size:
         raise ValueError(f"{rewards.numel()} rewards do not split into groups of {group_size}")
     r = rewards.float().view(-1, group_size)  # (groups, G)
@@ -124,8 +123,9 @@ def grpo_loss(logp, logp_old, advantages, mask, clip_eps=0.2, kl_coef=0.0, logp_
 
 
 def global_mean_scale(n_local, device="cpu", n_total=None):
-    """W / N, W the world size, N the loss's tokens on all ranks (n_total, or n_local all-reduced):
-    a rank's summed loss times it, averaged by DDP, is the global mean however it is dealt."""
+    """W / N, with W the world size and N the loss's tokens on all ranks (n_total, or n_local
+    all-reduced). A rank's summed loss times it, averaged by DDP, is the global token mean, however
+    rows are dealt."""
     world = dist.get_world_size() if dist.is_initialized() else 1
     if n_total is not None:
         return world / max(n_total, 1)
@@ -136,8 +136,8 @@ def global_mean_scale(n_local, device="cpu", n_total=None):
 
 
 def deal_by_tokens(lengths, world_size):
-    """Row lengths -> {rank: [rows]}, about as many tokens per rank (longest row first, to the rank
-    with the fewest so far), so no rank keeps the others waiting at DDP's all-reduce."""
+    """Row lengths -> {rank: [rows]} with about as many tokens per rank, so that no rank keeps the
+    others waiting at DDP's all-reduce: the longest row first, each to the rank with fewest."""
     load, deal = [0] * world_size, {r: [] for r in range(world_size)}
     for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
         r = min(range(world_size), key=lambda r: (load[r], r))
@@ -147,8 +147,8 @@ def deal_by_tokens(lengths, world_size):
 
 
 def group_by_length(items, length, token_budget):
-    """Sort by length and cut into batches of about `token_budget` padded tokens (padded to their
-    longest item): little padding on long-tailed lengths. At least one (maybe empty) batch."""
+    """Sort by length and cut into batches of about `token_budget` padded tokens (each padded to its
+    longest item), so long-tailed lengths waste little padding. At least one (maybe empty) batch."""
     batches, cur = [], []
     for it in sorted(items, key=length):
         if cur and (len(cur) + 1) * length(it) > token_budget:
@@ -170,12 +170,11 @@ class GRPOConfig:
 
 
 def grpo_update(net, opt, sequences, prompt_lens, advantages, cfg, ref_model=None, n_total=None):
-    """One GRPO update on the rows dealt to this rank (token lists, prompt lengths, advantages;
-    rows of every rank's rollouts, re-dealt by tokens: train.update_target) ->
-    (loss, clip fraction, skipped). net: the model or its DDP wrapper; cfg: a GRPOConfig;
-    ref_model: the frozen reference, for cfg.kl_coef > 0; n_total: the global batch's response
-    tokens, if known (else all-reduced). Length-grouped micro-batches, one optimizer step per
-    epoch, skipped on every rank if the gradient is not finite."""
+    """One GRPO update on the rows dealt to this rank (token lists, prompt lengths, advantages),
+    re-dealt by tokens from every rank's rollouts (train.update_target) -> (loss, clip fraction,
+    skipped). net is the model or its DDP wrapper; ref_model the frozen reference, for kl_coef > 0;
+    n_total the global batch's response tokens, if known. Length-grouped micro-batches, one
+    optimizer step per epoch, skipped on every rank if the gradient is not finite."""
     device = next(net.parameters()).device
     n_local = sum(len(s) - p for s, p in zip(sequences, prompt_lens))
     scale = global_mean_scale(n_local, device, n_total)  # the mean is over every rank's tokens
@@ -201,7 +200,8 @@ def grpo_update(net, opt, sequences, prompt_lens, advantages, cfg, ref_model=Non
                     with torch.no_grad():
                         logp_ref = token_logprobs(ref_model, tokens, cfg.temperature)
                 loss, st = grpo_loss(logp, logp_old, adv, mask, cfg.clip_eps, cfg.kl_coef, logp_ref)
-                (loss * mask.sum() * scale).backward()  # a token mean over the global batch
+                # mean x tokens = this micro-batch's sum; x scale = its share of the global mean
+                (loss * mask.sum() * scale).backward()
             n_mask, n_mine = float(mask.sum()), max(n_local, 1)  # this rank's means, for the log
             total_loss += float(loss.detach()) * n_mask / n_mine
             clip += st["clip_frac"] * n_mask / n_mine

@@ -8,17 +8,17 @@ One rollout generates every row of a rank's shard in one running batch:
                                       k = 0 is a plain step, k > 0 a speculative one
         drop the rows that finished (compaction: the batch and both caches shrink)
 
-A speculative step verifies k + 1 tokens per row, so it pays only where a decoding step costs its
-fixed overheads (kernel launches, weight reads), i.e. when the running batch is small. Where it
-stops paying depends on the hardware, the drafter's acceptance and the batch size, so the engine
-measures instead of guessing: an epsilon-greedy bandit per power-of-two batch size scores each k
+A speculative step verifies k + 1 tokens per row, so it pays only where a decoding step costs
+mostly its fixed overheads (kernel launches, weight reads): when the running batch is small. Where
+it stops paying depends on the hardware, the drafter's acceptance and the batch size, so the engine
+measures instead of guessing. An epsilon-greedy bandit per power-of-two batch size scores each k
 by the tokens per second it delivered. The switch to speculation costs no second target pass: the
-drafter catches up from the hidden states that the running batch records for every token, and
-the same states go to the drafter's buffer.
+drafter catches up from the hidden states the running batch records for every token, and the same
+states go to the drafter's buffer.
 
-The hot loop reads the device once per step (compaction's: which rows finished); the bandit's clock
-and token count ride on that read. What a rollout decoded and how long it took is counted outside
-the engine, by an observer it calls after every step (the harness's instrument.RolloutStats).
+The hot loop reads the device once per step, in compaction (which rows finished); the bandit's
+clock and token count ride on that read. What a rollout decoded and how long it took is counted
+outside the engine, by an observer it calls after every step (the harness's RolloutStats).
 
 Test: python -m pytest tests/test_rollout.py
 """
@@ -28,16 +28,16 @@ from collections import deque
 
 import torch
 
-from speculative import RunningBatch, Step
+from speculative import DecodeStep, RunningBatch
 
 ARMS = (0, 1, 2, 3, 4, 6, 8)
 
 
 class Bandit:
     """Bucketed epsilon-greedy choice of the draft length k. An arm's score is its throughput over
-    a short window, sum(tokens) / sum(seconds) (not a median of per-step rates: a step emits a small
-    random count, whose median is biased). The window is short because the best arm moves as the
-    drafter improves; an arm's first play only marks it tried, as it pays one-time costs."""
+    a short window, sum(tokens) / sum(seconds). (A median of per-step rates would be biased: a step
+    emits a small random count.) The window is short because the best arm moves as the drafter
+    improves. An arm's first play only marks it tried, as it pays one-time costs."""
 
     def __init__(self, arms=ARMS, epsilon=0.1, window=8, seed=0):
         self.arms, self.epsilon, self.window = tuple(arms), epsilon, window
@@ -82,9 +82,9 @@ class Bandit:
 def rollout(target, drafter, prompts, max_new_tokens, *, sd_threshold=64, bandit=None,
             observer=None, **sampling):
     """Generate for every prompt -> results[i], row i's speculative.FinishedRow (tokens, hidden
-    states, response). drafter None: plain decoding only. sampling: sampling.Sampling's fields
-    by name; with "gumbel" the tokens depend on neither the drafter, the threshold nor the bandit.
-    observer(batch, step): after the prefill (step None) and after every step's compaction."""
+    states, response). With drafter None it decodes plainly. `sampling` takes speculative.Sampling's
+    fields by name; with "gumbel" the tokens depend on neither the drafter, the threshold nor the
+    bandit. observer(batch, step) runs after the prefill (step None) and each step's compaction."""
     if not prompts:
         return []
     bandit = bandit if bandit is not None else Bandit()
@@ -106,5 +106,5 @@ def rollout(target, drafter, prompts, max_new_tokens, *, sd_threshold=64, bandit
         if in_tail:  # score k by the tokens per second it delivered
             bandit.update(B, k, batch.n_generated - before, time.perf_counter() - t0)
         if observer:
-            observer(batch, Step(B, k, n_emitted, n_acc))
+            observer(batch, DecodeStep(B, k, n_emitted, n_acc))
     return batch.results

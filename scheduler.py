@@ -1,24 +1,26 @@
 """Ranks and the drafter: idle ranks train it until the last rank finishes; then one drafter again.
 
-Under torchrun every rank rolls out its own rows, and long-tailed lengths make them finish far
-apart. A rank that is done enters an asynchronous barrier and, until it completes, works for the
-drafter one short piece at a time:
+Under torchrun every rank rolls out its own rows. Response lengths have a long tail, so the ranks
+finish far apart. A rank that is done enters an asynchronous barrier. Until the barrier completes,
+it works for the drafter, one short piece at a time:
 
-    work = dist.barrier(async_op=True)   # completes when the LAST rank arrives
-    wait for it a moment (grace_s)       # the last rank finds it complete: it starts nothing
-    while not work.is_completed():       # preemption: the last rank's arrival
+    arrived = dist.barrier(async_op=True)   # completes when the LAST rank arrives
+    wait for it a moment (grace_s)          # the last rank finds it complete: it starts nothing
+    while not arrived.is_completed():       # preemption: the last rank's arrival
         one piece of drafter work
 
-So idle time becomes drafter training with torch.distributed alone. A piece is short (its top-1
-figure on a few fresh rows, storing a few staged rows, or one drafter step that also stops between
-its passes), since the last rank waits for the pieces in flight; the last rank itself does none.
+That is how idle time becomes drafter training, with torch.distributed alone. A piece is short
+(scoring a few fresh rows, storing a few staged rows, or one drafter step that can stop between its
+passes), because the last rank waits for the piece in flight. The last rank itself does none.
 
-Then every rank holds the same drafter again: the weights are averaged, weighted by each rank's
-local steps, in one all-reduce that overlaps the target's update. Each rank's AdamW moments stay
-its own. A single process has no idle time, so it never trains the drafter online: that is the
-technique, not a bug (it still scores the drafter's top-1, on its own path: nobody waits for it).
-How hard idle ranks train is set by the drafter's recent top-1 agreement with the target on fresh
-rows (`drafter_schedule`).
+Then every rank holds the same drafter again. The weights are averaged, weighted by each rank's
+local drafter steps, in one all-reduce that overlaps the target's update. Each rank's AdamW moments
+stay its own. A single process has no idle time, so it never trains the drafter online. That is
+the technique, not a bug: the single process still scores the drafter, since nobody waits for it.
+
+How hard the idle ranks train is set by the drafter's recent top-1 agreement with the target
+(`Top1`, `drafter_schedule`). The counts ride in the sync's all-reduce, so every rank keeps the
+same figure.
 
 Test: python -m pytest tests/test_scheduler.py   (gloo processes with skewed loads)
 """
@@ -49,15 +51,15 @@ def many_ranks():
 
 
 def idle_train(drafter, optimizer, buffer, rng, work, scoring=(), barrier=None, grace_s=0.005):
-    """The idle loop. scoring: pieces of work that score the drafter on this step's rows (its top-1
-    figure), one per turn, before it trains on them, dropped when the last rank arrives. barrier:
-    makes the async barrier (default dist.barrier(async_op=True)); the harness passes one that
-    also watches that slow ranks are alive. -> (steps, skipped steps, idle seconds, busy), busy the
-    [start, end] seconds of the turns that worked (None: none did). grace_s is short: a barrier's
-    round trip between ranks takes well under a millisecond, and every millisecond of grace is idle
-    time that trains nothing."""
+    """The idle loop, from this rank's arrival until the last rank's -> (drafter steps, skipped
+    steps, idle seconds, busy). busy is [start, end] of the turns that did work (None: none did).
+
+    scoring: a deque of pieces that score the drafter on fresh rows. They run one per turn, before
+    any training; the ones left when the last rank arrives stay in the deque. barrier: makes the
+    async barrier (default dist.barrier(async_op=True)); the harness passes one that also checks
+    that slow ranks are alive. grace_s is short because a barrier's round trip takes well under a
+    millisecond, and every millisecond of grace is idle time that trains nothing."""
     t0 = time.perf_counter()
-    scoring = deque(scoring)
     if not many_ranks():  # no idle time, and nobody to delay
         while scoring:
             scoring.popleft()()
@@ -102,24 +104,26 @@ def top1_pieces(drafter, rows, into, piece_tokens):
 
 
 @torch.no_grad()
-def start_drafter_sync(drafter, local_steps):
-    """Average the drafter's weights over ranks, weighted by local steps, in the background: one
-    all-reduce of [steps * weights, steps] starts here, and the returned `finish()` waits for it
-    and writes the average in. A rank that trained 0 steps adds nothing; if nobody trained,
-    nothing changes. Every rank gets bit-identical sums, so identical weights."""
+def start_drafter_sync(drafter, local_steps, top1=(0, 0)):
+    """Start averaging the drafter's weights over ranks, weighted by local drafter steps. One
+    all-reduce of [steps * weights, steps, top-1 counts] runs in the background; the returned
+    `finish()` waits for it, writes the average in and returns the top-1 counts (agreeing,
+    positions) summed over ranks. A rank that trained 0 steps adds nothing; if nobody trained,
+    the weights do not change. Every rank gets bit-identical sums, so identical weights."""
     if not many_ranks():
-        return lambda: None
+        return lambda: tuple(top1)
     params = list(drafter.parameters())
-    steps = torch.tensor([float(local_steps)], dtype=torch.float64, device=params[0].device)
-    flat = torch.cat([parameters_to_vector(params).double() * local_steps, steps])
+    counts = torch.tensor([float(local_steps), *top1], dtype=torch.float64, device=params[0].device)
+    flat = torch.cat([parameters_to_vector(params).double() * local_steps, counts])
     work = dist.all_reduce(flat, async_op=True)
 
     @torch.no_grad()
     def finish():
         work.wait()
-        total = flat[-1].item()  # sync: the summed step count
+        total, agree, positions = flat[-3:].tolist()  # sync: the summed counts
         if total > 0:
-            vector_to_parameters((flat[:-1] / total).to(params[0].dtype), params)
+            vector_to_parameters((flat[:-3] / total).to(params[0].dtype), params)
+        return agree, int(positions)
     return finish
 
 
@@ -131,16 +135,39 @@ TOP1_HARDEST = 0.85  # and at or below which they train it hardest
 TOP1_STEPS = 5  # RL steps whose figures make the recent top-1
 
 
-def mean_top1(recent):
-    """Top-1 agreement on the fresh rows of the last TOP1_STEPS steps (`recent`: [agreeing,
-    positions] per step, summed over ranks); None before any."""
-    n = sum(p for _, p in recent)
-    return sum(a for a, _ in recent) / n if n else None
+class Top1:
+    """The drafter's top-1 agreement with the target on fresh rows (rows it has not trained on yet):
+    the figure that sets how hard idle ranks train it.
 
+    Each rank scores its own rollout's rows on idle time, in pieces, before it trains on them. The
+    slowest rank has no idle time, and its rows are the long tail itself, so it scores them first
+    on its next idle turn (one step's rows at most are carried; a resumed run starts with none).
+    Each step's counts are summed over ranks in the drafter sync, and the last TOP1_STEPS steps'
+    sums make the recent figure, the same on every rank."""
 
-def add_top1(recent, top1, positions):
-    """`recent` with one more step's figure; a step with no position scored adds nothing."""
-    return (recent + [[top1 * positions, positions]])[-TOP1_STEPS:] if positions else recent
+    def __init__(self):
+        self.recent = []  # [agreeing, positions] per RL step, summed over ranks
+        self.pending = deque()  # scoring pieces not run yet, the carried ones first
+        self.n_new = 0  # how many of `pending` the last step added
+        self.counts = [0, 0]  # this step's [agreeing, positions] on this rank
+
+    def start_step(self, drafter, rows, piece_tokens):
+        """This step's scoring work: the last step's pieces this rank did not reach, then pieces
+        for this step's rows. -> the deque that the idle loop takes pieces from."""
+        carried = list(self.pending)[-self.n_new:] if self.n_new else []
+        fresh = top1_pieces(drafter, rows, self.counts, piece_tokens)
+        self.pending, self.n_new, self.counts[:] = deque(carried + fresh), len(fresh), [0, 0]
+        return self.pending
+
+    def end_step(self, agree, positions):
+        """Keep one step's counts, summed over ranks; a step with none scored adds nothing."""
+        if positions:
+            self.recent = (self.recent + [[agree, positions]])[-TOP1_STEPS:]
+
+    def mean(self):
+        """The recent figure, or None before any step was scored."""
+        n = sum(p for _, p in self.recent)
+        return sum(a for a, _ in self.recent) / n if n else None
 
 
 def drafter_schedule(args, step, top1):

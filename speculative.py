@@ -5,22 +5,22 @@ One speculative step, for every running row at once:
 1. draft: the drafter proposes k tokens (`drafter.propose(batch, k)`, the one method every drafter
    offers) and, for rejection sampling, their distributions q;
 2. verify: the target reads [pending token, d_1 .. d_k] in one forward pass (k + 1 positions);
-3. accept: each row keeps its own number of drafts (ragged acceptance) and emits one token of the
-   target's after them; rolling the rejected drafts back is assigning the cache lengths.
+3. accept: each row keeps its own number of drafts (ragged acceptance) and one target token after
+   them. Rolling the rejected drafts back is assigning the cache lengths.
 
-The batch's sampler (one chosen per batch, at the end of this file) picks every token and verifies
-the drafts; no step branches on the rule. Both rules keep what speculative decoding emits
-distributed exactly as the target's own samples:
+The batch's sampler, chosen once per batch, picks every token and verifies the drafts, so no step
+branches on the rule. Both rules keep the emitted tokens distributed exactly as the target's own:
 - "rejection" (`verify`): draft d_i is kept with probability min(1, p(d_i) / q(d_i)); at the first
-  rejection the next token is drawn from normalise(max(p - q, 0)) (Leviathan et al. 2023, Chen et
-  al. 2023).
+  rejection the next token comes from normalise(max(p - q, 0)) (Leviathan et al.; Chen et al. 2023).
 - "gumbel" (`verify_gumbel`), exact-token: the token at position t is argmax(logits / T + g), with
-  Gumbel noise g hashed from (row key, t, token id). That is a sample of softmax(logits / T)
-  fixed by where the token is, so plain and speculative decoding, any batch order and any rank
-  emit the same tokens. A draft is accepted iff it equals the target's noisy argmax at its position.
+  Gumbel noise g hashed from (row key, t, token id): a sample of softmax(logits / T) fixed by where
+  the token is. A draft is accepted iff it equals the target's noisy argmax there. So plain and
+  speculative decoding, in any batch order and on any rank, emit the same tokens wherever their
+  passes of different widths round alike; where they do not (bf16 often, float32 rarely), a
+  near-tie can go the other way.
 
-`RunningBatch` holds the running rows; finished rows leave it (`compact`), so the batch really
-shrinks. The host keeps bounds instead of reading the device: a step reads it once, in `compact`.
+`RunningBatch` holds the running rows. Finished rows leave it (`compact`), so the batch really
+shrinks. The host keeps bounds instead of reading the device, so a step reads it once, in `compact`.
 
 Test: python -m pytest tests/test_speculative.py
 """
@@ -44,15 +44,11 @@ class FinishedRow(NamedTuple):
 class RunningBatch:
     """The running rows of one generate or rollout call.
 
-    Row b holds tokens[b, :n_tokens[b]], prompt then response; its last token is *pending*, sampled
-    but not yet read by the target, so the target's cache holds n_tokens - 1 positions, and
-    hidden[b, j] is the target's state after reading tokens[b, j]. A *slot* b is a place in the
-    batch's tensors; a *row* is a prompt's place in `prompts`, which keeps its slot until
-    compaction moves it. The host keeps, without reading the device: `row_of_slot`, the row each
-    slot holds (the device's copy: `device_row_of_slot`); `n_tokens_bound` >= every n_tokens (how
-    far attention reads); `unread_states_bound` >= how many recorded states the learned drafter has
-    not read (its catch-up width); and, as of the last `compact`, `n_generated`, the tokens the
-    batch has generated so far, all rows."""
+    Row b holds tokens[b, :n_tokens[b]], prompt then response. Its last token is *pending*: sampled
+    but not yet read by the target, so the target's cache holds n_tokens - 1 positions. hidden[b, j]
+    is the target's state after reading tokens[b, j]. A *slot* is a place in the batch's tensors, a
+    *row* a prompt's place in `prompts`. A row keeps its slot until compaction moves it;
+    `row_of_slot` (`device_row_of_slot` on the device) says which row each slot holds."""
 
     def __init__(self, target, prompts, max_new_tokens, *, max_draft=0, **sampling):
         s = Sampling(**sampling)
@@ -71,56 +67,60 @@ class RunningBatch:
         self.row_of_slot, self.prompt_lens = list(range(B)), [len(p) for p in prompts]  # host only
         self.max_row_tokens = longest_prompt + max_new_tokens  # no row grows past it
         self.n_generated, self._n_tokens_live = 0, sum(self.prompt_lens)  # see `compact`
+        # Upper bounds kept on the host, so a step sizes its passes without a device read (on a GPU
+        # each stalls the launch queue): on every n_tokens, and on the drafter's unread states.
+        self.longest_row_bound, self.drafter_lag_bound = longest_prompt + 1, None
         self.tokens = torch.tensor([p + [0] * (width - len(p)) for p in prompts], device=dev)
         self.hidden = torch.zeros(B, width, target.config.n_embd, device=dev,
                                   dtype=target.wte.weight.dtype)  # (B, width, C)
         self.device_row_of_slot = torch.arange(B, device=dev)  # the device's `row_of_slot`
         self.sampler = s.new_sampler(B, width, target.config.vocab_size, dev)
         self.cache = target.new_cache(B, max_len=need)
-        self.draft_cache = self.unread_states_bound = None  # a learned drafter's, once it drafts
+        self.draft_cache = None  # a learned drafter's, once it drafts
         self.finished, self._unread_responses = [None] * B, []  # see `results`
         self._prefill(longest_prompt, max_new_tokens)
 
     def _prefill(self, longest_prompt, max_new_tokens):
-        """Each distinct prompt once (a GRPO group repeats its prompt G times), in one padded
-        pass; its cache entries go to the rows that share it; each row samples its first token."""
+        """Prefill each distinct prompt once, in one padded pass, and copy its cache entries to the
+        rows that share it. A GRPO group repeats its prompt G times, so this saves G - 1 of every G
+        prefill rows. Then each row samples its first token."""
         dev = self.tokens.device
-        index = {}  # distinct prompt -> its index
-        self.group = [index.setdefault(tuple(p), len(index)) for p in self.prompts]  # by row
-        firsts = torch.tensor([self.group.index(u) for u in range(len(index))], device=dev)
-        inverse = torch.tensor(self.group, device=dev)
+        distinct = {}  # prompt -> its index among the U distinct prompts
+        self.group = [distinct.setdefault(tuple(p), len(distinct)) for p in self.prompts]  # by row
+        first_rows = torch.tensor([self.group.index(u) for u in range(len(distinct))], device=dev)
+        group_of_row = torch.tensor(self.group, device=dev)  # (B,)
         prompt_len = torch.tensor(self.prompt_lens, device=dev)  # (B,)
-        once = self.target.new_cache(len(index), max_len=longest_prompt)
-        once.read_len = longest_prompt
-        logits, hidden = self.target(self.tokens[firsts, :longest_prompt], once)  # (U, T, V|C)
-        self.cache.kv[..., :longest_prompt, :] = once.kv[:, :, inverse]
-        self.cache.lengths = prompt_len  # the padding's entries are dead
-        self.hidden[:, :longest_prompt] = hidden[inverse]
+        prompt_cache = self.target.new_cache(len(distinct), max_len=longest_prompt)
+        prompt_cache.keys_to_read = longest_prompt
+        logits, hidden = self.target(self.tokens[first_rows, :longest_prompt], prompt_cache)
+        self.cache.kv[..., :longest_prompt, :] = prompt_cache.kv[:, :, group_of_row]
+        self.cache.lengths = prompt_len  # the padding's entries are never read
+        self.hidden[:, :longest_prompt] = hidden[group_of_row]
         self.end = prompt_len + max_new_tokens  # (B,) a row is done at this many tokens
         self.n_tokens = prompt_len.clone()
         self.done = torch.zeros(len(self.prompts), dtype=torch.bool, device=dev)
         self.sampler.start_step(prompt_len[:, None])
-        first, _ = self.sampler.choose(logits[inverse, prompt_len - 1][:, None])  # (B, 1)
+        first, _ = self.sampler.choose(logits[group_of_row, prompt_len - 1][:, None])  # (B, 1)
         self._append(first)
-        self.n_tokens_bound = longest_prompt + 1
 
     @property
     def batch_size(self):
         return self.device_row_of_slot.shape[0]
 
     def _append(self, new, n_new=None):
-        """Write new (B, W) tokens after each row's end, row b keeping its first n_new[b] (default
-        all); cut after the first <|eos|> and at max_new_tokens, marking those rows done.
+        """Write new (B, W) tokens after each row's end; row b keeps its first n_new[b] (default
+        all). A row is cut after its first kept <|eos|> and at max_new_tokens, and marked done.
         Returns the tokens kept per row (B,)."""
         W = new.shape[1]
-        # writes past what is kept land beyond the row's end: dead
-        self.tokens.scatter_(1, self.n_tokens[:, None] + self.cache.offsets[:W], new)
+        # writes past what is kept land beyond the row's end, where nothing reads them
+        self.tokens.scatter_(1, self.n_tokens[:, None] + self.cache.position_ids[:W], new)
         budget = self.end - self.n_tokens  # (B,)
         n_kept = budget.clamp_(max=W) if n_new is None else torch.minimum(n_new, budget)
-        if self.eos_id is not None:  # keep up to the first <|eos|> among the kept tokens
-            before = (new != self.eos_id).cummin(1).values.sum(1)  # (B,) tokens before it
-            self.done |= before < n_kept
-            n_kept = torch.minimum(n_kept, before + 1)
+        if self.eos_id is not None:
+            # "not eos" after cummin is 1 only before the first <|eos|>: its sum counts those
+            n_before_eos = (new != self.eos_id).cummin(1).values.sum(1)  # (B,)
+            self.done |= n_before_eos < n_kept  # the <|eos|> is among the kept tokens
+            n_kept = torch.minimum(n_kept, n_before_eos + 1)
         self.n_tokens = self.n_tokens + n_kept
         self.done |= self.n_tokens >= self.end
         return n_kept
@@ -129,14 +129,14 @@ class RunningBatch:
     def plain_step(self):
         """One token for every running row. Returns the tokens emitted per row (B,)."""
         L = self.n_tokens - 1  # (B,) the target cache's length; tokens[L] is pending
-        self.cache.read_len = self.n_tokens_bound  # the longest row after the append: no read
+        self.cache.keys_to_read = self.longest_row_bound  # the longest row after the append
         logits, hidden = self.target(self.tokens.gather(1, L[:, None]), self.cache)  # (B, 1, .)
-        self.hidden[self.cache.slots, L] = hidden[:, 0]
+        self.hidden[self.cache.slot_ids, L] = hidden[:, 0]
         self.sampler.start_step(self.n_tokens[:, None])
         nxt, _ = self.sampler.choose(logits)  # (B, 1)
-        self.n_tokens_bound = min(self.n_tokens_bound + 1, self.max_row_tokens)
-        if self.unread_states_bound is not None:
-            self.unread_states_bound += 1
+        self.longest_row_bound = min(self.longest_row_bound + 1, self.max_row_tokens)
+        if self.drafter_lag_bound is not None:
+            self.drafter_lag_bound += 1
         return self._append(nxt)
 
     @torch.no_grad()
@@ -144,29 +144,29 @@ class RunningBatch:
         """Draft k tokens per row, verify them in one target pass, keep a ragged number per row.
         Returns (tokens emitted per row, drafts accepted per row)."""
         L = self.n_tokens - 1  # (B,) the target cache's length; tokens[L] is pending
-        positions = self.n_tokens[:, None] + self.cache.offsets[:k + 1]  # (B, k+1)
+        positions = self.n_tokens[:, None] + self.cache.position_ids[:k + 1]  # (B, k+1)
         self.sampler.start_step(positions)
         # 1. draft: k tokens per row, and q (B, k, V) or None (deterministic proposals)
         draft, q = drafter.propose(self, k)  # (B, k)
         # 2. verify: the target reads the pending token and the k drafts in one pass
-        self.cache.read_len = self.n_tokens_bound + k
+        self.cache.keys_to_read = self.longest_row_bound + k
         pending = self.tokens.gather(1, L[:, None])  # (B, 1)
         logits, hidden = self.target(torch.cat([pending, draft], 1), self.cache)  # (B, k+1, .)
-        self.hidden[self.cache.slots[:, None], positions - 1] = hidden  # rejected ones: dead
+        self.hidden[self.cache.slot_ids[:, None], positions - 1] = hidden  # rejected: never read
         # 3. accept: row b keeps its first n_acc[b] drafts and one token of the target's
         n_acc, out = self.sampler.verify(draft, q, logits)  # (B,), (B, k+1)
         n_emitted = self._append(out, n_acc + 1)
         self.cache.lengths = self.n_tokens - 1  # roll the rejected drafts back
-        self.n_tokens_bound = min(self.n_tokens_bound + k + 1, self.max_row_tokens)
-        if self.unread_states_bound is not None:  # whoever drafted, the learned drafter has
-            self.unread_states_bound += k + 1  # not read these
+        self.longest_row_bound = min(self.longest_row_bound + k + 1, self.max_row_tokens)
+        if self.drafter_lag_bound is not None:  # whoever drafted, the learned drafter has not
+            self.drafter_lag_bound += k + 1  # read these states
         return n_emitted, n_acc
 
     def compact(self):
-        """Move finished rows to `finished` and out of every tensor and cache: the live rows past
-        the new end fill the holes before it, so a few rows move, not the whole cache. Returns the
-        number of rows still running, and counts the tokens written since the last compact in
-        `n_generated`."""
+        """Move finished rows to `finished` and out of every tensor and cache. Returns the number of
+        rows still running; adds the tokens written since the last compact to `n_generated`. Only
+        the live rows past the new end move, into the holes finished rows leave before it: that
+        saves copying every live row's tensors and cache each time a row finishes."""
         B = self.batch_size
         if B == 0:
             return 0
@@ -175,7 +175,7 @@ class RunningBatch:
         live = [b for b in range(B) if not done[b]]
         self.n_generated += sum(n_tokens) - self._n_tokens_live
         self._n_tokens_live = sum(n_tokens[b] for b in live)
-        self.n_tokens_bound, n = max((n_tokens[b] for b in live), default=0), len(live)
+        self.longest_row_bound, n = max((n_tokens[b] for b in live), default=0), len(live)
         if n == B:
             return B
         for b in (b for b in range(B) if done[b]):  # responses are read later, together
@@ -184,22 +184,21 @@ class RunningBatch:
                                              self.hidden[b, :n_tokens[b] - 1].clone(),
                                              self.prompt_lens[row])
             self._unread_responses.append(row)
-        # host: slot b < n keeps its row, or takes the next live row past n
-        movers = iter([b for b in live if b >= n])
-        self.row_of_slot = [self.row_of_slot[b] if not done[b] else self.row_of_slot[next(movers)]
-                            for b in range(n)]
-        # device: the same moves, from the done mask, so no index crosses from the host: the live
-        # slots in order, then the finished ones (uint8: CUDA sorts no bool before torch 2.6)
+        holes = [b for b in range(n) if done[b]]  # finished slots before the new end
+        movers = [b for b in live if b >= n]  # live slots past it: movers[i] fills holes[i]
+        mover_of = dict(zip(holes, movers))  # row_of_slot is made anew: observers keep the old
+        self.row_of_slot = [self.row_of_slot[mover_of.get(b, b)] for b in range(n)]
+        # The same moves on the device, from the done mask, so no index is copied from the host:
+        # sorted, live slots come first, then finished ones (uint8: CUDA sorts no bool before 2.6).
         order = torch.argsort(self.done.to(torch.uint8), stable=True)  # (B,)
-        holes = sum(done[:n])  # finished slots before the new end = live slots past it
-        slots, sources = order[n:n + holes], order[n - holes:n]  # slot sources[i]'s row to slots[i]
+        device_holes, device_movers = order[n:n + len(holes)], order[n - len(holes):n]
         for name in ("tokens", "hidden", "end", "device_row_of_slot", "n_tokens", "done"):
             t = getattr(self, name)
-            t[slots] = t[sources]  # the right side is a copy: safe in any order
+            t[device_holes] = t[device_movers]  # the right side is a copy: safe in any order
             setattr(self, name, t[:n])
-        for keeper in (self.cache, self.draft_cache, self.sampler):
-            if keeper is not None:
-                keeper.compact(n, slots, sources)
+        for per_slot in (self.cache, self.draft_cache, self.sampler):  # all hold a row per slot
+            if per_slot is not None:
+                per_slot.compact(n, device_holes, device_movers)
         return n
 
     @property
@@ -219,7 +218,7 @@ class RunningBatch:
         return [r.response for r in self.results]
 
 
-class Step(NamedTuple):
+class DecodeStep(NamedTuple):
     """One decoding step, as the generate functions and the rollout tell an observer of it."""
     batch_size: int  # running rows before the step
     k: int  # drafts per row; 0: a plain step
@@ -229,10 +228,10 @@ class Step(NamedTuple):
 
 @torch.no_grad()
 def generate_batch(batch, drafter=None, k=0, observer=None):
-    """Run a RunningBatch until every row has finished: plain steps (k = 0) or speculative ones with
-    k drafts. observer(batch, step): after the prefill (step None) and after every step's
-    compaction (a Step); the harness counts and times there. -> (outputs, {"accept_len": tokens
-    per row per verify step, None without speculative steps}), counted from `n_generated`."""
+    """Run a RunningBatch until every row has finished, with plain steps (k = 0) or speculative
+    ones of k drafts -> (outputs, {"accept_len": tokens per row per verify step, from
+    `n_generated`; None without speculative steps}). The harness counts in observer(batch, step),
+    called after the prefill (step None) and after each step's compaction (a DecodeStep)."""
     running, row_steps = batch.compact(), 0  # sync: one read a step, in compact
     first = batch.n_generated  # the prefill's tokens
     if observer:
@@ -242,14 +241,14 @@ def generate_batch(batch, drafter=None, k=0, observer=None):
         n_emitted, n_acc = batch.speculative_step(drafter, k) if k else (batch.plain_step(), None)
         running, row_steps = batch.compact(), row_steps + B
         if observer:
-            observer(batch, Step(B, k, n_emitted, n_acc))
+            observer(batch, DecodeStep(B, k, n_emitted, n_acc))
     accept_len = (batch.n_generated - first) / row_steps if k and row_steps else None
     return batch.outputs(), {"accept_len": accept_len}
 
 
 def autoregressive_generate(target, prompts, max_new_tokens, *, observer=None, **sampling):
     """Plain decoding, one token per row per target pass; finished rows leave the batch.
-    sampling: `Sampling`'s fields by name; observer: see `generate_batch`."""
+    `sampling` takes `Sampling`'s fields by name; for `observer` see `generate_batch`."""
     batch = RunningBatch(target, prompts, max_new_tokens, **sampling)
     return generate_batch(batch, observer=observer)
 
@@ -324,14 +323,15 @@ def gumbel_noise(seeds, vocab_size):
     return u.log_().neg_().log_().neg_()
 
 
-# noise values one pass makes at most: a CPU's pass stays in its caches, a GPU's is bound by memory
+# The most noise values one pass makes. Chunks of rows save memory (one pass over all rows would
+# hold rows x V int64 hashes), and a CPU's chunk stays in its caches.
 NOISE_ELEMENTS = defaultdict(lambda: 2 ** 24, cpu=2 ** 20)
 
 
 def gumbel_choose(logits, temperature, seeds, noise=None, max_elements=None):
     """logits (B, T, V) at the positions whose seeds are (B, T) -> tokens (B, T), the argmax of
-    logits / T + noise in float32 (temperature 0: plain argmax). `noise`: made already by the
-    caller; else made here over the whole vocabulary, a bounded number of rows per pass."""
+    logits / T + noise in float32 (temperature 0: plain argmax). `noise` may come made by the
+    caller; else it is made here over the whole vocabulary, a bounded number of rows per pass."""
     if temperature == 0:
         return logits.argmax(-1)
     x = logits.float() if temperature == 1 else logits.float() / temperature
@@ -409,7 +409,7 @@ class RejectionSampler:
     def start_step(self, positions):
         pass  # nothing is fixed by position
 
-    def compact(self, n, slots, sources):
+    def compact(self, n, holes, movers):
         pass  # no per-row state
 
     def choose(self, logits, at=slice(None)):
@@ -445,8 +445,8 @@ class GumbelSampler:
             if positions.shape[1] > 1 and fits:
                 self.noise = gumbel_noise(self.step_seeds, self.vocab_size)  # (B, T, V)
 
-    def compact(self, n, slots, sources):
-        self.seeds[slots] = self.seeds[sources]  # as the batch's rows move
+    def compact(self, n, holes, movers):
+        self.seeds[holes] = self.seeds[movers]  # as the batch's rows move
         self.seeds = self.seeds[:n]
 
     def choose(self, logits, at=slice(None)):

@@ -17,7 +17,9 @@ import os
 import random
 import sys
 import time
-from dataclasses import dataclass, field
+from collections import deque
+from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -25,7 +27,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 import rl
 from harness.checkpoint import load_on_rank0, save_on_rank0
-from harness.common import check_out_dir, machine, sync
+from harness.common import check_out_dir, machine
 from harness.config import autocast, model_config, parse_args, task_of
 from harness.distributed import COLLECTIVE_TIMEOUT_S, compute_init, gather_ranks, print0
 from drafter import DrafterBuffer, make_optimizer
@@ -36,8 +38,7 @@ from harness.model_free import LEARNED, proposer
 from harness.report import log_step, next_lines, plan_line, step_record
 from harness.summary import summary
 from rollout import Bandit, rollout
-from scheduler import (IdleWork, add_top1, drafter_schedule, idle_train, mean_top1,
-                       start_drafter_sync, top1_pieces)
+from scheduler import IdleWork, Top1, drafter_schedule, idle_train, start_drafter_sync
 from harness.warmup import drafter_meta, prepare_models
 
 
@@ -56,8 +57,10 @@ class RunState:
     rank: int
     world_size: int
     device: torch.device
+    rollout_drafter: object  # what the rollout drafts with (None: plain decoding only)
+    barrier: object  # makes the idle loop's async barrier
+    top1: Top1  # the drafter's top-1 agreement on fresh rows, lately
     ref_model: torch.nn.Module = None  # the frozen warm-up target, for --kl-coef
-    recent_top1: list = field(default_factory=list)  # the drafter's last top-1 figures
 
 
 def main(argv=None):
@@ -100,10 +103,12 @@ def run(args, rank, world_size, device):
         with open(os.path.join(args.out_dir, "task.json"), "w") as f:  # harness.report reads it
             json.dump(task.meta(), f)
     print0(plan_line(args, world_size))
+    alive = liveness_observer(beat)  # after every decoding step: this rank is slow, not dead
     for step in range(start, args.rl_steps):
+        stats = RolloutStats()  # counts and times the rollout from outside; its clock starts here
         with autocast(args, device):  # rollout, drafter training, GRPO update
-            rec, ranks = rl_step(step, s)
-        s.recent_top1 = add_top1(s.recent_top1, rec["drafter_top1"], rec["drafter_top1_positions"])
+            result = rl_step(step, s, observers(stats, alive))
+        rec, ranks = step_record(s, step, result, stats)
         if rank == 0:
             with open(metrics_path, "a") as f:
                 f.write(json.dumps(rec) + "\n")
@@ -131,6 +136,9 @@ def new_state(args, task, model, drafter, rank, world_size, device):
         Bandit(args.draft_ks, seed=rl.derive_seed(args.rl_seed, rank, 0, rl.Seed.BANDIT)),
         DrafterBuffer(args.drafter_keep, args.drafter_keep_tokens, getattr(torch, args.dtype)),
         rank, world_size, device,
+        # the harness's: a drafter that times its proposals, a barrier that watches slow ranks
+        TimedDrafter(proposer(args.drafter, drafter), device) if args.tlt else None,
+        watched_barrier, Top1(),
         copy.deepcopy(model).requires_grad_(False) if args.kl_coef > 0 else None)
 
 
@@ -149,7 +157,7 @@ def save(path, meta, step, s):
     save_on_rank0({"meta": meta, "step": step, "model": s.model.state_dict(),
                    "drafter": s.drafter.state_dict(), "opt": s.opt.state_dict(),
                    "d_opt": s.d_opt.state_dict(), "bandits": bandits,
-                   "drafter_health": s.recent_top1},
+                   "recent_top1": s.top1.recent},
                   path)
 
 
@@ -165,7 +173,7 @@ def resume(path, ck, s):
         s.d_opt.load_state_dict(ck["d_opt"])
         if s.rank < len(ck["bandits"]):
             s.bandit.load_state_dict(ck["bandits"][s.rank])
-        s.recent_top1 = ck["drafter_health"]
+        s.top1.recent = ck["recent_top1"]
     except (KeyError, TypeError, ValueError, RuntimeError) as e:  # an older layout of the state
         raise SystemExit(f"error: checkpoint {path} does not fit this version of the code "
                          f"({type(e).__name__}: {e}); delete it or use another --out-dir")
@@ -182,68 +190,75 @@ def keep_records(path, start):
         f.writelines(lines)
 
 
-def rl_step(step, s):
-    """One RL step on this rank, in the seven steps of the README -> (its record, every rank's
-    part of it)."""
+class StepResult(NamedTuple):
+    """What one RL step hands back to `run`, which makes the step's record from it."""
+    problems: list  # this rank's problems
+    rows: list  # their finished rows (speculative.FinishedRow)
+    idle: dict  # what this rank's idle time did
+    top1: tuple  # the drafter's top-1 counts (agreeing, positions), summed over ranks
+    update: tuple  # (every reward, every response, (loss, clip fraction, skipped))
+    times: tuple  # (start, rollout end, idle start, update start, end): time.perf_counter()
+
+
+def rl_step(step, s, observer=None):
+    """One RL step on this rank, in the seven steps of the README -> StepResult. observer: called
+    by the rollout after every decoding step (the harness counts and times the rollout with it)."""
     args, t0 = s.args, time.perf_counter()
     # 1. this rank's rows of the step's global batch, each with its key
     problems, keys, _ = rl.step_rows(args, s.task, step, s.rank, s.world_size)
-    # 2. roll out: plain steps while the running batch is large, speculative ones in the tail
-    rows, stats = roll_out(s, step, problems, keys)
+    # 2. roll out: plain decoding steps while the running batch is large, speculative ones in the tail
+    rows = roll_out(s, step, problems, keys, observer)
+    t_rollout = time.perf_counter()
     rewards = torch.tensor([s.task.reward(p, r.response)
                             for p, r in zip(problems, rows)]).tolist()  # float32, as logged
     # 3-5. the rows to the drafter; idle time for it until the last rank arrives; the drafter sync
-    idle_start = time.perf_counter() - t0
+    t_idle = time.perf_counter()
     idle, finish_sync = idle_phase(s, step, rows)
     # 6. advantages over the global batch, one GRPO update of the target under DDP
     t_update, update = update_target(s, rows, rewards)
-    finish_sync()
-    sync(s.device)  # the optimizer step may still be queued on a GPU
-    # 7. the step's record (rank 0 logs it), from this rank's part and every rank's
-    times = (t0, idle_start, t_update, time.perf_counter())
-    return step_record(s, step, problems, rows, stats, idle, update, times)
+    top1 = finish_sync()  # the averaged drafter is in; the top-1 counts summed over ranks
+    s.top1.end_step(*top1)
+    if s.device.type == "cuda":
+        torch.cuda.synchronize()  # sync: the optimizer step may still be queued
+    # 7. (in `run`) the step's record, logged by rank 0
+    times = (t0, t_rollout, t_idle, t_update, time.perf_counter())
+    return StepResult(problems, rows, idle, top1, update, times)
 
 
-def roll_out(s, step, problems, keys):
-    """Step 2: this rank's rollout -> (its finished rows, its instrument.RolloutStats)."""
+def roll_out(s, step, problems, keys, observer):
+    """Step 2: this rank's rollout -> its finished rows."""
     args = s.args
     seed = rl.derive_seed(args.rl_seed, s.rank, step, rl.Seed.ROLLOUT)
     gen = torch.Generator(device=s.device).manual_seed(seed)
-    drafter = TimedDrafter(proposer(args.drafter, s.drafter), s.device) if args.tlt else None
     prompts = [s.task.prompt_ids(p) for p in problems]
-    stats = RolloutStats()  # its clock starts here
-    rows = rollout(s.model, drafter, prompts, s.task.max_response_len,
-                   sd_threshold=args.sd_threshold, bandit=s.bandit,
-                   observer=observers(stats, liveness_observer(beat)),
+    return rollout(s.model, s.rollout_drafter, prompts, s.task.max_response_len,
+                   sd_threshold=args.sd_threshold, bandit=s.bandit, observer=observer,
                    temperature=args.temperature, eos_id=s.task.eos_id, generator=gen,
                    sampler=args.sampler, keys=keys)
-    stats.finish(len(prompts))
-    stats.draft_time = drafter.seconds() if drafter else 0.0
-    return rows, stats
 
 
 def idle_phase(s, step, rows):
-    """Steps 3-5: the rows staged for the drafter buffer (no copy); on idle time the drafter's
-    top-1 agreement on them, then its training, until the last rank has finished its rollout (the
-    last rank does none of it); then the weighted sync starts, to overlap the update.
+    """Steps 3-5: the rows staged for the drafter buffer (no copy). On idle time, until the last rank
+    has finished its rollout: first the drafter's top-1 agreement on fresh rows, then its training.
+    The last rank does none of it. Then the weighted sync starts, to overlap the update.
     -> (what idle time did, the sync's finish)."""
     args = s.args
     learned = args.tlt and args.drafter in LEARNED
     train_drafter = learned and args.drafter_updates
     if train_drafter:
         s.buffer.add_rows(step, rows)
-    lr, depth = drafter_schedule(args, step, mean_top1(s.recent_top1))
+    recent = s.top1.mean()
+    lr, depth = drafter_schedule(args, step, recent)
     for g in s.d_opt.param_groups:
         g["lr"] = lr
-    top1 = [0, 0]  # agreeing positions, positions: filled by the scoring pieces
-    scoring = top1_pieces(s.drafter, rows, top1, args.drafter_idle_tokens) if learned else ()
+    scoring = s.top1.start_step(s.drafter, rows, args.drafter_idle_tokens) if learned else deque()
     work = IdleWork(train_drafter, args.drafter_batch, depth, args.drafter_idle_tokens)
     rng = random.Random(rl.derive_seed(args.rl_seed, s.rank, step, rl.Seed.DRAFTER_TRAINING))
     steps, skipped, seconds, busy = idle_train(s.drafter, s.d_opt, s.buffer, rng, work, scoring,
-                                               barrier=watched_barrier)
-    finish_sync = start_drafter_sync(s.drafter, steps if train_drafter else 0)
-    return dict(steps=steps, skipped=skipped, seconds=seconds, busy=busy, top1=top1, lr=lr,
-                depth=depth), finish_sync
+                                               barrier=s.barrier)
+    finish_sync = start_drafter_sync(s.drafter, steps if train_drafter else 0, s.top1.counts)
+    return dict(steps=steps, skipped=skipped, seconds=seconds, busy=busy, lr=lr, depth=depth,
+                recent_top1=recent), finish_sync
 
 
 def update_target(s, rows, rewards):
@@ -252,8 +267,11 @@ def update_target(s, rows, rewards):
     updates about as many tokens -> (when the update began, (every reward and response in global
     row order, (loss, clip fraction, skipped)))."""
     args = s.args
-    everyone = gather_ranks((rewards, [r.tokens.tolist() for r in rows],
-                             [r.prompt_len for r in rows]))
+    part = (rewards, [r.tokens.tolist() for r in rows], [r.prompt_len for r in rows])
+    everyone = [part]  # every rank's part, in rank order
+    if s.world_size > 1:
+        everyone = [None] * s.world_size
+        dist.all_gather_object(everyone, part)
     t_update = time.perf_counter()  # the update's first collective is done: every rank is here
     all_rewards = torch.tensor([r for part in everyone for r in part[0]], dtype=torch.float64)
     seqs = [x for part in everyone for x in part[1]]

@@ -190,7 +190,7 @@ def vocab_noise(device, vocabs=(50_257, 151_936), batches=(1, 64), repeats=5, sh
 
             def step(sampler, **how):  # a forward at 20 cached positions, logits (B, 1, V) -> tokens (B, 1)
                 cache.lengths.fill_(20)
-                cache.read_len = 21
+                cache.keys_to_read = 21
                 logits = model(x, cache)[0]
                 if sampler == "gumbel":
                     return gumbel_choose(logits, 1.0, seeds, **how)

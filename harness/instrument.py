@@ -49,7 +49,7 @@ def observers(*callbacks):
 @dataclass
 class DecodeStats:
     """An observer that counts what a generate call or a rollout decoded, summed over its steps
-    (speculative.Step). The device's counts stay there until `settle()` reads them all at once. By
+    (speculative.DecodeStep). The device's counts stay there until `settle()` reads them all at once. By
     draft position, as EAGLE-style papers report it: accepted_at[i] / drafted_at[i] is the chance
     that draft i + 1 is accepted given the ones before it were."""
     steps: int = 0  # decoding steps (plain or speculative)
@@ -188,11 +188,12 @@ class RolloutStats(DecodeStats):
             self.plain_time += end - start
         add_segment(self.segments, "spec" if step.k else "plain", start, end)
 
-    def finish(self, n_rows):
-        """The rollout has returned: its time, its tail share over its n_rows rows, its seconds by
-        batch size (the prefill's at all n_rows); returns self."""
+    def finish(self, n_rows, end=None):
+        """The rollout has returned (at time.perf_counter() `end`, default now): its time, its tail
+        share over its n_rows rows, its seconds by batch size (the prefill's at all n_rows); returns
+        self."""
         self.settle()  # sync: the counts the steps left on the device, read once
-        self.time = time.perf_counter() - self._t0
+        self.time = (end or time.perf_counter()) - self._t0
         self.tail_share = tail_share(self.batch_sizes, self.step_times, self.time, n_rows)
         prefill = [(n_rows, self.prefill_time, False)] if n_rows else []  # plain, at the full batch size
         self.by_batch = seconds_by_batch(prefill + list(zip(self.batch_sizes, self.step_times, self.spec_steps)))
@@ -233,8 +234,8 @@ class BatchChecker:
     2. every row's tokens and cached keys stay with it from one call to the next (compaction moves
        a row's keys with its tokens);
     3. the target cache holds every row's tokens but the pending one: lengths == n_tokens - 1;
-    4. n_tokens <= n_tokens_bound <= max_row_tokens: attention reads far enough for every row;
-    5. n_tokens - 1 - draft_cache.lengths <= unread_states_bound: the drafter's catch-up reaches every state.
+    4. n_tokens <= longest_row_bound <= max_row_tokens: attention reads far enough for every row;
+    5. n_tokens - 1 - draft_cache.lengths <= drafter_lag_bound: the drafter's catch-up reaches every state.
     Each check reads the device: debug runs only."""
 
     def __init__(self, then=None):
@@ -254,10 +255,10 @@ class BatchChecker:
             L = int(n[slot]) - 1
             self.seen[row] = batch.tokens[slot, :L + 1].clone(), keys[slot, :L].clone()
         check(torch.equal(batch.cache.lengths, n - 1), "the target cache holds n_tokens - 1 positions")
-        check(not n.numel() or int(n.max()) <= batch.n_tokens_bound <= batch.max_row_tokens,
-              "n_tokens_bound bounds every row")
-        check(batch.draft_cache is None or bool((n - 1 - batch.draft_cache.lengths <= batch.unread_states_bound).all()),
-              "unread_states_bound bounds the drafter's unread states")
+        check(not n.numel() or int(n.max()) <= batch.longest_row_bound <= batch.max_row_tokens,
+              "longest_row_bound bounds every row")
+        check(batch.draft_cache is None or bool((n - 1 - batch.draft_cache.lengths <= batch.drafter_lag_bound).all()),
+              "drafter_lag_bound bounds the drafter's unread states")
         if self.then:
             self.then(batch, step)
 
@@ -298,10 +299,11 @@ class Stopwatch:
 
 
 class TimedDrafter:
-    """A drafter that times its proposals: what a rollout spends drafting (`seconds()`)."""
+    """A drafter that times its proposals: what it has spent drafting (`seconds()`), and since the
+    last lap (`lap()`: a run makes one and reads it once per RL step)."""
 
     def __init__(self, drafter, device):
-        self.drafter, self.watch = drafter, Stopwatch(device)
+        self.drafter, self.watch, self.lapped = drafter, Stopwatch(device), 0.0
 
     def propose(self, batch, k):
         with self.watch():
@@ -309,6 +311,10 @@ class TimedDrafter:
 
     def seconds(self):
         return self.watch.seconds()
+
+    def lap(self):
+        before, self.lapped = self.lapped, self.seconds()
+        return self.lapped - before
 
 
 class HostTraffic(TorchDispatchMode):

@@ -1,5 +1,6 @@
-"""The README's path of one RL step, made from the code: every function and method that one RL step
-reaches, in rows, with the line count of each and their total.
+"""The README's path of one RL step, made from the code: every function and method that one default
+RL step reaches, the harness's included and marked, in rows, with the line count of each and their
+total.
 
 A newcomer reads the core along one RL step, and the README's table is that path. Its line counts
 and its total go stale with any edit, so this command writes them: the rows (which functions go
@@ -9,16 +10,23 @@ the step reaches, their order, their lengths and the total are read from the cod
     python -m harness.reading_path            # print the section: its sentence and its table
     python -m harness.reading_path --write    # rewrite that section of README.md, nothing else
     python -m harness.reading_path --check    # exit 1 if README.md's section is not this one
+    torchrun --nproc_per_node=2 -m harness.reading_path --trace [train.py's flags]
+                                              # what real steps called: <out-dir>/reached.<rank>.json
 
 The walk starts at train.rl_step and follows calls, mechanically, through the core files and
-train.py; a task's own functions (tasks/) are left out, as the task is not the technique.
-- By name: a call `f(...)` or `x.f(...)` reaches every core function or method named f, and a call
-  of a class reaches its __init__. A method called on `super()` is torch's, one called on the task
-  (`task.f`, `s.task.f`) the task's: neither is followed.
+train.py, and through the harness files that make what train.run hands the step (SEAMS); a task's
+own functions (tasks/) are left out, as the task is not the technique.
+- By name: a call `f(...)` or `x.f(...)` in the core reaches every core function or method named f,
+  and a call of a class reaches its __init__. In the harness, it reaches the harness's too. A call
+  of a seam's name in the core (`observer(...)`, `barrier()`, `.propose(...)`) also reaches what
+  train.run hands in there. A method called on `super()` is the parent class's (torch's for the
+  core's modules: not followed); one called on the task (`task.f`, `s.task.f`) is the task's: not
+  followed. What only a setting the default run leaves off runs (TLT_DEBUG=1, --sampler
+  rejection) is not walked: NOT_IN_A_DEFAULT_STEP names it.
 - Module calls: a call of an expression that holds a core module reaches that class's forward
-  (nn.Module.__call__ runs it). What an expression holds is read from names, not types: `self`
-  holds its own class; a variable holds the class it is named after, in lower case (`block`,
-  `drafter`), and `target`, `model` and `net` hold GPT (the core's names for the target); `x.a`
+  (nn.Module.__call__ runs it), and one that holds a harness object its __call__. What an
+  expression holds is read from names, not types: `self` holds its own class; a variable holds the
+  class it is named after, in lower case (`block`, `drafter`), and `target`, `model` and `net` hold GPT (the core's names for the target); `x.a`
   holds what the __init__ of x's class assigns to `self.a`, a module, a list of them, or a variable
   (`self.attn = Attention(config)`, `self.blocks = nn.ModuleList(Block(config) ...)`,
   `self.target = target`). So `self.target(...)` reaches GPT.forward, `torch.stack(...)` nothing.
@@ -40,14 +48,29 @@ from typing import NamedTuple
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 README = os.path.join(ROOT, "README.md")
 CORE = ("model", "drafter", "speculative", "rollout", "scheduler", "rl", "train")
+HARNESS = ("instrument", "liveness")  # what train.run hands the step is made here
 START = "train.rl_step"
+# what train.run hands the step: a call in the core of one of these names also reaches these
+# harness functions (the rollout's observer, the idle loop's barrier, the timed drafter's propose)
+SEAMS = {"observer": ["instrument.observers", "RolloutStats.__call__", "instrument.liveness_observer"],
+         "barrier": ["liveness.watched_barrier"], "is_completed": ["Watched.is_completed"],
+         "wait": ["Watched.wait"], "propose": ["TimedDrafter.propose"]}
+# reached by name, but run only under a setting the default run leaves off: not walked
+NOT_IN_A_DEFAULT_STEP = {
+    **dict.fromkeys(["BatchChecker.__init__", "instrument.check"], "TLT_DEBUG=1"),
+    **dict.fromkeys(["RejectionSampler.__init__", "RejectionSampler.start_step", "RejectionSampler.choose",
+                     "RejectionSampler.verify", "RejectionSampler.compact", "speculative.probs",
+                     "speculative.draw", "speculative.verify"], "--sampler rejection")}
 TARGET_NAMES = ("target", "model", "net")  # the names the core gives the target (a GPT)
+BATCH_NAMES = ("batch",)  # and a running batch (a RunningBatch), where it is one
 WRITE = "python -m harness.reading_path --write"
 SENTENCE = """\
-**The path of one RL step**: every function and method that one step reaches ({total} lines in
-all), helpers and the model's forwards included, the task's own functions aside. The rows are in
-the order a depth-first walk of the calls from `train.rl_step` first reaches them (by name, and
-through a module call to its `forward`), the noise's hashing last; the counts are the code's.
+**The path of one RL step**: every function and method that one default step reaches ({total} lines
+in all), helpers and the model's forwards included, the task's own functions aside. Rows marked
+harness are what `train.run` hands the step (the rollout's observer, the timed drafter, the idle
+loop's barrier): a learner may skip them. The rows are in the order a depth-first walk of the calls
+from `train.rl_step` first reaches them (by name, and through a module call to its `forward`), the
+noise's hashing last; the counts are the code's.
 `python -m harness.reading_path --write` writes this table, `tests/test_readme.py` checks it:"""
 HEAD = SENTENCE.partition(":")[0]  # how --write finds the section: a line that starts so
 
@@ -61,18 +84,30 @@ ROWS = {
         ["rl.step_rows", "rl.rl_problems", "rl.derive_seed"],
         "this rank's rows of the global batch, each with its key; a seed per stream"),
     "the rollout": (
-        ["train.roll_out", "rollout.rollout"],
+        ["train.roll_out", "rollout.rollout", "RunningBatch.batch_size", "RunningBatch.results"],
         "plain steps above `--sd-threshold`, the bandit's k at or below it"),
     "idle time": (
-        ["train.idle_phase", "scheduler.drafter_schedule", "scheduler.mean_top1",
+        ["train.idle_phase", "Top1.mean", "scheduler.drafter_schedule", "Top1.start_step",
          "scheduler.top1_pieces", "drafter.top1_agreement"],
-        "the drafter's rate from its recent top-1; scoring the fresh rows first"),
+        "the drafter's rate from its recent top-1; scoring fresh rows first, the slowest rank's "
+        "a step late"),
     "the idle loop": (
         ["scheduler.idle_train", "scheduler.many_ranks"],
         "the async barrier's loop, a piece of work a turn, until the last rank arrives"),
     "the sync": (
-        ["scheduler.start_drafter_sync"],
-        "the weighted average, overlapping the update"),
+        ["scheduler.start_drafter_sync", "Top1.end_step"],
+        "the weighted average, overlapping the update; the top-1 counts summed in the same all-reduce"),
+    "the observer (harness)": (
+        ["instrument.observers", "RolloutStats.__call__", "DecodeStats.__call__",
+         "instrument.add_segment", "instrument.liveness_observer", "liveness.beat", "Liveness.beat"],
+        "harness, handed in by `run`: counts and times every decoding step; beats: slow, not dead"),
+    "the timed drafter (harness)": (
+        ["TimedDrafter.propose", "Stopwatch.__call__"],
+        "harness, handed in by `run`: the drafter, timed without a sync per proposal"),
+    "the watched barrier (harness)": (
+        ["liveness.watched_barrier", "liveness._barrier", "Watched.__init__", "Liveness.start_wait",
+         "Watched.is_completed", "Liveness.check", "Liveness.verdict", "Watched.wait"],
+        "harness, handed in by `run`: the idle loop's async barrier; a silent rank fails it"),
     "the update's rows": (
         ["train.update_target", "rl.group_advantages", "rl.deal_by_tokens"],
         "every rank's rows, advantages, rows re-dealt by tokens"),
@@ -82,7 +117,7 @@ ROWS = {
         "the masked clipped loss, its token mean over the global batch"),
     "the drafter buffer": (
         ["DrafterBuffer.add_rows", "DrafterBuffer.store_staged", "DrafterBuffer.add",
-         "DrafterBuffer._bound", "DrafterBuffer.held_tokens", "DrafterBuffer.sample",
+         "DrafterBuffer._bound", "DrafterBuffer.held_tokens", "DrafterBuffer.__len__", "DrafterBuffer.sample",
          "drafter.pair_batch"],
         "rows staged without a copy, stored on idle time, bounded, batched by length"),
     "the prefill and cache": (
@@ -107,11 +142,6 @@ ROWS = {
          "GumbelSampler.verify", "GumbelSampler.compact", "speculative.gumbel_choose",
          "speculative.verify_gumbel"],
         "exact-token sampling (the default): a token is the argmax of logits / T + noise"),
-    "the rejection sampler": (
-        ["RejectionSampler.__init__", "RejectionSampler.start_step", "RejectionSampler.choose",
-         "RejectionSampler.verify", "RejectionSampler.compact", "speculative.probs",
-         "speculative.draw", "speculative.verify"],
-        "the reference rule, rejection sampling"),
     "the noise": (
         ["speculative.gumbel_seeds", "speculative.gumbel_noise", "speculative._mix32_",
          "speculative._token_hashes"],
@@ -120,7 +150,7 @@ ROWS = {
         ["Drafter.propose", "Drafter.new_cache", "Drafter.forward", "Drafter.project_in"],
         "catch up on unread target states, then draft k, feeding back its own state"),
     "the target's forward": (
-        ["GPT.forward", "RotaryStack.forward", "Block.forward", "Attention.forward",
+        ["GPT.forward", "Blocks.forward", "Block.forward", "Attention.forward",
          "LayerNorm.forward"],
         "logits and hidden states: positions, rotary, cache writes, the blocks (the drafter's "
         "too)"),
@@ -135,10 +165,13 @@ HELPERS = ("the noise",)  # rows read after the steps that use them: last
 
 
 class Code(NamedTuple):
-    """What the walk reads from the core files and train.py."""
+    """What the walk reads from the core files, train.py and the harness files."""
     defs: dict  # qualified name (`module.f`, `Class.method`) -> (module, ast.FunctionDef)
-    by_name: dict  # a called name -> the qualified names a call of it reaches
+    by_name: dict  # a name called in the core -> the core's qualified names a call of it reaches
     attrs: dict  # class -> {attribute: classes its __init__ assigns there}
+    harness_by_name: dict  # a name called in the harness -> the qualified names, harness's too
+    parents: dict  # class -> the names of its bases
+    properties: dict  # a property's name -> the core's qualified names of that property
 
 
 def members(module, node):
@@ -153,7 +186,8 @@ def members(module, node):
 def named(name, classes):
     """The classes a variable of this name holds: its own in lower case, GPT for the target's."""
     held = {c for c in classes if c.lower() == name}
-    return held | ({"GPT"} if name in TARGET_NAMES else set())
+    return held | ({"GPT"} if name in TARGET_NAMES else set()) | (
+        {"RunningBatch"} if name in BATCH_NAMES else set())
 
 
 def last_name(expr):
@@ -189,21 +223,28 @@ def init_attrs(init, classes):
 
 
 def read_code(root=ROOT):
-    """The definitions of the core files and train.py, and what the walk needs to know of them."""
-    defs, by_name, classes = {}, {}, set()
-    for module in CORE:
-        with open(os.path.join(root, f"{module}.py")) as f:
+    """The definitions of the core files, train.py and the harness files the step reaches, and
+    what the walk needs to know of them."""
+    defs, names, classes, parents, properties = {}, {"core": {}, "all": {}}, set(), {}, {}
+    for module in CORE + HARNESS:
+        with open(os.path.join(root, *([] if module in CORE else ["harness"]), f"{module}.py")) as f:
             tree = ast.parse(f.read())
+        layers = [names["all"]] + ([names["core"]] if module in CORE else [])
         for node in tree.body:
             for qual, fn in members(module, node):
                 defs[qual] = (module, fn)
-                by_name.setdefault(fn.name, []).append(qual)
+                for by_name in layers:
+                    by_name.setdefault(fn.name, []).append(qual)
+                if module in CORE and any(last_name(d) == "property" for d in fn.decorator_list):
+                    properties.setdefault(fn.name, []).append(qual)
             if isinstance(node, ast.ClassDef):
                 classes.add(node.name)
+                parents[node.name] = [last_name(b) for b in node.bases]
                 if f"{node.name}.__init__" in defs:  # a call of a class reaches its __init__
-                    by_name.setdefault(node.name, []).append(f"{node.name}.__init__")
+                    for by_name in layers:
+                        by_name.setdefault(node.name, []).append(f"{node.name}.__init__")
     attrs = {c: init_attrs(defs.get(f"{c}.__init__", (None, None))[1], classes) for c in classes}
-    return Code(defs, by_name, attrs)
+    return Code(defs, names["core"], attrs, names["all"], parents, properties)
 
 
 def holds(expr, here, code):
@@ -217,25 +258,39 @@ def holds(expr, here, code):
     return set()
 
 
-def not_followed(expr):
-    """`super().f`: a method of the parent class (torch's: no core class derives from another);
-    `task.f`, `s.task.f`: the task's (tasks/ is not the technique)."""
+def on_super(expr):
+    """Whether `expr` is `super().f`."""
     inner = getattr(expr, "value", None)
-    return (isinstance(inner, ast.Call) and last_name(inner.func) == "super") or last_name(inner) == "task"
+    return isinstance(inner, ast.Call) and last_name(inner.func) == "super"
 
 
 def callees(code, qual):
     """What a definition's calls reach, in the order they are written (see the docstring)."""
-    fn = code.defs[qual][1]
+    module, fn = code.defs[qual]
     here = qual.split(".")[0] if qual.split(".")[0] in code.attrs else None
-    calls = sorted((n for n in ast.walk(fn) if isinstance(n, ast.Call)),
+    in_core = module in CORE
+    nodes = sorted((n for n in ast.walk(fn) if isinstance(n, (ast.Call, ast.Attribute))),
                    key=lambda n: (n.lineno, n.col_offset))
+    called = {id(n.func) for n in nodes if isinstance(n, ast.Call)}
     out = []
-    for call in (c for c in calls if not not_followed(c.func)):
-        out += code.by_name.get(last_name(call.func), [])
-        forwards = (f"{c}.forward" for c in sorted(holds(call.func, here, code)))
-        out += [f for f in forwards if f in code.defs]
-    return out
+    for node in nodes:
+        if isinstance(node, ast.Attribute):  # a property read (`batch.batch_size`) runs it
+            held = holds(node.value, here, code) if id(node) not in called else ()
+            out += [q for q in code.properties.get(node.attr, []) if q.split(".")[0] in held]
+            continue
+        call, name = node, last_name(node.func)
+        if name == "len":  # len(x) runs x's __len__
+            out += code.by_name.get("__len__", [])
+        if on_super(call.func):  # the parent's: torch's for the core, a harness class's own
+            out += [f"{p}.{name}" for p in code.parents.get(here, []) if f"{p}.{name}" in code.defs]
+            continue
+        if last_name(getattr(call.func, "value", None)) == "task":  # the task's (tasks/): not followed
+            continue
+        out += (code.by_name if in_core else code.harness_by_name).get(name, [])
+        out += SEAMS.get(name, []) if in_core else []
+        held = sorted(holds(call.func, here, code))  # a module's forward; a harness object's __call__
+        out += [f for c in held for f in (f"{c}.forward", f"{c}.__call__") if f in code.defs]
+    return [q for q in out if q not in NOT_IN_A_DEFAULT_STEP]
 
 
 def reached(code, start=START):
@@ -335,12 +390,45 @@ def read_readme(path=README):
         return f.read()
 
 
+def trace(train_argv):
+    """Run train.py (train.main(train_argv)) with every RL step under a profiler, and write the
+    functions of the core and the harness that the steps called, as the walk names them, to
+    <out-dir>/reached.<rank>.json: what a real step reached, to check the walk against
+    (tests/test_readme.py does, on two ranks). A function nested in another counts as its."""
+    import json
+    import train
+    seen, root = set(), ROOT + os.sep
+
+    def profile(frame, event, arg):
+        file, name = frame.f_code.co_filename, frame.f_code.co_qualname
+        if event == "call" and file.startswith(root) and "<" not in name:
+            module = os.path.splitext(os.path.basename(file))[0]
+            if module in CORE + HARNESS:
+                seen.add(name if "." in name else f"{module}.{name}")
+
+    def step(*args, **kwargs):
+        sys.setprofile(profile)
+        try:
+            return rl_step(*args, **kwargs)
+        finally:
+            sys.setprofile(None)
+            out = os.path.join(args[1].args.out_dir, f"reached.{args[1].rank}.json")
+            with open(out, "w") as f:
+                json.dump(sorted(seen), f)
+    rl_step, train.rl_step = train.rl_step, step
+    train.main(train_argv)
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description="The README's path of one RL step, from the code.")
     what = p.add_mutually_exclusive_group()
     what.add_argument("--write", action="store_true", help="rewrite README.md's section")
     what.add_argument("--check", action="store_true", help="exit 1 if README.md's differs")
+    what.add_argument("--trace", nargs=argparse.REMAINDER, metavar="TRAIN_FLAGS",
+                      help="run train.py with these flags; write what each rank's steps called")
     args = p.parse_args(argv)
+    if args.trace is not None:
+        return trace(args.trace)
     new = section(read_code())
     if not (args.write or args.check):
         print(new, end="")

@@ -42,7 +42,6 @@ from harness.instrument import checksum
 from harness.summary import (PICTURE_ROWS, bin_edges, bin_means, binning, bucket_sizes, by_step,
                              length_distribution, picture, record_lines, seconds, skipped_line, sparkline)
 from harness.svg import small_multiples
-from scheduler import mean_top1
 
 TIMELINE_CHARS = {"plain": "#", "spec": "S", "train": "t", "wait": "."}
 
@@ -63,32 +62,36 @@ LETTERS = "ABCDEFGHIJKLMNOPQRSTUVWXYZ"  # the compared runs' names in the text
 # -----------------------------------------------------------------------------
 # the step's record
 
-def step_record(s, step, problems, rows, stats, idle, update, times):
+def step_record(s, step, result, stats):
     """The step's metrics.jsonl record, from this rank's part and every rank's (summed, gathered),
-    and every rank's part (the timeline draws their segments). s: train.RunState; problems, rows:
-    the rank's problems and their finished rows; stats: its rollout's instrument.RolloutStats; idle:
-    train.idle_phase's figures; update: train.update_target's (rewards, responses, (loss, clip
-    fraction, skipped)); times: (t0, idle start, update start, t1) on the step's clock."""
-    t0, idle_start, t_update, t1 = times
+    and every rank's part (the timeline draws their segments). Built by train.run after the step,
+    from what the step handed back. s: train.RunState; result: train.StepResult; stats: the
+    instrument.RolloutStats that observed the step's rollout (its clock started with the step)."""
+    problems, rows, idle, (agree, positions), update, times = result
+    _, _, idle_start, t_update, t1 = (t - times[0] for t in times)  # on the step's clock
     all_rewards, responses, (loss, clip, skipped) = update
+    stats.finish(len(rows), end=times[1])
+    stats.draft_time = s.rollout_drafter.lap() if s.rollout_drafter else 0.0
     busy = idle["busy"]
     segments = stats.segments + ([["train", idle_start + busy[0], idle_start + busy[1]]] if busy else [])
     segments.append(["wait", segments[-1][2] if segments else idle_start, idle_start + idle["seconds"]])
     local = {"rank": s.rank, "rollout_time": stats.time, "draft_time": stats.draft_time,
              "idle_time": idle["seconds"], "drafter_steps": idle["steps"],
-             "wait_to_update": t_update - t0 - stats.time, "drafter_skipped": idle["skipped"],
+             "wait_to_update": t_update - stats.time, "drafter_skipped": idle["skipped"],
              "tokens": stats.tokens, "drafter_checksum": checksum(s.drafter), "rows": len(rows),
              "tail_share": stats.tail_share, "buffer_tokens": s.buffer.held_tokens(), "segments": segments,
              "by_batch": stats.by_batch}
     counts = {"tokens": stats.tokens, "sd_tokens": stats.sd_tokens, "sd_row_steps": stats.sd_row_steps,
-              "accepted": stats.accepted, "drafted": stats.drafted, "top1_agree": idle["top1"][0],
-              "top1_positions": idle["top1"][1], "single": sum(s.task.choice_share(p, r.response) for p, r in zip(problems, rows)),
+              "accepted": stats.accepted, "drafted": stats.drafted,
+              "single": sum(s.task.choice_share(p, r.response) for p, r in zip(problems, rows)),
               "response_tokens": sum(len(r.response) for r in rows),
               **position_counts(stats, max(s.args.draft_ks)), **size_counts(stats, [p.size for p in problems], s.task)}
-    rec, ranks = rank_record(step, local, all_sum(counts, s.device), all_rewards, responses,
-                             t1 - t0, t1 - t_update, timeline=timeline_due(step, s.args))
+    # the top-1 counts were summed over ranks by the drafter sync (scheduler.start_drafter_sync)
+    total = {**all_sum(counts, s.device), "top1_agree": agree, "top1_positions": positions}
+    rec, ranks = rank_record(step, local, total, all_rewards, responses, t1, t1 - t_update,
+                             timeline=timeline_due(step, s.args))
     rec.update(loss=loss, clip_frac=clip, skipped_update=skipped, drafter_lr=idle["lr"],
-               drafter_depth=idle["depth"], drafter_health=mean_top1(s.recent_top1),
+               drafter_depth=idle["depth"], recent_top1=idle["recent_top1"],
                bandit_best=best_arms(s.bandit))
     return rec, ranks
 
@@ -123,7 +126,8 @@ def rank_record(step, local, total, all_rewards, responses, step_time, update_ti
         # per problem-size bucket (the task's, up to max_n): drafts decided and accepted
         "drafted_by_size": [int(v) for k, v in total.items() if k.startswith("drafted_size")],
         "accepted_by_size": [int(v) for k, v in total.items() if k.startswith("accepted_size")],
-        "drafter_top1_positions": int(total["top1_positions"]),  # scored on idle time: the last rank's rows are left out
+        # scored on idle time; the slowest rank's rows on its next idle turn, so they count a step late
+        "drafter_top1_positions": int(total["top1_positions"]),
         # what the target writes: mean response length and the share of the task's choice (the
         # running sum's single steps) among its choices
         "response_len": total["response_tokens"] / n_rows, "single_share": total["single"] / n_rows,

@@ -1,5 +1,5 @@
-"""Shared by the tests: the repository root on sys.path, a helper to randomise tiny models, and a
-fixture that fails any use of the network."""
+"""Shared by the tests: the repository root on sys.path, helpers to randomise tiny models, the greedy
+setup of the decoding tests, and fixtures that fail any use of the network or run on one thread."""
 import os
 import random
 import socket
@@ -25,6 +25,17 @@ def no_network(monkeypatch):
         monkeypatch.setattr(socket, name, refuse)
 
 
+@pytest.fixture(scope="module")
+def one_thread():
+    """For a module of tiny models (`pytestmark = pytest.mark.usefixtures("one_thread")`): on a busy
+    2-core machine intra-op threads only spin and wait (measured: about 100x slower with 2 threads
+    than with 1). Restored after the module."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 def randomize(module, seed, std):
     """Re-draw every matrix with N(0, std^2) and every vector (norm gains) around 1, so that the
     model is far from its near-uniform init and greedy outputs vary."""
@@ -44,7 +55,14 @@ def tiny(V, seed, std=0.5):
                      seed, std)
 
 
-# the greedy setup that tests/test_speculative.py and tests/test_model_free.py share
+def decode_plainly(batch):
+    """Plain steps until every row of a RunningBatch has finished -> its results."""
+    while batch.compact() > 0:
+        batch.plain_step()
+    return batch.results
+
+
+# the greedy setup that the decoding tests share
 V_G = 16
 N_NEW = 20
 PROMPT_LENS = [1, 3, 5, 2, 7, 4, 6, 2]
@@ -59,11 +77,8 @@ def make_greedy_setup():
     torch.manual_seed(3)
     drafter = Drafter(target)
     train_prompts = [torch.randint(0, V_G, (n,), generator=g).tolist() for n in PROMPT_LENS * 4]
-    gen = RunningBatch(target, train_prompts, 30, temperature=1.0, generator=g)
-    while gen.compact() > 0:
-        gen.plain_step()
     buf = DrafterBuffer(keep_steps=1)
-    for _, tokens, hidden, plen in gen.results:
+    for _, tokens, hidden, plen in decode_plainly(RunningBatch(target, train_prompts, 30, temperature=1.0, generator=g)):
         buf.add(0, tokens, hidden, plen)
     opt = make_optimizer(drafter, lr=1e-2)
     rng = random.Random(0)
@@ -92,3 +107,16 @@ def make_greedy_setup():
     pool = [pool[i] for i in order]
     free = [free[i] for i in order]
     return target, drafter, pool, free, eos
+
+
+@pytest.fixture(scope="module")
+def greedy_setup():
+    """See make_greedy_setup."""
+    return make_greedy_setup()
+
+
+def every_drafter(learned):
+    """Each kind of drafter the speculative step takes, by its --drafter name."""
+    from harness.model_free import NgramDrafter, SiblingDrafter, SiblingOrLearned
+    return {"learned": learned, "ngram": NgramDrafter(n=1), "sibling": SiblingDrafter(max_match=4),
+            "sibling+learned": SiblingOrLearned(learned, max_match=4)}

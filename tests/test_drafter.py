@@ -14,31 +14,14 @@ import torch.nn.functional as F
 
 from drafter import (Drafter, DrafterBuffer, chain_loss_masks, chained_states, drafter_loss, make_optimizer, pair_batch,
                      top1_agreement, train_step)
-from conftest import randomize
+from conftest import decode_plainly, randomize, tiny
 from harness.instrument import checksum
-from model import GPT, GPTConfig
+from speculative import FinishedRow as Sample
 from speculative import RunningBatch, speculative_generate
 
 V, C = 16, 16
 TOL = 1e-10
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models: on a busy 2-core machine intra-op threads only spin (about 100x slower with 2
-    threads than with 1 when measured). Restored afterwards."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
-
-
-def make_target(seed=1, std=0.5):
-    torch.manual_seed(seed)
-    cfg = GPTConfig(vocab_size=V, block_size=64, n_layer=2, n_head=2, n_embd=C)
-    return randomize(GPT(cfg).eval(), seed, std)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def make_drafter(target, seed):
@@ -46,23 +29,27 @@ def make_drafter(target, seed):
     return Drafter(target)
 
 
+def float64_pair(seed, std=0.5):
+    """A target and a drafter far from their init (weights drawn at `std`), in float64."""
+    target = tiny(V, seed, std).double()  # n_embd 16 = C
+    return target, randomize(make_drafter(target, seed + 1), seed + 2, std).double()
+
+
 def rollout_buffer(target, seed, n_prompts=32, max_new=30, step=0, buf=None):
     """Sampled rollouts of the target, recorded by speculative.RunningBatch, into a DrafterBuffer."""
     g = torch.Generator().manual_seed(seed)
     prompts = [torch.randint(0, V, (int(n),), generator=g).tolist()
                for n in torch.randint(1, 8, (n_prompts,), generator=g)]
-    gen = RunningBatch(target, prompts, max_new, temperature=1.0, generator=g)
-    while gen.compact() > 0:
-        gen.plain_step()
+    rows = decode_plainly(RunningBatch(target, prompts, max_new, temperature=1.0, generator=g))
     buf = DrafterBuffer(keep_steps=2) if buf is None else buf
-    for _, tokens, hidden, plen in gen.results:
+    for _, tokens, hidden, plen in rows:
         buf.add(step, tokens, hidden, plen)
     return buf, prompts
 
 
 @pytest.fixture(scope="module")
 def target():
-    return make_target()
+    return tiny(V, seed=1)
 
 
 @pytest.fixture(scope="module")
@@ -96,7 +83,7 @@ def test_state_dict_and_parameters_exclude_the_target(target):
 def test_drafter_reads_the_targets_embedding_and_head_live():
     """Shared, not copied: the logits are the target's LM head applied to the drafter's hidden
     state, and an update of the target's embedding is seen by the drafter at once."""
-    tgt = make_target(seed=3).double()
+    tgt = tiny(V, seed=3).double()
     drafter = make_drafter(tgt, seed=4).double()
     g = torch.Generator().manual_seed(5)
     h = torch.randn(2, 6, C, generator=g, dtype=torch.float64)
@@ -209,8 +196,7 @@ def test_buffer_sample_with_a_token_budget_keeps_the_windows_longest_that_fit():
 
 
 def test_no_attention_across_rows_or_into_padding():
-    tgt = make_target(seed=6, std=1.0).double()
-    drafter = randomize(make_drafter(tgt, seed=7), seed=8, std=1.0).double()
+    tgt, drafter = float64_pair(6, std=1.0)
     g = torch.Generator().manual_seed(9)
     lens = [5, 9]
     T = max(lens)
@@ -239,8 +225,7 @@ def test_no_attention_across_rows_or_into_padding():
 def test_loss_ignores_padding_and_other_rows():
     """drafter_loss of a padded batch is the mask-weighted mean of each row's own loss, and does
     not change when the padding holds something else (second pass included)."""
-    tgt = make_target(seed=12).double()
-    drafter = randomize(make_drafter(tgt, seed=13), seed=14, std=0.5).double()
+    tgt, drafter = float64_pair(12, std=0.5)
     g = torch.Generator().manual_seed(15)
     lens, plens = [6, 10], [2, 4]
     T = max(lens)
@@ -270,8 +255,7 @@ def test_loss_ignores_padding_and_other_rows():
 
 
 def test_drafter_cache_matches_full_forward_with_rollbacks():
-    tgt = make_target(seed=16, std=1.0).double()
-    drafter = randomize(make_drafter(tgt, seed=17), seed=18, std=1.0).double()
+    tgt, drafter = float64_pair(16, std=1.0)
     g = torch.Generator().manual_seed(19)
     B, T = 2, 12
     h = torch.randn(B, T, C, generator=g, dtype=torch.float64)
@@ -337,7 +321,6 @@ def test_staged_rows_are_bounded_without_idle_time():
     """A process that never has idle time (one process, the rank always last) stages a step's rows
     and never stores them: over 50 steps what it holds, staged and stored, stays within
     keep_tokens and within the last keep_steps steps, the oldest rows dropped first."""
-    from speculative import FinishedRow as Sample
     buf = DrafterBuffer(keep_steps=3, keep_tokens=300)
     buf.add(0, *_item(40, 0), prompt_len=2)  # something stored before the rank lost its idle time
     for step in range(1, 51):
@@ -356,7 +339,6 @@ def test_one_idle_turn_handles_at_most_idle_tokens_positions(target, monkeypatch
     storing staged rows goes a piece a turn, the health figure scores a piece a chore, a training
     batch is cut to max_tokens padded positions; and drawing a batch sorts nothing."""
     import drafter as drafter_module
-    from speculative import FinishedRow as Sample
     g = torch.Generator().manual_seed(0)
     C, max_tokens = target.config.n_embd, 64
     lengths = torch.randint(4, 40, (200,), generator=g).tolist()
@@ -501,10 +483,7 @@ def test_top1_pieces_count_the_drafted_positions(target, buffers):
     drafter = make_drafter(target, seed=0)
     gen = torch.Generator().manual_seed(0)
     prompts = [[1 + i % 7, 2 + i % 5] for i in range(10)]
-    batch = RunningBatch(target, prompts, 12, generator=gen)
-    while batch.compact() > 0:
-        batch.plain_step()
-    samples = batch.results
+    samples = decode_plainly(RunningBatch(target, prompts, 12, generator=gen))
     into = [0, 0]
     from scheduler import top1_pieces
     scoring = top1_pieces(drafter, samples, into, 40)
@@ -523,8 +502,7 @@ def test_checksum_tracks_weights(target, buffers):
     train_buf, _, _ = buffers
     a, b = make_drafter(target, seed=0), make_drafter(target, seed=0)
     other = make_drafter(target, seed=1)
-    assert checksum(a) == checksum(b)
-    assert checksum(a) != checksum(other)
+    assert checksum(a) == checksum(b) != checksum(other)
     other.load_state_dict(a.state_dict())
     assert checksum(other) == checksum(a)
     before = checksum(a)
@@ -537,7 +515,6 @@ def test_checksum_tracks_weights(target, buffers):
         p = b.stack.blocks[0].attn.qkv.weight
         p[3, 5] = torch.nextafter(p[3, 5], torch.tensor(1e9))
     assert checksum(b) != checksum(a)
-
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float64])
@@ -557,8 +534,7 @@ def test_chained_passes_are_the_drafter_drafting():
     what the drafter computes for its (d + 1)-th draft after catching up on the real pairs up to
     t - d through its cache and feeding its own states back (the drafts being the teacher's tokens).
     A mask that let a pass see other chains' entries, or the same chain one position off, fails."""
-    tgt = make_target(seed=21).double()
-    drafter = randomize(make_drafter(tgt, seed=22), seed=23, std=0.5).double()
+    tgt, drafter = float64_pair(21, std=0.5)
     g = torch.Generator().manual_seed(24)
     T, depth = 14, 5
     h = torch.randn(1, T, C, generator=g, dtype=torch.float64)

@@ -304,7 +304,7 @@ def count_value_reads(fn):
 
 
 def test_a_window_from_the_host_spares_the_read_and_changes_nothing(gpt64):
-    """cache.read_len, an upper bound on the longest row after the append, spares the forward its
+    """cache.keys_to_read, an upper bound on the longest row after the append, spares the forward its
     read of the lengths; any bound at least the true one gives the same output (keys past a row's
     own position are masked), it is used for one forward only, and it is checked against the
     cache's size."""
@@ -316,14 +316,14 @@ def test_a_window_from_the_host_spares_the_read_and_changes_nothing(gpt64):
         with torch.no_grad():
             gpt64(seq[:, :8], cache)
             cache.lengths = torch.tensor([8, 5])
-            cache.read_len = window
+            cache.keys_to_read = window
             reads = count_value_reads(lambda: outs.append(gpt64(seq[:, 8:12], cache)[0]))
         assert reads == (1 if window is None else 0), window
-        assert cache.read_len is None  # consumed
+        assert cache.keys_to_read is None  # consumed
     for out in outs[1:]:
         assert_close(out, outs[0], "logits with a window given")
     cache = gpt64.new_cache(1, 16, dtype=torch.float64)
-    cache.read_len = 17  # past the cache: the bound is checked, on the host
+    cache.keys_to_read = 17  # past the cache: the bound is checked, on the host
     with pytest.raises(ValueError), torch.no_grad():
         gpt64(seq[:1, :2], cache)
 

@@ -38,13 +38,16 @@ def test_the_readme_table_is_the_generated_one():
 
 
 def test_the_walk_follows_calls_by_name_and_leaves_out_what_no_call_reaches():
-    """The walk itself: rl_step reaches the rollout and, through the RunningBatch's steps, both
-    samplers' methods of the names it calls; it does not reach code that only a harness calls."""
+    """The walk itself: rl_step reaches the rollout and, through the RunningBatch's steps, the
+    default sampler's methods of the names it calls, and what train.run hands the step (the
+    harness's observer, timed drafter and barrier); not what only --sampler rejection or
+    TLT_DEBUG=1 runs, and not code that only a harness command calls."""
     order = rp.reached(rp.read_code())
     assert order[0] == "train.rl_step"
-    assert {"rollout.rollout", "RunningBatch.__init__", "RunningBatch.compact",
-            "GumbelSampler.verify", "RejectionSampler.verify", "speculative.verify",
-            "Drafter.propose"} <= set(order)
+    assert {"rollout.rollout", "RunningBatch.__init__", "RunningBatch.compact", "GumbelSampler.verify",
+            "Drafter.propose", "RunningBatch.batch_size", "DrafterBuffer.__len__", "RolloutStats.__call__",
+            "TimedDrafter.propose", "Watched.is_completed", "DecodeStats.__call__"} <= set(order)
+    assert not {"RejectionSampler.verify", "speculative.verify", "instrument.check"} & set(order)
     assert "Bandit.state_dict" not in order and "speculative.autoregressive_generate" not in order
 
 
@@ -53,7 +56,7 @@ def test_the_walk_follows_a_module_call_to_its_forward():
     `block`, `self.attn`, `self.norm`); `self(...)` in Drafter.propose reaches Drafter.forward.
     A call of a torch function of a module's attribute name (`torch.stack`) reaches nothing."""
     code = rp.read_code()
-    forwards = {"GPT.forward", "RotaryStack.forward", "Block.forward", "Attention.forward",
+    forwards = {"GPT.forward", "Blocks.forward", "Block.forward", "Attention.forward",
                 "LayerNorm.forward", "Drafter.forward"}
     assert forwards <= set(rp.reached(code))
     assert set(rp.reached(code, "RunningBatch.plain_step")) >= forwards - {"Drafter.forward"}
@@ -67,3 +70,29 @@ def test_the_rows_place_the_speculative_step_before_the_noise_it_uses():
     row_of = {q: i for i, row in enumerate(names) for q in row}
     assert row_of["train.rl_step"] == 0
     assert row_of["RunningBatch.speculative_step"] < row_of["speculative.gumbel_noise"]
+
+
+def test_every_function_that_real_steps_call_is_one_the_walk_reaches(tmp_path):
+    """Two ranks, three tiny RL steps under a profiler (`reading_path --trace`): every function of
+    the core and the harness that they called is one the walk reaches, so the table names it. The
+    walk is by name, so it may reach more (a default `Bandit()` that train.py never needs)."""
+    import json
+    import os
+    import subprocess
+    import sys
+    flags = ["--device", "cpu", "--max-n", "4", "--block-size", "56", "--n-layer", "1", "--n-head", "2",
+             "--n-embd", "16", "--warmup-steps", "10", "--warmup-tokens", "256", "--drafter-warmup-seqs", "16",
+             "--drafter-warmup-steps", "5", "--drafter-batch", "4", "--prompts-per-step", "4", "--group-size", "2",
+             "--eval-per-bucket", "0", "--timeline-every", "0", "--rl-steps", "3", "--out-dir", str(tmp_path)]
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                        "-m", "harness.reading_path", "--trace", *flags], cwd=rp.ROOT, capture_output=True, text=True,
+                       timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    called = set()
+    for rank in (0, 1):
+        with open(tmp_path / f"reached.{rank}.json") as f:
+            called |= set(json.load(f))
+    # the steps ran the idle loop and each of what train.run hands the step
+    assert {"scheduler.idle_train", "RolloutStats.__call__", "TimedDrafter.propose", "Watched.is_completed"} <= called
+    missing = called - set(rp.reached(rp.read_code()))
+    assert not missing, f"real steps called these, the walk does not reach them: {sorted(missing)}"

@@ -356,19 +356,19 @@ def _rl_steps_worker(rank, world, port, out, n_steps, warm):
     """n_steps of train.rl_step on `world` gloo ranks (world 1: no process group) from the target
     in `warm`; rank 0 saves the step digests and rewards and the target's weights."""
     import torch.distributed as dist
-    from torch.nn.parallel import DistributedDataParallel
+    from harness.instrument import RolloutStats
+    from harness.report import step_record
     torch.set_num_threads(1)
     if world > 1:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     args = config.parse_args(SOMETIMES_RIGHT + ["--prompts-per-step", "3", "--group-size", "3", "--rl-lr", "3e-3"])
     model, drafter = _tiny_models(args)
     model.load_state_dict(torch.load(warm, map_location="cpu")["model"])
-    net = DistributedDataParallel(model, forward_sync_buffers=False) if world > 1 else model
-    opt = torch.optim.AdamW(model.parameters(), lr=args.rl_lr, betas=(0.9, 0.95), weight_decay=0.0)
-    d_opt = train.make_optimizer(drafter, args.drafter_online_lr)
-    s = train.RunState(args, config.task_of(args), model, net, opt, drafter, d_opt, train.Bandit(args.draft_ks),
-                       train.DrafterBuffer(), rank, world, torch.device("cpu"))
-    recs = [train.rl_step(step, s)[0] for step in range(n_steps)]
+    s = train.new_state(args, config.task_of(args), model, drafter, rank, world, torch.device("cpu"))
+    recs = []
+    for step in range(n_steps):  # as train.run does it: the step, then its record
+        stats = RolloutStats()
+        recs.append(step_record(s, step, train.rl_step(step, s, stats), stats)[0])
     if rank == 0:
         torch.save({"digests": [r["responses_digest"] for r in recs], "rewards": [r["reward"] for r in recs],
                     "weights": torch.cat([p.detach().reshape(-1) for p in model.parameters()])}, out)
