@@ -239,7 +239,7 @@ def read_code(root=ROOT):
                     properties.setdefault(fn.name, []).append(qual)
             if isinstance(node, ast.ClassDef):
                 classes.add(node.name)
-                parents[node.name] = [last_name(b) for b in node.bases]
+                parents[node.name] = [b.id for b in node.bases if isinstance(b, ast.Name)]  # not nn.X
                 if f"{node.name}.__init__" in defs:  # a call of a class reaches its __init__
                     for by_name in layers:
                         by_name.setdefault(node.name, []).append(f"{node.name}.__init__")
