@@ -4,12 +4,13 @@ and TLT rollouts.
     python train.py                                    # one process, CPU or one GPU
     torchrun --standalone --nproc_per_node=2 train.py  # several ranks
 
-(1) The target's supervised warm-up and (2) the drafter's, both cached in --warmup-dir (warmup.py).
-(3) --rl-steps of GRPO, each one `rl_step`: every rank rolls out its rows (speculative decoding in
-the long tail), ranks that finish early train the drafter until the last one finishes, the
-drafters are synced, then one GRPO update of the target under DDP. Rank 0 logs a line per step and
-appends a record to <out-dir>/metrics.jsonl; a checkpoint is written every --ckpt-every steps, and
-rerunning the same command resumes from it.
+(1) The target's supervised warm-up and (2) the drafter's, both cached in --warmup-dir
+(harness/warmup.py). (3) --rl-steps of GRPO, each one `rl_step`: every rank rolls out its rows
+(speculative decoding in the long tail), ranks that finish early train the drafter until the last
+one finishes, the drafters are synced, then one GRPO update of the target under DDP. The step hands
+back what it did; `run` builds the step's record from it, and rank 0 logs a line and appends the
+record to <out-dir>/metrics.jsonl. A checkpoint is written every --ckpt-every steps, and rerunning
+the same command resumes from it.
 """
 import copy
 import json
@@ -273,9 +274,9 @@ def update_target(s, rows, rewards):
         everyone = [None] * s.world_size
         dist.all_gather_object(everyone, part)
     t_update = time.perf_counter()  # the update's first collective is done: every rank is here
-    all_rewards = torch.tensor([r for part in everyone for r in part[0]], dtype=torch.float64)
-    seqs = [x for part in everyone for x in part[1]]
-    plens = [x for part in everyone for x in part[2]]
+    all_rewards = torch.tensor([r for theirs in everyone for r in theirs[0]], dtype=torch.float64)
+    seqs = [x for theirs in everyone for x in theirs[1]]
+    plens = [x for theirs in everyone for x in theirs[2]]
     adv = rl.group_advantages(all_rewards, args.group_size)
     active = [i for i in range(len(seqs)) if args.kl_coef > 0 or adv[i] != 0]  # zero adds zero
     deal = rl.deal_by_tokens([len(seqs[i]) for i in active], s.world_size)
