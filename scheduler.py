@@ -141,7 +141,8 @@ class Top1:
 
     Each rank scores its own rollout's rows on idle time, in pieces, before it trains on them. The
     slowest rank has no idle time, and its rows are the long tail itself, so it scores them first
-    on its next idle turn (one step's rows at most are carried; a resumed run starts with none).
+    on its next idle turn. Only one step's unscored rows are carried: a rank slowest twice in a row
+    drops the older ones, and a resumed run starts with none.
     Each step's counts are summed over ranks in the drafter sync, and the last TOP1_STEPS steps'
     sums make the recent figure, the same on every rank."""
 
@@ -152,17 +153,19 @@ class Top1:
         self.counts = [0, 0]  # this step's [agreeing, positions] on this rank
 
     def start_step(self, drafter, rows, piece_tokens):
-        """This step's scoring work: the last step's pieces this rank did not reach, then pieces
-        for this step's rows. -> the deque that the idle loop takes pieces from."""
-        carried = list(self.pending)[-self.n_new:] if self.n_new else []
+        """This step's scoring work: what the last step left unscored, then pieces for this step's
+        rows. -> the deque that the idle loop takes pieces from."""
         fresh = top1_pieces(drafter, rows, self.counts, piece_tokens)
-        self.pending, self.n_new, self.counts[:] = deque(carried + fresh), len(fresh), [0, 0]
+        self.pending.extend(fresh)
+        self.n_new, self.counts[:] = len(fresh), [0, 0]
         return self.pending
 
     def end_step(self, agree, positions):
-        """Keep one step's counts, summed over ranks; a step with none scored adds nothing."""
+        """Keep one step's counts, summed over ranks (a step with none scored adds nothing), and of
+        the pieces not run only this step's rows: older ones are dropped, not carried again."""
         if positions:
             self.recent = (self.recent + [[agree, positions]])[-TOP1_STEPS:]
+        self.pending = deque(list(self.pending)[-self.n_new:] if self.n_new else [])
 
     def mean(self):
         """The recent figure, or None before any step was scored."""

@@ -104,12 +104,12 @@ def run(args, rank, world_size, device):
         with open(os.path.join(args.out_dir, "task.json"), "w") as f:  # harness.report reads it
             json.dump(task.meta(), f)
     print0(plan_line(args, world_size))
-    alive = liveness_observer(beat)  # after every decoding step: this rank is slow, not dead
     for step in range(start, args.rl_steps):
         stats = RolloutStats()  # counts and times the rollout from outside; its clock starts here
         with autocast(args, device):  # rollout, drafter training, GRPO update
-            result = rl_step(step, s, observers(stats, alive))
+            result = rl_step(step, s, observers(stats, liveness_observer(beat)))
         rec, ranks = step_record(s, step, result, stats)
+        del result  # its rows hold hidden states: not kept through the next rollout
         if rank == 0:
             with open(metrics_path, "a") as f:
                 f.write(json.dumps(rec) + "\n")
@@ -174,7 +174,8 @@ def resume(path, ck, s):
         s.d_opt.load_state_dict(ck["d_opt"])
         if s.rank < len(ck["bandits"]):
             s.bandit.load_state_dict(ck["bandits"][s.rank])
-        s.top1.recent = ck["recent_top1"]
+        key = "recent_top1" if "recent_top1" in ck else "drafter_health"  # its older name
+        s.top1.recent = ck[key]
     except (KeyError, TypeError, ValueError, RuntimeError) as e:  # an older layout of the state
         raise SystemExit(f"error: checkpoint {path} does not fit this version of the code "
                          f"({type(e).__name__}: {e}); delete it or use another --out-dir")
@@ -207,7 +208,7 @@ def rl_step(step, s, observer=None):
     args, t0 = s.args, time.perf_counter()
     # 1. this rank's rows of the step's global batch, each with its key
     problems, keys, _ = rl.step_rows(args, s.task, step, s.rank, s.world_size)
-    # 2. roll out: plain decoding steps while the running batch is large, speculative ones in the tail
+    # 2. roll out: plain decoding steps while the running batch is large, speculative in the tail
     rows = roll_out(s, step, problems, keys, observer)
     t_rollout = time.perf_counter()
     rewards = torch.tensor([s.task.reward(p, r.response)
@@ -239,9 +240,9 @@ def roll_out(s, step, problems, keys, observer):
 
 
 def idle_phase(s, step, rows):
-    """Steps 3-5: the rows staged for the drafter buffer (no copy). On idle time, until the last rank
-    has finished its rollout: first the drafter's top-1 agreement on fresh rows, then its training.
-    The last rank does none of it. Then the weighted sync starts, to overlap the update.
+    """Steps 3-5: the rows staged for the drafter buffer (no copy). On idle time, until the last
+    rank has finished its rollout: first the drafter's top-1 agreement on fresh rows, then its
+    training. The last rank does none of it. Then the weighted sync starts, to overlap the update.
     -> (what idle time did, the sync's finish)."""
     args = s.args
     learned = args.tlt and args.drafter in LEARNED

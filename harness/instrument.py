@@ -169,12 +169,12 @@ class RolloutStats(DecodeStats):
 
     def __post_init__(self):
         super().__post_init__()
-        self._t0 = self._last = time.perf_counter()
+        self.started = self._last = time.perf_counter()  # the clock's zero
 
     def __call__(self, batch, step):
         super().__call__(batch, step)
         now = time.perf_counter()
-        start, end, self._last = self._last - self._t0, now - self._t0, now
+        start, end, self._last = self._last - self.started, now - self.started, now
         if step is None:  # the prefill's first tokens are in; drawn as plain decoding
             self.prefill_time = end
             self.segments.append(["plain", 0.0, end])
@@ -193,7 +193,7 @@ class RolloutStats(DecodeStats):
         share over its n_rows rows, its seconds by batch size (the prefill's at all n_rows); returns
         self."""
         self.settle()  # sync: the counts the steps left on the device, read once
-        self.time = (end or time.perf_counter()) - self._t0
+        self.time = (end or time.perf_counter()) - self.started
         self.tail_share = tail_share(self.batch_sizes, self.step_times, self.time, n_rows)
         prefill = [(n_rows, self.prefill_time, False)] if n_rows else []  # plain, at the full batch size
         self.by_batch = seconds_by_batch(prefill + list(zip(self.batch_sizes, self.step_times, self.spec_steps)))

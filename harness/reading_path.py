@@ -19,7 +19,7 @@ own functions (tasks/) are left out, as the task is not the technique.
 - By name: a call `f(...)` or `x.f(...)` in the core reaches every core function or method named f,
   and a call of a class reaches its __init__. In the harness, it reaches the harness's too. A call
   of a seam's name in the core (`observer(...)`, `barrier()`, `.propose(...)`) also reaches what
-  train.run hands in there. A method called on `super()` is the parent class's (torch's for the
+  train.run hands in there; where that is a lambda, the function that makes it holds its lines. A method called on `super()` is the parent class's (torch's for the
   core's modules: not followed); one called on the task (`task.f`, `s.task.f`) is the task's: not
   followed. What only a setting the default run leaves off runs (TLT_DEBUG=1, --sampler
   rejection) is not walked: NOT_IN_A_DEFAULT_STEP names it.
@@ -400,8 +400,9 @@ def trace(train_argv):
     seen, root = set(), ROOT + os.sep
 
     def profile(frame, event, arg):
-        file, name = frame.f_code.co_filename, frame.f_code.co_qualname
-        if event == "call" and file.startswith(root) and "<" not in name:
+        file = frame.f_code.co_filename
+        name = frame.f_code.co_qualname.split(".<locals>")[0]  # a nested function: the one around it
+        if event == "call" and file.startswith(root) and not name.startswith("<"):
             module = os.path.splitext(os.path.basename(file))[0]
             if module in CORE + HARNESS:
                 seen.add(name if "." in name else f"{module}.{name}")

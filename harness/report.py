@@ -66,18 +66,20 @@ def step_record(s, step, result, stats):
     """The step's metrics.jsonl record, from this rank's part and every rank's (summed, gathered),
     and every rank's part (the timeline draws their segments). Built by train.run after the step,
     from what the step handed back. s: train.RunState; result: train.StepResult; stats: the
-    instrument.RolloutStats that observed the step's rollout (its clock started with the step)."""
+    instrument.RolloutStats that observed the step's rollout, made just before the step: the
+    timeline's segments are on its clock."""
     problems, rows, idle, (agree, positions), update, times = result
-    _, _, idle_start, t_update, t1 = (t - times[0] for t in times)  # on the step's clock
+    t_start, t_rollout, t_idle, t_update, t_end = times
     all_rewards, responses, (loss, clip, skipped) = update
-    stats.finish(len(rows), end=times[1])
+    stats.finish(len(rows), end=t_rollout)
     stats.draft_time = s.rollout_drafter.lap() if s.rollout_drafter else 0.0
+    idle_start, update_start = t_idle - stats.started, t_update - stats.started  # on stats' clock
     busy = idle["busy"]
     segments = stats.segments + ([["train", idle_start + busy[0], idle_start + busy[1]]] if busy else [])
     segments.append(["wait", segments[-1][2] if segments else idle_start, idle_start + idle["seconds"]])
     local = {"rank": s.rank, "rollout_time": stats.time, "draft_time": stats.draft_time,
              "idle_time": idle["seconds"], "drafter_steps": idle["steps"],
-             "wait_to_update": t_update - stats.time, "drafter_skipped": idle["skipped"],
+             "wait_to_update": update_start - stats.time, "drafter_skipped": idle["skipped"],
              "tokens": stats.tokens, "drafter_checksum": checksum(s.drafter), "rows": len(rows),
              "tail_share": stats.tail_share, "buffer_tokens": s.buffer.held_tokens(), "segments": segments,
              "by_batch": stats.by_batch}
@@ -88,8 +90,8 @@ def step_record(s, step, result, stats):
               **position_counts(stats, max(s.args.draft_ks)), **size_counts(stats, [p.size for p in problems], s.task)}
     # the top-1 counts were summed over ranks by the drafter sync (scheduler.start_drafter_sync)
     total = {**all_sum(counts, s.device), "top1_agree": agree, "top1_positions": positions}
-    rec, ranks = rank_record(step, local, total, all_rewards, responses, t1, t1 - t_update,
-                             timeline=timeline_due(step, s.args))
+    rec, ranks = rank_record(step, local, total, all_rewards, responses, t_end - t_start,
+                             t_end - t_update, timeline=timeline_due(step, s.args))
     rec.update(loss=loss, clip_frac=clip, skipped_update=skipped, drafter_lr=idle["lr"],
                drafter_depth=idle["depth"], recent_top1=idle["recent_top1"],
                bandit_best=best_arms(s.bandit))

@@ -265,7 +265,8 @@ def test_the_idle_ranks_train_the_drafter_as_hard_as_its_top1_asks():
 
 def test_the_slowest_ranks_rows_are_scored_on_its_next_idle_turn_one_step_back_at_most(monkeypatch):
     """Top1.start_step puts the pieces the last step left unscored (the slowest rank has no idle
-    time) before this step's, into this step's counts; pieces two steps old are dropped."""
+    time) before this step's, into this step's counts; end_step keeps only the step's own rows of
+    what is left, so pieces two steps old are dropped and never held through another rollout."""
     import scheduler
 
     def pieces(drafter, rows, into, piece_tokens):  # a piece per row: it scores 1 of its `row` positions
@@ -276,12 +277,16 @@ def test_the_slowest_ranks_rows_are_scored_on_its_next_idle_turn_one_step_back_a
     monkeypatch.setattr(scheduler, "top1_pieces", pieces)
     top1 = scheduler.Top1()
     assert len(top1.start_step(None, [2, 3], 64)) == 2  # the slowest rank: nothing scored
+    top1.end_step(0, 0)
+    assert len(top1.pending) == 2  # both carried
     work = top1.start_step(None, [4], 64)
     assert len(work) == 3
     work.popleft()()  # an idle turn scores the oldest first
     assert top1.counts == [1, 2]
+    top1.end_step(1, 2)
+    assert len(top1.pending) == 1  # step 1's row 3 is two steps old now: dropped, row 4 carried
     work = top1.start_step(None, [5], 64)
-    assert len(work) == 2  # step 1's row 3 was two steps old: dropped
+    assert len(work) == 2
     while work:
         work.popleft()()
     assert top1.counts == [2, 4 + 5]  # row 4 carried, then row 5, into this step's counts
