@@ -157,7 +157,7 @@ class Top1:
         rows. -> the deque that the idle loop takes pieces from."""
         fresh = top1_pieces(drafter, rows, self.counts, piece_tokens)
         self.pending.extend(fresh)
-        self.n_new, self.counts[:] = len(fresh), [0, 0]
+        self.n_new, self.counts[:] = len(fresh), [0, 0]  # in place: carried pieces add here too
         return self.pending
 
     def end_step(self, agree, positions):

@@ -17,19 +17,21 @@ The walk starts at train.rl_step and follows calls, mechanically, through the co
 train.py, and through the harness files that make what train.run hands the step (SEAMS); a task's
 own functions (tasks/) are left out, as the task is not the technique.
 - By name: a call `f(...)` or `x.f(...)` in the core reaches every core function or method named f,
-  and a call of a class reaches its __init__. In the harness, it reaches the harness's too. A call
-  of a seam's name in the core (`observer(...)`, `barrier()`, `.propose(...)`) also reaches what
-  train.run hands in there; where that is a lambda, the function that makes it holds its lines. A method called on `super()` is the parent class's (torch's for the
-  core's modules: not followed); one called on the task (`task.f`, `s.task.f`) is the task's: not
-  followed. What only a setting the default run leaves off runs (TLT_DEBUG=1, --sampler
-  rejection) is not walked: NOT_IN_A_DEFAULT_STEP names it.
+  and a call of a class reaches its __init__; in the harness, the harness's too. A call of a seam's
+  name in the core (`observer(...)`, `barrier()`, `.propose(...)`) also reaches what train.run hands
+  in there (a lambda counts as the function that makes it). A method called on `super()` is the
+  parent class's (torch's for the core's modules: not followed); one called on the task (`task.f`,
+  `s.task.f`) is the task's: not followed. What runs only under a setting the default run leaves off
+  (TLT_DEBUG=1, --sampler rejection) is not walked: NOT_IN_A_DEFAULT_STEP names it.
 - Module calls: a call of an expression that holds a core module reaches that class's forward
-  (nn.Module.__call__ runs it), and one that holds a harness object its __call__. What an
-  expression holds is read from names, not types: `self` holds its own class; a variable holds the
-  class it is named after, in lower case (`block`, `drafter`), and `target`, `model` and `net` hold GPT (the core's names for the target); `x.a`
-  holds what the __init__ of x's class assigns to `self.a`, a module, a list of them, or a variable
-  (`self.attn = Attention(config)`, `self.blocks = nn.ModuleList(Block(config) ...)`,
-  `self.target = target`). So `self.target(...)` reaches GPT.forward, `torch.stack(...)` nothing.
+  (nn.Module.__call__ runs it), and one that holds a harness object its __call__; reading a
+  property of it runs the property, and len(x) a __len__. What an expression holds is read from
+  names, not types: `self` holds its own class; a variable holds the class it is named after, in
+  lower case (`block`, `drafter`); `target`, `model` and `net` hold GPT and `batch` a RunningBatch
+  (the core's names for them); `x.a` holds what the __init__ of x's class assigns to `self.a`, a
+  module, a list of them, or a variable (`self.attn = Attention(config)`,
+  `self.blocks = nn.ModuleList(Block(config) ...)`, `self.target = target`). So `self.target(...)`
+  reaches GPT.forward, `torch.stack(...)` nothing.
 The walk is depth first, a function's calls in the order they are written, so the rows read as the
 step runs: a row's place is where the walk first reaches its first function, except the helper
 rows (the noise's hashing), which the step reaches through the prefill but which are read after the
