@@ -20,16 +20,14 @@ The buffer keeps recent (tokens, hidden states); `train_step` serves the warm-up
 
 Test: python -m pytest tests/test_drafter.py
 """
-import bisect
-import math
-from collections import OrderedDict, deque
+from collections import deque
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from model import Blocks, KVCache, LayerNorm
+from model import Blocks, KVCache
 
 HIDDEN_WEIGHT = 1.0
 CE_WEIGHT = 0.1
@@ -44,7 +42,7 @@ class Drafter(nn.Module):
         self.__dict__["target"] = target  # shared, frozen, out of state_dict() and parameters()
         self.in_proj = nn.Linear(2 * C, C, bias=False)
         self.stack = Blocks(self.config, n_layer)
-        self.norm = LayerNorm(C)
+        self.norm = nn.LayerNorm(C, bias=False)
         for p in self.parameters():
             if p.dim() == 2:
                 nn.init.normal_(p, mean=0.0, std=0.02)
@@ -62,37 +60,32 @@ class Drafter(nn.Module):
 
     def propose(self, batch, k):
         """Draft k tokens per row of a speculative.RunningBatch -> drafts (B, k) and, with rejection
-        sampling, their distributions q (B, k, V). It catches up on the target states recorded
-        since it last drafted, then drafts, feeding back its own states. Draft i is the sampler's
-        choice at position L + 1 + i. Its cache lives on the batch, which moves it with the rows."""
+        sampling, their distributions q (B, k, V). It reads the batch's tokens, hidden states and
+        n_tokens, picks drafts with its sampler, and keeps its KV cache in batch.draft_cache.
+
+        First it catches up: row b reads the pairs (h_j, x_{j+1}) recorded since it last drafted,
+        j = its cache length .. L - 1, in one pass as wide as the longest such run (the shorter
+        ones read past their end, and those entries are dropped). Then it drafts k, feeding back
+        its own predicted state; draft i is the sampler's choice at position L + 1 + i."""
         B, L = batch.batch_size, batch.n_tokens - 1  # L (B,): the target cache's length
         if batch.draft_cache is None:  # the switch to speculation: no recorded state read yet
             batch.draft_cache = self.new_cache(B, batch.cache.max_len, dtype=batch.cache.kv.dtype)
-            batch.drafter_lag_bound = batch.longest_row_bound
-        cache = batch.draft_cache
-        # Catch up in one pass, as wide for every row: row b re-reads its last `window` pairs
-        # (h_j, x_{j+1}), j = L - window .. L - 1, where `window` bounds how many any row has not
-        # read. A row with L < window starts at j = 0 and also reads pairs past its end.
-        window = min(batch.drafter_lag_bound, batch.longest_row_bound - 1)
-        start = (L - window).clamp_(min=0)  # (B,) the first pair each row re-reads
-        j = start[:, None] + batch.cache.position_ids[:window]  # (B, window)
-        cache.lengths, cache.keys_to_read = start, batch.longest_row_bound - 1
-        rows = batch.cache.slot_ids[:, None]
-        logits, h = self(batch.hidden[rows, j], batch.tokens.gather(1, j + 1), cache)
-        last = (L - 1 - start)[:, None, None]  # (B, 1, 1): the column of pair L - 1
-        logits = logits.gather(1, last.expand(B, 1, logits.shape[-1]))  # (B, 1, V)
-        h = h.gather(1, last.expand(B, 1, h.shape[-1]))  # (B, 1, C)
-        cache.lengths = L  # drops the pairs read past a row's end: never read again
+        cache, rows = batch.draft_cache, torch.arange(B, device=L.device)[:, None]
+        start = cache.lengths  # (B,) the first pair each row has not read
+        unread = int((L - start).max())  # sync: the longest run of unread pairs
+        j = start[:, None] + torch.arange(unread, device=L.device)  # (B, unread)
+        logits, h = self(batch.hidden[rows, j], batch.tokens[rows, j + 1], cache)
+        latest = (L - 1 - start)[:, None]  # (B, 1): the column of pair L - 1
+        logits, h = logits[rows, latest], h[rows, latest]  # (B, 1, V), (B, 1, C)
+        cache.lengths = L  # drops the pairs read past a row's end
         drafts, qs = [], []
         for i in range(k):  # draft k tokens, feeding back its own state
-            d, q = batch.sampler.choose(logits, slice(i, i + 1))  # (B, 1), (B, 1, V) or None
+            d, q = batch.sampler.choose(logits, batch.n_tokens[:, None] + i)  # (B, 1), q or None
             drafts.append(d)
             qs.append(q)
             if i + 1 < k:
-                cache.keys_to_read = batch.longest_row_bound + i
                 logits, h = self(h, d, cache)  # (B, 1, V), (B, 1, C)
-        cache.lengths = L  # entries built on guessed states are redone next step
-        batch.drafter_lag_bound = 0  # it has read every recorded state; the step adds k + 1
+        cache.lengths = L  # entries built on its own guesses are redone next step
         return torch.cat(drafts, 1), None if qs[0] is None else torch.cat(qs, 1)
 
     def new_cache(self, batch_size, max_len=None, device=None, dtype=None):
@@ -103,97 +96,56 @@ class Drafter(nn.Module):
 
 class DrafterBuffer:
     """The (tokens, target hidden states) of the last `keep_steps` RL steps, at most `keep_tokens`
-    tokens in all (None: no bound); the oldest go first. On the critical path a rollout's rows are
-    only staged (`add_rows`, no copy); idle turns store them on the host, a piece at a time
-    (`store_staged`, in `dtype`). Both bounds count staged and stored rows together, so a rank
-    that never idles holds no more. Stored sequences are kept sorted by length (`by_len`).
+    tokens in all (None: no bound); the oldest go first, the newest always stays. The hidden states
+    are kept on the host in `dtype`.
 
-    An approximation: a stored row keeps the hidden states of the step that sampled it, up to
-    keep_steps RL steps ago, while the loss reads them through today's LM head. Recomputing them
-    would cost a target forward per row. Each RL step moves the target by one small optimizer
-    step, and the window trades fresh rows against more of them."""
+    An approximation: a row keeps the hidden states of the step that sampled it, up to keep_steps
+    RL steps ago, while the loss reads them through today's LM head. Recomputing them would cost a
+    target forward per row. Each RL step moves the target by one small optimizer step, and the
+    window trades fresh rows against more of them."""
 
     def __init__(self, keep_steps=32, keep_tokens=None, dtype=torch.float32):
         self.keep_steps, self.keep_tokens, self.dtype = keep_steps, keep_tokens, dtype
-        self.stored = OrderedDict()  # serial -> (step, tokens (N,), hidden (N-1, C), prompt_len)
-        self.by_len = []  # sorted (N, serial) of the stored sequences
-        self.staged = deque()  # (step, FinishedRow) not yet stored, oldest first
-        self.stored_tokens = self.staged_tokens = 0
-        self.newest, self.serial = -math.inf, 0
-
-    @property
-    def items(self):
-        """The stored sequences, oldest first (a copy of the list)."""
-        return list(self.stored.values())
-
-    def held_tokens(self):
-        return self.stored_tokens + self.staged_tokens
+        self.items = deque()  # (step, tokens (N,), hidden (N-1, C), prompt_len), oldest first
+        self.tokens = 0
 
     def add(self, step, tokens, hidden, prompt_len):
-        """Store one sequence now; hidden[j] is the target's state after reading tokens[j]."""
+        """Store one sequence; hidden[j] is the target's state after reading tokens[j]."""
         if hidden.shape[0] != tokens.shape[0] - 1:
             raise ValueError(f"need one hidden state per token but the last: {tokens.shape[0]} "
                              f"tokens, {hidden.shape[0]} states")
-        n = tokens.shape[0]
-        hidden = hidden.detach().to(self.dtype).cpu()
-        self.stored[self.serial] = (step, tokens.cpu(), hidden, int(prompt_len))
-        bisect.insort(self.by_len, (n, self.serial))
-        self.serial += 1
-        self.stored_tokens += n
-        self._bound(step)
+        self.items.append((step, tokens.cpu(), hidden.detach().to(self.dtype).cpu(), prompt_len))
+        self.tokens += tokens.shape[0]
+        while len(self.items) > 1 and (self.items[0][0] <= step - self.keep_steps or (
+                self.keep_tokens is not None and self.tokens > self.keep_tokens)):
+            self.tokens -= self.items.popleft()[1].shape[0]
 
     def add_rows(self, step, rows):
-        """A rollout's finished rows (speculative.FinishedRow), staged without a copy."""
+        """A rollout's finished rows (speculative.FinishedRow)."""
         for r in rows:
-            self.staged.append((step, r))
-            self.staged_tokens += r.tokens.shape[0]
-        self._bound(step)
-
-    def store_staged(self, max_tokens=None):
-        """Store staged rows, oldest first, about max_tokens tokens of them (at least one row):
-        one idle piece. Returns the tokens stored."""
-        done = 0
-        while self.staged and (done == 0 or max_tokens is None
-                               or done + self.staged[0][1].tokens.shape[0] <= max_tokens):
-            step, r = self.staged.popleft()
-            self.staged_tokens -= r.tokens.shape[0]
-            done += r.tokens.shape[0]
             self.add(step, r.tokens, r.hidden, r.prompt_len)
-        return done
-
-    def _bound(self, step):
-        """Drop the oldest sequences, stored ones first, while one is older than the last
-        keep_steps steps or the held tokens exceed keep_tokens; the newest always stays."""
-        self.newest = max(self.newest, step)
-
-        def too_much(oldest_step):
-            over = self.keep_tokens is not None and self.held_tokens() > self.keep_tokens
-            return oldest_step <= self.newest - self.keep_steps or (
-                over and len(self.stored) + len(self.staged) > 1)
-        while self.stored and too_much(next(iter(self.stored.values()))[0]):
-            serial, (_, tokens, _, _) = self.stored.popitem(last=False)
-            del self.by_len[bisect.bisect_left(self.by_len, (tokens.shape[0], serial))]
-            self.stored_tokens -= tokens.shape[0]
-        while not self.stored and self.staged and too_much(self.staged[0][0]):
-            self.staged_tokens -= self.staged.popleft()[1].tokens.shape[0]
 
     def __len__(self):
-        return len(self.stored)
-
-    def num_tokens(self):
-        return self.stored_tokens
+        return len(self.items)
 
     def sample(self, batch_size, rng, device="cpu", max_tokens=None):
-        """A padded batch (`pair_batch`) of a window of the length-ordered sequences: long-tailed
-        lengths batched uniformly would be mostly padding. The window's start is uniform over
-        -(batch_size - 1) .. len - 1, so every sequence, the longest too, is drawn equally often.
-        max_tokens: only the window's longest that fit in that many padded positions (>= 1)."""
-        start = rng.randrange(-(batch_size - 1), len(self.by_len))
-        window = self.by_len[max(start, 0):start + batch_size]
-        chosen = [self.stored[serial] for _, serial in window]
+        """A padded batch (`pair_batch`) of up to batch_size sequences drawn at random. With
+        max_tokens, the batch holds at most that many padded positions: a longer sequence is cut to
+        a random window of max_tokens tokens, and sequences are dropped until the rest fit."""
+        seqs = [self.items[i][1:] for i in rng.sample(range(len(self)), min(batch_size, len(self)))]
         if max_tokens is not None:
-            chosen = chosen[-max(1, max_tokens // chosen[-1][1].shape[0]):]
-        return pair_batch([(tokens, hidden, plen) for _, tokens, hidden, plen in chosen], device)
+            seqs = [crop(s, max_tokens, rng) for s in seqs]
+            while len(seqs) * max(len(tokens) for tokens, _, _ in seqs) > max_tokens:
+                seqs.pop()
+        return pair_batch(seqs, device)
+
+
+def crop(seq, n, rng):
+    """(tokens (N,), hidden (N-1, C), prompt_len) -> the same for a random window of at most n
+    tokens; a window that starts in the response keeps a prompt length of 0."""
+    tokens, hidden, prompt_len = seq
+    start = rng.randrange(max(len(tokens) - n, 0) + 1)
+    return tokens[start:start + n], hidden[start:start + n - 1], max(prompt_len - start, 0)
 
 
 def pair_batch(seqs, device="cpu"):

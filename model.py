@@ -46,47 +46,14 @@ class KVCache:
         self.kv = torch.zeros(shape, device=device, dtype=dtype)  # k, v side by side: one write
         self.lengths = torch.zeros(batch_size, dtype=torch.long, device=device)
         self.max_len = max_len
-        # How many positions the next forward's attention reads, >= max(lengths) + T. Given by the
-        # host, it saves that forward a device read (None: it reads the lengths, a sync).
-        self.keys_to_read = None
-        # made once: a slice is free, a fresh arange is a kernel launch
-        self.position_ids = torch.arange(max_len, device=device)  # 0 .. max_len - 1
-        self.slot_ids = torch.arange(batch_size, device=device)  # 0 .. B - 1
-
-    @property
-    def k(self):
-        return self.kv[:, 0]  # (n_layer, B, n_head, max_len, head_dim)
 
     @property
     def batch_size(self):
         return self.lengths.shape[0]
 
-    def compact(self, n, holes=None, movers=None):
-        """Slots `holes` take the rows of slots `movers`, then the cache keeps its first n slots.
-        Both are index tensors on the device (a list would be a copy from the host)."""
-        if holes is not None:  # the right side is a copy: safe in any order
-            self.kv[:, :, holes] = self.kv[:, :, movers]
-            self.lengths = self.lengths.index_copy(0, holes, self.lengths[movers])
-        self.kv, self.lengths = self.kv[:, :, :n], self.lengths[:n]
-        self.slot_ids = self.slot_ids[:n]
-
-
-class LayerNorm(nn.LayerNorm):
-    """LayerNorm without bias: one fused kernel (RMSNorm is a few). It runs in its weight's dtype
-    under autocast too, switched off by hand (cheaper than a context manager)."""
-
-    def __init__(self, n_embd):
-        super().__init__(n_embd, bias=False)
-
-    def forward(self, x):
-        dev = x.device.type
-        if not torch.is_autocast_enabled(dev):
-            return super().forward(x)
-        torch.set_autocast_enabled(dev, False)
-        try:  # the residual stream is in the weight's dtype already: the cast is for other inputs
-            return super().forward(x.to(self.weight.dtype))
-        finally:
-            torch.set_autocast_enabled(dev, True)
+    def compact(self, live):
+        """Keep only the rows `live` (a list of row indices, in order)."""
+        self.kv, self.lengths = self.kv[:, :, live], self.lengths[live]
 
 
 class Attention(nn.Module):
@@ -120,9 +87,9 @@ class Attention(nn.Module):
 class Block(nn.Module):
     def __init__(self, config):
         super().__init__()
-        self.norm1 = LayerNorm(config.n_embd)
+        self.norm1 = nn.LayerNorm(config.n_embd, bias=False)
         self.attn = Attention(config)
-        self.norm2 = LayerNorm(config.n_embd)
+        self.norm2 = nn.LayerNorm(config.n_embd, bias=False)
         self.fc = nn.Linear(config.n_embd, 4 * config.n_embd, bias=False)
         self.out = nn.Linear(4 * config.n_embd, config.n_embd, bias=False)
 
@@ -167,10 +134,8 @@ class Blocks(nn.Module):
             pos = torch.arange(T, device=x.device).expand(B, T)
             n_keys, limit = T, self.config.block_size
         else:
-            pos = cache.lengths[:, None] + cache.position_ids[:T]  # (B, T)
-            n_keys, cache.keys_to_read = cache.keys_to_read, None  # given for one forward only
-            if n_keys is None:
-                n_keys = int(cache.lengths.max()) + T  # sync: none given, read the longest row
+            pos = cache.lengths[:, None] + torch.arange(T, device=x.device)  # (B, T)
+            n_keys = int(cache.lengths.max()) + T  # sync: attention reads up to the longest row
             limit = min(cache.max_len, self.config.block_size)
         if n_keys > limit:
             raise ValueError(f"position {n_keys - 1} is past the model's {limit} positions")
@@ -178,12 +143,8 @@ class Blocks(nn.Module):
         rot = torch.view_as_complex(self.rope[pos]).permute(2, 0, 1, 3)[:, :, None]
         write_at, mask = None, past_mask
         if cache is not None:  # a query at position p sees keys 0..p of its own row, nothing stale
-            write_at = (cache.slot_ids[:, None], pos)  # row b's new keys and values go at pos[b]
-            # in the dtype SDPA computes in (the autocast one, if on), so it casts nothing per layer
-            dev = x.device.type
-            dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
-            unseen = cache.position_ids[:n_keys] > pos[:, None, :, None]  # (B, 1, T, n_keys)
-            mask = unseen.new_zeros(unseen.shape, dtype=dtype).masked_fill_(unseen, float("-inf"))
+            write_at = (torch.arange(B, device=x.device)[:, None], pos)  # row b's go at pos[b]
+            mask = torch.arange(n_keys, device=x.device) <= pos[:, None, :, None]  # (B,1,T,keys)
         past = past if past is not None else [None] * len(self.blocks)
         for i, block in enumerate(self.blocks):
             # block i's cache slice, taken here: taken before block i - 1 writes, it breaks autograd
@@ -200,7 +161,7 @@ class GPT(nn.Module):
         self.config = config
         self.wte = nn.Embedding(config.vocab_size, config.n_embd)
         self.stack = Blocks(config, config.n_layer)
-        self.norm = LayerNorm(config.n_embd)
+        self.norm = nn.LayerNorm(config.n_embd, bias=False)
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         self.lm_head.weight = self.wte.weight  # tied: the drafter shares both through the target
         for module in self.modules():

@@ -16,19 +16,18 @@ by the tokens per second it delivered. The switch to speculation costs no second
 drafter catches up from the hidden states the running batch records for every token, and the same
 states go to the drafter's buffer.
 
-The hot loop reads the device once per step, in compaction (which rows finished); the bandit's
-clock and token count ride on that read. What a rollout decoded and how long it took is counted
-outside the engine, by an observer it calls after every step (the harness's RolloutStats).
+The decoding loop itself is `speculative.decode`, shared with the generate functions; the engine
+is the policy it asks for k each step (`TailPolicy`). What a rollout decoded and how long it took
+is counted outside the engine, by an observer called after every step (the harness's RolloutStats).
 
 Test: python -m pytest tests/test_rollout.py
 """
 import random
-import time
 from collections import deque
 
 import torch
 
-from speculative import DecodeStep, RunningBatch
+from speculative import RunningBatch, decode
 
 ARMS = (0, 1, 2, 3, 4, 6, 8)
 
@@ -78,33 +77,33 @@ class Bandit:
         self.rng.setstate((state["rng_version"], tuple(state["rng"]), None))
 
 
+class TailPolicy:
+    """The engine's choice of k for `speculative.decode`: 0 (a plain step) while the running batch
+    is larger than `threshold`, the bandit's k at or below it, where each step's throughput scores
+    the k it used."""
+
+    def __init__(self, bandit, threshold):
+        self.bandit, self.threshold = bandit, threshold
+
+    def choose(self, batch_size):
+        return self.bandit.choose(batch_size) if batch_size <= self.threshold else 0
+
+    def update(self, batch_size, k, tokens, seconds):
+        if batch_size <= self.threshold:  # score k by the tokens per second it delivered
+            self.bandit.update(batch_size, k, tokens, seconds)
+
+
 @torch.no_grad()
 def rollout(target, drafter, prompts, max_new_tokens, *, sd_threshold=64, bandit=None,
             observer=None, **sampling):
     """Generate for every prompt -> results[i], row i's speculative.FinishedRow (tokens, hidden
     states, response). With drafter None it decodes plainly. `sampling` takes speculative.Sampling's
     fields by name; with "gumbel" the tokens depend on neither the drafter, the threshold nor the
-    bandit. observer(batch, step) runs after the prefill (step None) and each step's compaction."""
+    bandit. observer(batch, step) runs after the prefill (step None) and each step."""
     if not prompts:
         return []
     bandit = bandit if bandit is not None else Bandit()
     max_draft = max(bandit.arms) if drafter is not None else 0
     batch = RunningBatch(target, prompts, max_new_tokens, max_draft=max_draft, **sampling)
-    running = batch.compact()  # sync: the step's one read, here the prefill's first tokens
-    if observer:
-        observer(batch, None)
-    while running:
-        B = batch.batch_size
-        in_tail = drafter is not None and B <= sd_threshold  # the bandit decides here
-        k = bandit.choose(B) if in_tail else 0
-        t0, before = time.perf_counter(), batch.n_generated
-        if k:  # the tail: draft k, verify them in one target pass
-            n_emitted, n_acc = batch.speculative_step(drafter, k)
-        else:  # a big batch, or the bandit's k = 0: one token per row
-            n_emitted, n_acc = batch.plain_step(), None
-        running = batch.compact()  # sync: which rows finished; it waits for the step's kernels
-        if in_tail:  # score k by the tokens per second it delivered
-            bandit.update(B, k, batch.n_generated - before, time.perf_counter() - t0)
-        if observer:
-            observer(batch, DecodeStep(B, k, n_emitted, n_acc))
-    return batch.results
+    policy = TailPolicy(bandit, sd_threshold) if drafter is not None else None
+    return decode(batch, drafter, policy, observer)

@@ -10,8 +10,8 @@ it works for the drafter, one short piece at a time:
         one piece of drafter work
 
 That is how idle time becomes drafter training, with torch.distributed alone. A piece is short
-(scoring a few fresh rows, storing a few staged rows, or one drafter step that can stop between its
-passes), because the last rank waits for the piece in flight. The last rank itself does none.
+(scoring a few fresh rows, or one drafter step that can stop between its passes), because the last
+rank waits for the piece in flight. The last rank itself does none.
 
 Then every rank holds the same drafter again. The weights are averaged, weighted by each rank's
 local drafter steps, in one all-reduce that overlaps the target's update. Each rank's AdamW moments
@@ -43,7 +43,7 @@ class IdleWork:
     train: bool = True  # train it (--drafter-updates); else only the scoring
     batch_size: int = 8  # sequences per drafter step
     depth: int = 3  # chained passes per drafter step
-    piece_tokens: int = 128  # padded positions in one piece of idle work, at most
+    piece_tokens: int = 128  # padded positions in one drafter step, at most
 
 
 def many_ranks():
@@ -55,7 +55,7 @@ def idle_train(drafter, optimizer, buffer, rng, work, scoring=(), barrier=None, 
     steps, idle seconds, busy). busy is [start, end] of the turns that did work (None: none did).
 
     scoring: a deque of pieces that score the drafter on fresh rows. They run one per turn, before
-    any training; the ones left when the last rank arrives stay in the deque. barrier: makes the
+    any training; the ones left when the last rank arrives are dropped. barrier: makes the
     async barrier (default dist.barrier(async_op=True)); the harness passes one that also checks
     that slow ranks are alive. grace_s is short because a barrier's round trip takes well under a
     millisecond, and every millisecond of grace is idle time that trains nothing."""
@@ -72,8 +72,6 @@ def idle_train(drafter, optimizer, buffer, rng, work, scoring=(), barrier=None, 
         start = time.perf_counter() - t0
         if scoring:
             scoring.popleft()()
-        elif work.train and buffer.staged:  # the step's rows to the host, a piece a turn
-            buffer.store_staged(work.piece_tokens)
         elif work.train and len(buffer):
             batch = buffer.sample(work.batch_size, rng, drafter.in_proj.weight.device,
                                   work.piece_tokens)  # at most piece_tokens padded positions
@@ -91,8 +89,8 @@ def idle_train(drafter, optimizer, buffer, rng, work, scoring=(), barrier=None, 
 
 def top1_pieces(drafter, rows, into, piece_tokens):
     """Pieces of idle work that score the drafter's teacher-forced top-1 agreement on a rollout's
-    finished rows (speculative.FinishedRow), rows of similar lengths at a time, adding (agreeing
-    positions, positions) to `into`. They run before the drafter trains on these rows."""
+    finished rows (speculative.FinishedRow), adding (agreeing positions, positions) to `into`: rows
+    of similar lengths at a time, about piece_tokens padded positions (one row, if longer)."""
     def score(piece):
         batch = pair_batch([(r.tokens, r.hidden, r.prompt_len) for r in piece],
                            drafter.in_proj.weight.device)
@@ -100,7 +98,7 @@ def top1_pieces(drafter, rows, into, piece_tokens):
         into[0] += agree
         into[1] += n
     pieces = group_by_length(rows, lambda r: r.tokens.shape[0], piece_tokens)
-    return [lambda piece=piece: score(piece) for piece in pieces if piece]
+    return deque(lambda piece=piece: score(piece) for piece in pieces if piece)
 
 
 @torch.no_grad()
@@ -136,36 +134,18 @@ TOP1_STEPS = 5  # RL steps whose figures make the recent top-1
 
 
 class Top1:
-    """The drafter's top-1 agreement with the target on fresh rows (rows it has not trained on yet):
-    the figure that sets how hard idle ranks train it.
-
-    Each rank scores its own rollout's rows on idle time, in pieces, before it trains on them. The
-    slowest rank has no idle time, and its rows are the long tail itself, so it scores them first
-    on its next idle turn. Only one step's unscored rows are carried: a rank slowest twice in a row
-    drops the older ones, and a resumed run starts with none.
-    Each step's counts are summed over ranks in the drafter sync, and the last TOP1_STEPS steps'
-    sums make the recent figure, the same on every rank."""
+    """The drafter's recent top-1 agreement with the target on fresh rows (rows it has not trained
+    on yet): the figure that sets how hard idle ranks train it. Each rank scores its own rows on
+    idle time (`top1_pieces`), before it trains on them; the slowest rank has no idle time, so its
+    rows go unscored. Each step's counts are summed over ranks in the drafter sync, so every rank
+    keeps the same figure: the last TOP1_STEPS steps' sums together."""
 
     def __init__(self):
         self.recent = []  # [agreeing, positions] per RL step, summed over ranks
-        self.pending = deque()  # scoring pieces not run yet, the carried ones first
-        self.n_new = 0  # how many of `pending` the last step added
-        self.counts = [0, 0]  # this step's [agreeing, positions] on this rank
 
-    def start_step(self, drafter, rows, piece_tokens):
-        """This step's scoring work: what the last step left unscored, then pieces for this step's
-        rows. -> the deque that the idle loop takes pieces from."""
-        fresh = top1_pieces(drafter, rows, self.counts, piece_tokens)
-        self.pending.extend(fresh)
-        self.n_new, self.counts[:] = len(fresh), [0, 0]  # in place: carried pieces add here too
-        return self.pending
-
-    def end_step(self, agree, positions):
-        """Keep one step's counts, summed over ranks (a step with none scored adds nothing), and of
-        the pieces not run only this step's rows: older ones are dropped, not carried again."""
-        if positions:
+    def add(self, agree, positions):
+        if positions:  # a step with nothing scored adds nothing
             self.recent = (self.recent + [[agree, positions]])[-TOP1_STEPS:]
-        self.pending = deque(list(self.pending)[-self.n_new:] if self.n_new else [])
 
     def mean(self):
         """The recent figure, or None before any step was scored."""

@@ -39,7 +39,8 @@ from harness.model_free import LEARNED, proposer
 from harness.report import log_step, next_lines, plan_line, step_record
 from harness.summary import summary
 from rollout import Bandit, rollout
-from scheduler import IdleWork, Top1, drafter_schedule, idle_train, start_drafter_sync
+from scheduler import (IdleWork, Top1, drafter_schedule, idle_train, start_drafter_sync,
+                       top1_pieces)
 from harness.warmup import drafter_meta, prepare_models
 
 
@@ -219,7 +220,7 @@ def rl_step(step, s, observer=None):
     # 6. advantages over the global batch, one GRPO update of the target under DDP
     t_update, update = update_target(s, rows, rewards)
     top1 = finish_sync()  # the averaged drafter is in; the top-1 counts summed over ranks
-    s.top1.end_step(*top1)
+    s.top1.add(*top1)
     if s.device.type == "cuda":
         torch.cuda.synchronize()  # sync: the optimizer step may still be queued
     # 7. (in `run`) the step's record, logged by rank 0
@@ -240,25 +241,25 @@ def roll_out(s, step, problems, keys, observer):
 
 
 def idle_phase(s, step, rows):
-    """Steps 3-5: the rows staged for the drafter buffer (no copy). On idle time, until the last
-    rank has finished its rollout: first the drafter's top-1 agreement on fresh rows, then its
-    training. The last rank does none of it. Then the weighted sync starts, to overlap the update.
+    """Steps 3-5: the rows into the drafter buffer. On idle time, until the last rank has finished
+    its rollout: first the drafter's top-1 agreement on these fresh rows, then its training. The
+    last rank does none of it. Then the weighted sync starts, to overlap the update.
     -> (what idle time did, the sync's finish)."""
     args = s.args
     learned = args.tlt and args.drafter in LEARNED
     train_drafter = learned and args.drafter_updates
     if train_drafter:
         s.buffer.add_rows(step, rows)
-    recent = s.top1.mean()
+    recent, counts = s.top1.mean(), [0, 0]  # this rank's top-1 counts: agreeing, positions
     lr, depth = drafter_schedule(args, step, recent)
     for g in s.d_opt.param_groups:
         g["lr"] = lr
-    scoring = s.top1.start_step(s.drafter, rows, args.drafter_idle_tokens) if learned else deque()
+    scoring = top1_pieces(s.drafter, rows, counts, args.drafter_idle_tokens) if learned else deque()
     work = IdleWork(train_drafter, args.drafter_batch, depth, args.drafter_idle_tokens)
     rng = random.Random(rl.derive_seed(args.rl_seed, s.rank, step, rl.Seed.DRAFTER_TRAINING))
     steps, skipped, seconds, busy = idle_train(s.drafter, s.d_opt, s.buffer, rng, work, scoring,
                                                barrier=s.barrier)
-    finish_sync = start_drafter_sync(s.drafter, steps if train_drafter else 0, s.top1.counts)
+    finish_sync = start_drafter_sync(s.drafter, steps if train_drafter else 0, counts)
     return dict(steps=steps, skipped=skipped, seconds=seconds, busy=busy, lr=lr, depth=depth,
                 recent_top1=recent), finish_sync
 

@@ -52,7 +52,7 @@ from harness.model_free import SiblingDrafter
 from harness.instrument import DecodeStats, count_syncs, host_traffic
 from rl import step_rows
 from rollout import Bandit
-from speculative import NOISE_ELEMENTS, SAMPLERS, gumbel_choose, gumbel_seeds
+from speculative import SAMPLERS, GumbelSampler
 from speculative import autoregressive_generate, speculative_generate
 
 
@@ -174,35 +174,31 @@ def vocab_noise(device, vocabs=(50_257, 151_936), batches=(1, 64), repeats=5, sh
     """What exact tokens cost at a real vocabulary (GPT-2's, Qwen2's): a plain decoding step, one token
     per row through a random-weight GPT (the default target's shape unless `shape` gives GPTConfig
     fields) with a KV cache, then sampling by "gumbel" or by torch.multinomial of the softmax, taking
-    turns (median of `repeats`); with the aten ops a step runs (count_ops), for "gumbel" also with the
-    larger noise passes of a GPU (sampling.NOISE_ELEMENTS)."""
+    turns (median of `repeats`); with the aten ops a step runs (count_ops)."""
     print(f"\nexact tokens at a real vocabulary: a plain decoding step of a random-weight GPT (median of {repeats} rounds) "
-          f"and its aten ops, with noise passes of {NOISE_ELEMENTS[device.type]:,} values (here) or {NOISE_ELEMENTS['cuda']:,} (a GPU)"
-          f"\n{'vocab':>7} {'batch':>5} {'multinomial ms':>14} {'gumbel ms':>9} {'ratio':>6} {'ops: multinomial':>16} "
-          f"{'gumbel':>6} {'gumbel on a GPU':>15}")
+          f"and its aten ops\n{'vocab':>7} {'batch':>5} {'multinomial ms':>14} {'gumbel ms':>9} {'ratio':>6} "
+          f"{'ops: multinomial':>16} {'gumbel':>6}")
     rows = []
     for V in vocabs:
         torch.manual_seed(0)
         model = GPT(GPTConfig(vocab_size=V, block_size=32, **(shape or {}))).to(device).eval()
         for B in batches:
             cache, x, gen = model.new_cache(B), torch.zeros(B, 1, dtype=torch.long, device=device), generator(model, 0)
-            seeds = gumbel_seeds(torch.arange(B, device=device), torch.full((B, 1), 20, device=device))
+            gumbel, at = GumbelSampler(1.0, torch.arange(B, device=device), V), torch.full((B, 1), 20, device=device)
 
-            def step(sampler, **how):  # a forward at 20 cached positions, logits (B, 1, V) -> tokens (B, 1)
+            def step(sampler):  # a forward at 20 cached positions, logits (B, 1, V) -> tokens (B, 1)
                 cache.lengths.fill_(20)
-                cache.keys_to_read = 21
                 logits = model(x, cache)[0]
                 if sampler == "gumbel":
-                    return gumbel_choose(logits, 1.0, seeds, **how)
+                    return gumbel.choose(logits, at)[0]
                 return torch.multinomial(torch.softmax(logits[:, -1].float(), -1), 1, generator=gen)
             runs = {name: lambda name=name: step(name) for name in ("multinomial", "gumbel")}
             t, _ = interleaved(runs, repeats, device)
             rows.append({"vocab": V, "batch": B, "multinomial_ms": 1e3 * t["multinomial"], "gumbel_ms": 1e3 * t["gumbel"],
                          "ratio": t["gumbel"] / t["multinomial"], "multinomial_ops": count_ops(runs["multinomial"]),
-                         "gumbel_ops": count_ops(runs["gumbel"]),
-                         "gumbel_ops_gpu": count_ops(lambda: step("gumbel", max_elements=NOISE_ELEMENTS["cuda"]))})
+                         "gumbel_ops": count_ops(runs["gumbel"])})
             print("{vocab:7d} {batch:5d} {multinomial_ms:14.2f} {gumbel_ms:9.2f} {ratio:5.2f}x {multinomial_ops:16d} "
-                  "{gumbel_ops:6d} {gumbel_ops_gpu:15d}".format(**rows[-1]), flush=True)
+                  "{gumbel_ops:6d}".format(**rows[-1]), flush=True)
     return rows
 
 

@@ -75,7 +75,7 @@ class DecodeStats:
                 self.drafted += step.k * step.batch_size
             self._pending.append((step, self._rows))
         # references only, read in `settle`: compact replaces `running` rather than changing it
-        self._rows = None if batch is None else batch.row_of_slot
+        self._rows = None if batch is None else batch.ids
 
     def settle(self):
         """Read the pending device counts into the fields (one read); returns self."""
@@ -229,13 +229,11 @@ def check(ok, what):
 
 
 class BatchChecker:
-    """An observer that checks, after every step's compaction, what a RunningBatch's steps rely on:
-    1. the host's `row_of_slot` is the device's: results go to the right rows;
-    2. every row's tokens and cached keys stay with it from one call to the next (compaction moves
+    """An observer that checks, after every step, what a RunningBatch's steps rely on:
+    1. every row's tokens and cached keys stay with it from one call to the next (compaction moves
        a row's keys with its tokens);
-    3. the target cache holds every row's tokens but the pending one: lengths == n_tokens - 1;
-    4. n_tokens <= longest_row_bound <= max_row_tokens: attention reads far enough for every row;
-    5. n_tokens - 1 - draft_cache.lengths <= drafter_lag_bound: the drafter's catch-up reaches every state.
+    2. the target cache holds every row's tokens but the pending one: lengths == n_tokens - 1;
+    3. the drafter's cache has read no state the target has not recorded: lengths <= n_tokens - 1.
     Each check reads the device: debug runs only."""
 
     def __init__(self, then=None):
@@ -245,20 +243,17 @@ class BatchChecker:
         if batch is not self.batch:  # a new batch: its rows are new
             self.batch, self.seen = batch, {}
         n = batch.n_tokens
-        check(batch.device_row_of_slot.tolist() == batch.row_of_slot, "the host's rows are the device's")
-        keys = batch.cache.k[0, :, 0, :, 0]  # (B, max_len): layer 0, head 0, channel 0
-        for slot, row in enumerate(batch.row_of_slot):
+        keys = batch.cache.kv[0, 0, :, 0, :, 0]  # (B, max_len): layer 0, keys, head 0, channel 0
+        for b, row in enumerate(batch.ids):
             if row in self.seen:
                 tokens, k = self.seen[row]
-                check(torch.equal(batch.tokens[slot, :len(tokens)], tokens)
-                      and torch.equal(keys[slot, :len(k)], k), "compaction moves every row's cache keys with its tokens")
-            L = int(n[slot]) - 1
-            self.seen[row] = batch.tokens[slot, :L + 1].clone(), keys[slot, :L].clone()
+                check(torch.equal(batch.tokens[b, :len(tokens)], tokens)
+                      and torch.equal(keys[b, :len(k)], k), "compaction moves every row's cache keys with its tokens")
+            L = int(n[b]) - 1
+            self.seen[row] = batch.tokens[b, :L + 1].clone(), keys[b, :L].clone()
         check(torch.equal(batch.cache.lengths, n - 1), "the target cache holds n_tokens - 1 positions")
-        check(not n.numel() or int(n.max()) <= batch.longest_row_bound <= batch.max_row_tokens,
-              "longest_row_bound bounds every row")
-        check(batch.draft_cache is None or bool((n - 1 - batch.draft_cache.lengths <= batch.drafter_lag_bound).all()),
-              "drafter_lag_bound bounds the drafter's unread states")
+        check(batch.draft_cache is None or bool((batch.draft_cache.lengths <= n - 1).all()),
+              "the drafter has read only recorded states")
         if self.then:
             self.then(batch, step)
 

@@ -9,10 +9,10 @@ what kind of drafter it holds:
     SiblingDrafter     the texts of the row's GRPO group, kept here in a GroupTexts per batch
     SiblingOrLearned   the learned drafter until every running row is the last of its group
 
-They read only what speculative.RunningBatch exposes as plain attributes: `tokens` (B, W),
-`n_tokens` (B,), `device_row_of_slot` (B,) and `row_of_slot` (the row each slot holds, on the device and on
-the host), and per original row on the host `group` (its distinct prompt), `prompts` and
-`finished` (None while the row runs, then its FinishedRow). The core knows nothing of groups.
+They read only what speculative.RunningBatch offers a drafter: `tokens` (B, W), `n_tokens` (B,),
+`ids` (the prompt each row is, on the host), and per prompt `prompts` and `results` (None while
+the row runs, then its FinishedRow). A group is the rows of one distinct prompt; the core knows
+nothing of groups.
 `proposer` maps train.py's --drafter names to a drafter.
 
 Test: python -m pytest tests/test_model_free.py
@@ -107,7 +107,7 @@ class GroupTexts:
 
     def record(self, finished):
         """Store the texts of the rows that have finished since the last call, `finished` being
-        RunningBatch.finished: a host loop over the rows still waiting, each text copied on the
+        RunningBatch.results: a host loop over the rows still waiting, each text copied on the
         device, its length the tensor's shape (known on the host): nothing is read back."""
         waiting = []
         for row in self.waiting:
@@ -158,9 +158,11 @@ class SiblingDrafter:
         brought up to date with the rows that finished since the last look."""
         if self._batch is None or self._batch() is not batch:
             W, dev = batch.tokens.shape[1], batch.tokens.device
-            self._groups = GroupTexts(batch.group, self.finished, batch.prompts, W, dev)
+            distinct = {}  # a prompt's text -> its group
+            group = [distinct.setdefault(tuple(p), len(distinct)) for p in batch.prompts]
+            self._groups = GroupTexts(group, self.finished, batch.prompts, W, dev)
             self._batch = weakref.ref(batch)
-        self._groups.record(batch.finished)
+        self._groups.record(batch.results)
         return self._groups
 
     def propose(self, batch, k):
@@ -170,8 +172,8 @@ class SiblingDrafter:
     def lookup(self, batch, k, groups):
         """-> drafts (B, k) and each row's match length (B,), 0 where no sibling matched.
 
-        Reads from the batch: tokens (B, W), of which row b holds its first n_tokens[b]; device_row_of_slot
-        (B,), the rows' original ids; and from `groups` (a GroupTexts): siblings (B0, S) by
+        Reads from the batch: tokens (B, W), of which row b holds its first n_tokens[b]; ids, the
+        rows' original ids; and from `groups` (a GroupTexts): siblings (B0, S) by
         original id, -1 padding; now(...) -> texts (R, W) and their lengths (R,). It relies on these
         invariants, checked when TLT_DEBUG=1 (instrument.check):
           1. k >= 1, and every running row holds 1 <= n_tokens <= W tokens (its last is read);
@@ -188,10 +190,11 @@ class SiblingDrafter:
         M, dev = self.max_match, batch.tokens.device
         B, W = batch.tokens.shape
         n = batch.n_tokens  # (B,) the row's next position; its last token is the pending one
-        texts, lens = groups.now(batch.device_row_of_slot, batch.tokens, batch.n_tokens)  # (R, W), (R,)
-        sib = groups.siblings[batch.device_row_of_slot]  # (B, S) the row's siblings' texts, -1 padding
+        ids = torch.tensor(batch.ids, device=dev)  # (B,)
+        texts, lens = groups.now(ids, batch.tokens, batch.n_tokens)  # (R, W), (R,)
+        sib = groups.siblings[ids]  # (B, S) the row's siblings' texts, -1 padding
         if instrument.DEBUG:
-            _check_inputs(k, n, W, texts, lens, sib, batch.device_row_of_slot)
+            _check_inputs(k, n, W, texts, lens, sib, ids)
         cand = texts[sib.clamp(min=0)]  # (B, S, W)
         cand_len = torch.where(sib >= 0, lens[sib.clamp(min=0)], 0)  # (B, S); padding: empty
         at = (n[:, None] - M + torch.arange(M, device=dev)).clamp(min=0)  # (B, M)
@@ -240,5 +243,5 @@ class SiblingOrLearned:
         self.learned, self.siblings = learned, SiblingDrafter(max_match, finished)
 
     def propose(self, batch, k):
-        tail = self.siblings.groups(batch).all_finished(batch.row_of_slot)
+        tail = self.siblings.groups(batch).all_finished(batch.ids)
         return (self.siblings if tail else self.learned).propose(batch, k)

@@ -60,7 +60,8 @@ SEAMS = {"observer": ["instrument.observers", "RolloutStats.__call__", "instrume
 # reached by name, but run only under a setting the default run leaves off: not walked
 NOT_IN_A_DEFAULT_STEP = {
     **dict.fromkeys(["BatchChecker.__init__", "instrument.check"], "TLT_DEBUG=1"),
-    **dict.fromkeys(["RejectionSampler.__init__", "RejectionSampler.start_step", "RejectionSampler.choose",
+    **dict.fromkeys(["FixedK.__init__", "FixedK.choose", "FixedK.update"], "the generate functions"),
+    **dict.fromkeys(["RejectionSampler.__init__", "RejectionSampler.choose",
                      "RejectionSampler.verify", "RejectionSampler.compact", "speculative.probs",
                      "speculative.draw", "speculative.verify"], "--sampler rejection")}
 TARGET_NAMES = ("target", "model", "net")  # the names the core gives the target (a GPT)
@@ -86,18 +87,18 @@ ROWS = {
         ["rl.step_rows", "rl.rl_problems", "rl.derive_seed"],
         "this rank's rows of the global batch, each with its key; a seed per stream"),
     "the rollout": (
-        ["train.roll_out", "rollout.rollout", "RunningBatch.batch_size", "RunningBatch.results"],
-        "plain steps above `--sd-threshold`, the bandit's k at or below it"),
+        ["train.roll_out", "rollout.rollout", "TailPolicy.__init__", "speculative.decode",
+         "RunningBatch.batch_size", "TailPolicy.choose", "TailPolicy.update"],
+        "the decoding loop; plain steps above `--sd-threshold`, the bandit's k at or below it"),
     "idle time": (
-        ["train.idle_phase", "Top1.mean", "scheduler.drafter_schedule", "Top1.start_step",
-         "scheduler.top1_pieces", "drafter.top1_agreement"],
-        "the drafter's rate from its recent top-1; scoring fresh rows first, the slowest rank's "
-        "a step late"),
+        ["train.idle_phase", "Top1.mean", "scheduler.drafter_schedule", "scheduler.top1_pieces",
+         "drafter.top1_agreement"],
+        "the drafter's rate from its recent top-1; scoring this rank's fresh rows first"),
     "the idle loop": (
         ["scheduler.idle_train", "scheduler.many_ranks"],
         "the async barrier's loop, a piece of work a turn, until the last rank arrives"),
     "the sync": (
-        ["scheduler.start_drafter_sync", "Top1.end_step"],
+        ["scheduler.start_drafter_sync", "Top1.add"],
         "the weighted average, overlapping the update; the top-1 counts summed in the same all-reduce"),
     "the observer (harness)": (
         ["instrument.observers", "RolloutStats.__call__", "DecodeStats.__call__",
@@ -118,18 +119,16 @@ ROWS = {
          "rl.token_logprobs", "rl.grpo_loss"],
         "the masked clipped loss, its token mean over the global batch"),
     "the drafter buffer": (
-        ["DrafterBuffer.add_rows", "DrafterBuffer.store_staged", "DrafterBuffer.add",
-         "DrafterBuffer._bound", "DrafterBuffer.held_tokens", "DrafterBuffer.__len__", "DrafterBuffer.sample",
-         "drafter.pair_batch"],
-        "rows staged without a copy, stored on idle time, bounded, batched by length"),
+        ["DrafterBuffer.add_rows", "DrafterBuffer.add", "DrafterBuffer.__len__",
+         "DrafterBuffer.sample", "drafter.crop", "drafter.pair_batch"],
+        "the recent rows, bounded; random batches of at most a piece's positions"),
     "the prefill and cache": (
-        ["RunningBatch.__init__", "Sampling.new_sampler", "RunningBatch._prefill",
-         "GPT.new_cache", "KVCache.__init__"],
-        "one sampler for the batch; each distinct prompt prefilled once into a cache with a "
+        ["RunningBatch.__init__", "Sampling.new_sampler", "GPT.new_cache", "KVCache.__init__"],
+        "one sampler for the batch; every prompt prefilled in one pass into a cache with a "
         "length per row"),
     "compaction": (
         ["RunningBatch.compact", "KVCache.compact"],
-        "the step's one device read; finished rows leave every tensor and cache"),
+        "which rows finished, read from the device; they leave every tensor and cache"),
     "the bandit": (
         ["Bandit.__init__", "Bandit.choose", "Bandit.bucket", "Bandit.score", "Bandit.update"],
         "k per batch-size bucket, scored by tokens per second"),
@@ -140,20 +139,17 @@ ROWS = {
         ["RunningBatch.speculative_step"],
         "draft, verify in one target pass, keep a ragged number per row"),
     "the gumbel sampler": (
-        ["GumbelSampler.__init__", "GumbelSampler.start_step", "GumbelSampler.choose",
-         "GumbelSampler.verify", "GumbelSampler.compact", "speculative.gumbel_choose",
-         "speculative.verify_gumbel"],
+        ["GumbelSampler.__init__", "GumbelSampler.choose", "GumbelSampler.verify",
+         "GumbelSampler.compact", "speculative.verify_gumbel"],
         "exact-token sampling (the default): a token is the argmax of logits / T + noise"),
     "the noise": (
-        ["speculative.gumbel_seeds", "speculative.gumbel_noise", "speculative._mix32_",
-         "speculative._token_hashes"],
+        ["speculative.gumbel_seeds", "speculative.gumbel_noise", "speculative.mix32"],
         "the gumbel noise, hashed from (row key, position, token)"),
     "the drafter's propose": (
         ["Drafter.propose", "Drafter.new_cache", "Drafter.forward", "Drafter.project_in"],
         "catch up on unread target states, then draft k, feeding back its own state"),
     "the target's forward": (
-        ["GPT.forward", "Blocks.forward", "Block.forward", "Attention.forward",
-         "LayerNorm.forward"],
+        ["GPT.forward", "Blocks.forward", "Block.forward", "Attention.forward"],
         "logits and hidden states: positions, rotary, cache writes, the blocks (the drafter's "
         "too)"),
     "drafter training": (

@@ -81,7 +81,7 @@ def step_record(s, step, result, stats):
              "idle_time": idle["seconds"], "drafter_steps": idle["steps"],
              "wait_to_update": update_start - stats.time, "drafter_skipped": idle["skipped"],
              "tokens": stats.tokens, "drafter_checksum": checksum(s.drafter), "rows": len(rows),
-             "tail_share": stats.tail_share, "buffer_tokens": s.buffer.held_tokens(), "segments": segments,
+             "tail_share": stats.tail_share, "buffer_tokens": s.buffer.tokens, "segments": segments,
              "by_batch": stats.by_batch}
     counts = {"tokens": stats.tokens, "sd_tokens": stats.sd_tokens, "sd_row_steps": stats.sd_row_steps,
               "accepted": stats.accepted, "drafted": stats.drafted,

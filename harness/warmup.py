@@ -234,7 +234,7 @@ def warmup_drafter(drafter, model, args, task, ddp, rank, world_size, device):
     t0 = time.time()
     buffer, held, rng = sample_drafter_data(model, args, task, rank, world_size, device)
     wait_for_all()
-    print0(f"drafter warmup: {buffer.num_tokens():,} tokens of target samples per rank to train on, "
+    print0(f"drafter warmup: {buffer.tokens:,} tokens of target samples per rank to train on, "
            f"{HELD_OUT_SEQS} held-out samples to score on, in {time.time() - t0:.1f}s")
     return train_to_plateau(drafter, buffer, held, rng, args, ddp, device)
 
