@@ -11,7 +11,7 @@ residual stream, norms, rotary multiply and `hidden` stay float32; the cache is 
 
 Test: python -m pytest tests/test_model.py
 """
-from dataclasses import dataclass, asdict
+from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
@@ -32,9 +32,6 @@ class GPTConfig:
             raise ValueError(f"every size must be positive: {self}")
         if self.n_embd % self.n_head or (self.n_embd // self.n_head) % 2:
             raise ValueError(f"n_embd {self.n_embd} must split into {self.n_head} even heads")
-
-    def to_dict(self):
-        return asdict(self)
 
 
 class KVCache:
@@ -183,6 +180,3 @@ class GPT(nn.Module):
         autocast = torch.is_autocast_enabled(device.type)
         dtype = dtype or (torch.get_autocast_dtype(device.type) if autocast else p.dtype)
         return KVCache(self.config, batch_size, max_len or self.config.block_size, device, dtype)
-
-    def num_params(self):
-        return sum(p.numel() for p in self.parameters())

@@ -67,15 +67,6 @@ class Bandit:
         else:
             self.plays[key].append((float(tokens), max(float(seconds), 1e-9)))
 
-    def state_dict(self):
-        return {"plays": [[b, a, list(r)] for (b, a), r in self.plays.items()],
-                "rng": list(self.rng.getstate()[1]), "rng_version": self.rng.getstate()[0]}
-
-    def load_state_dict(self, state):
-        self.plays = {(b, a): deque(map(tuple, r), maxlen=self.window)
-                      for b, a, r in state["plays"]}
-        self.rng.setstate((state["rng_version"], tuple(state["rng"]), None))
-
 
 class TailPolicy:
     """The engine's choice of k for `speculative.decode`: 0 (a plain step) while the running batch

@@ -147,9 +147,8 @@ class RunningBatch:
                                                     self.tokens[b, :n].clone(),
                                                     self.hidden[b, :n - 1].clone(), prompt_len)
         self.ids = [self.ids[b] for b in live]
-        self.tokens, self.hidden, self.n_tokens = (t[live] for t in (self.tokens, self.hidden,
-                                                                     self.n_tokens))
-        self.end, self.done = self.end[live], self.done[live]
+        for name in ("tokens", "hidden", "n_tokens", "end", "done"):  # t = t[live], per tensor
+            setattr(self, name, getattr(self, name)[live])
         for per_row in (self.cache, self.draft_cache, self.sampler):
             if per_row is not None:
                 per_row.compact(live)
@@ -212,7 +211,8 @@ def speculative_generate(target, drafter, prompts, max_new_tokens, *, k=4, obser
     same keys it emits exactly autoregressive_generate's tokens."""
     if k < 1:
         raise ValueError(f"k must be >= 1, got {k}")
-    batch, policy = RunningBatch(target, prompts, max_new_tokens, max_draft=k, **sampling), FixedK(k)
+    policy = FixedK(k)
+    batch = RunningBatch(target, prompts, max_new_tokens, max_draft=k, **sampling)
     results = decode(batch, drafter, policy, observer)
     accept_len = policy.tokens / policy.row_steps if policy.row_steps else None
     return [r.response for r in results], {"accept_len": accept_len}

@@ -27,7 +27,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 import rl
-from harness.checkpoint import load_on_rank0, save_on_rank0
+from harness.checkpoint import bandit_state, load_bandit, load_on_rank0, save_on_rank0
 from harness.common import check_out_dir, machine
 from harness.config import autocast, model_config, parse_args, task_of
 from harness.distributed import COLLECTIVE_TIMEOUT_S, compute_init, gather_ranks, print0
@@ -155,7 +155,7 @@ def rl_meta(args, config, task):
 
 
 def save(path, meta, step, s):
-    bandits = gather_ranks(s.bandit.state_dict())
+    bandits = gather_ranks(bandit_state(s.bandit))
     save_on_rank0({"meta": meta, "step": step, "model": s.model.state_dict(),
                    "drafter": s.drafter.state_dict(), "opt": s.opt.state_dict(),
                    "d_opt": s.d_opt.state_dict(), "bandits": bandits,
@@ -174,7 +174,7 @@ def resume(path, ck, s):
         s.opt.load_state_dict(ck["opt"])
         s.d_opt.load_state_dict(ck["d_opt"])
         if s.rank < len(ck["bandits"]):
-            s.bandit.load_state_dict(ck["bandits"][s.rank])
+            load_bandit(s.bandit, ck["bandits"][s.rank])
         key = "recent_top1" if "recent_top1" in ck else "drafter_health"  # its older name
         s.top1.recent = ck[key]
     except (KeyError, TypeError, ValueError, RuntimeError) as e:  # an older layout of the state

@@ -8,6 +8,7 @@ A reader learning TLT may skip this file: it is plumbing, nothing in it knows ab
     save_on_rank0, load_on_rank0    several ranks: only rank 0 touches the file; the others wait for it
                                     by liveness (rank 0 beats meanwhile, up to --io-deadline) and follow
                                     its answer
+    bandit_state, load_bandit       a rollout.Bandit's scores and random state, in a checkpoint
     kept_name                       where a cache (the warm-ups) made by other settings is kept: one
                                     file per key, never overwritten by another task's or setting's
 
@@ -16,6 +17,7 @@ Test: python -m pytest tests/test_train.py tests/test_scheduler.py -k "checkpoin
 import hashlib
 import json
 import os
+from collections import deque
 
 import torch
 import torch.distributed as dist
@@ -130,3 +132,14 @@ def swap_kept(path, expected_meta, mismatch):
     print0(f"{path} was made by other code or settings ({mismatch.diff}); kept it as {kept} and reusing "
            f"{path}, kept from an earlier run of these settings")
     return load_checked(path, expected_meta)
+
+
+def bandit_state(bandit):
+    """A rollout.Bandit's scores and random state, as plain lists (a checkpoint's "bandits")."""
+    return {"plays": [[b, a, list(r)] for (b, a), r in bandit.plays.items()],
+            "rng": list(bandit.rng.getstate()[1]), "rng_version": bandit.rng.getstate()[0]}
+
+
+def load_bandit(bandit, state):
+    bandit.plays = {(b, a): deque(map(tuple, r), maxlen=bandit.window) for b, a, r in state["plays"]}
+    bandit.rng.setstate((state["rng_version"], tuple(state["rng"]), None))

@@ -282,7 +282,7 @@ def train_to_plateau(drafter, buffer, held, rng, args, ddp, device):
 
 def model_meta(args, config, warmup_task):
     """What the target warm-up depends on: the task (its warm-up traces), shape, recipe, seed."""
-    return {"model": config.to_dict(), "task": warmup_task.meta(), "warmup_steps": args.warmup_steps,
+    return {"model": dataclasses.asdict(config), "task": warmup_task.meta(), "warmup_steps": args.warmup_steps,
             "warmup_tokens": args.warmup_tokens, "warmup_lr": args.warmup_lr, "warmup_alpha_end": args.warmup_alpha_end,
             "merge_init": args.merge_init, "seed": args.seed, "dtype": args.dtype}  # bf16 trains other weights
 
@@ -304,7 +304,7 @@ def prepare_models(args, task, warmup_task, ddp, rank, world_size, device):
     model = GPT(config).to(device)
     torch.manual_seed(rl.derive_seed(args.drafter_seed, 0, 0, rl.Seed.INIT))  # the drafter's own seed
     drafter = Drafter(model, args.drafter_layers).to(device)
-    print0(f"task {task.name}; target: {model.num_params():,} parameters; drafter: {args.drafter_layers} layer(s), "
+    print0(f"task {task.name}; target: {sum(p.numel() for p in model.parameters()):,} parameters; drafter: {args.drafter_layers} layer(s), "
            f"{sum(p.numel() for p in drafter.parameters()):,} (+ the target's embedding and head, shared); {config}")
     # a first CUDA step (kernels loaded on first use, library handles) can take long, each rank at
     # its own pace: take it here, outside any collective; the next one (load_on_rank0) waits by liveness

@@ -157,39 +157,60 @@ def test_buffer_sample_pairs_eagle_way():
     assert seen == set(seqs), "sampling never picked some sequences"
 
 
-def test_buffer_sample_draws_the_longest_sequences_as_often_as_the_rest():
-    """Batches are windows of the length-sorted buffer; each sequence, the longest and the shortest
-    included, lies in the same number of windows. 20 sequences, windows of 8, 20,000 draws: each
-    is drawn with p = 8 / 27; the binomial SD of a count is 65, so 5 SD (325) fails with odds
-    below 1e-6 per sequence."""
-    buf = DrafterBuffer()
-    for n in range(20):
-        buf.add(0, torch.full((n + 3,), n, dtype=torch.long), torch.zeros(n + 2, 4), prompt_len=1)
-    rng, counts, draws = random.Random(0), [0] * 20, 20_000
-    for _ in range(draws):
-        _, x_next, _, _ = buf.sample(8, rng)
-        for n in set(x_next[:, 0].tolist()):
-            counts[n] += 1
-    expected = draws * 8 / 27
-    assert all(abs(c - expected) < 325 for c in counts), (expected, counts)
-
-
-def test_buffer_sample_with_a_token_budget_keeps_the_windows_longest_that_fit():
-    """max_tokens bounds a batch's padded positions (what an idle step costs): the window's longest
-    sequences that fit, at least one however long it is, and every sequence still comes up."""
+def test_buffer_sample_draws_every_sequence_equally_often():
+    """A batch is a uniform sample without replacement: each of 20 sequences, short or long, old or
+    new, is in a batch of 8 with p = 8 / 20. 20,000 draws: a count's binomial SD is 69, and 5 SD
+    (350) fails a correct sampler with odds below 1e-6 per sequence."""
     buf = DrafterBuffer()
     for n in range(20):  # sequence n holds n + 3 tokens, each of them n
         buf.add(0, torch.full((n + 3,), n, dtype=torch.long), torch.zeros(n + 2, 4), prompt_len=1)
-    rng, seen = random.Random(0), set()
-    for _ in range(500):
-        ids = sorted(buf.sample(8, rng, max_tokens=40)[1][:, 0].tolist())
-        longest = ids[-1] + 3
-        assert ids == list(range(ids[0], ids[-1] + 1))  # a window of the length-sorted buffer, cut from below
-        assert len(ids) * longest <= 40 and len(ids) <= 8
-        assert ids[0] == 0 or len(ids) == min(8, 40 // longest)  # as many as fit, unless the window ran out
-        seen.update(ids)
-    assert seen == set(range(20))
-    assert buf.sample(8, random.Random(1), max_tokens=5)[1].shape[0] == 1  # longer than the budget: alone
+    rng, counts, draws = random.Random(0), [0] * 20, 20_000
+    for _ in range(draws):
+        ids = buf.sample(8, rng)[1][:, 0].tolist()
+        assert len(set(ids)) == len(ids) == 8  # without replacement
+        for n in ids:
+            counts[n] += 1
+    expected = draws * 8 / 20
+    assert all(abs(c - expected) < 350 for c in counts), (expected, counts)
+
+
+def test_buffer_sample_with_a_token_budget_never_exceeds_it_and_crops_long_sequences():
+    """max_tokens bounds a batch's padded positions (its rows times its longest sequence: what an
+    idle step costs), sequences longer than the budget included. Such a sequence is cut to a random
+    window of max_tokens tokens, its tokens, hidden states and loss mask still aligned (the mask on
+    its response positions only), and sequences are dropped until the rest fit."""
+    M, seqs = 64, {}
+    buf = DrafterBuffer()
+    lengths = [3 + i % 10 for i in range(18)] + [80, 100]  # the last two are longer than the budget
+    for i, n in enumerate(lengths):
+        j = torch.arange(n)
+        plen = 1 + i % 7
+        # token j of sequence i is 1000 i + j, and so is the state after reading it
+        buf.add(0, 1000 * i + j, (1000.0 * i + j[:-1, None]).expand(n - 1, 4).clone(), prompt_len=plen)
+        seqs[i] = (n, plen)
+    rng, seen, starts, packed = random.Random(0), set(), set(), False
+    for _ in range(300):
+        h_in, x_next, h_tgt, mask = buf.sample(8, rng, max_tokens=M)
+        B, T = mask.shape
+        assert B * (T + 2) <= M  # B rows of at most T + 2 tokens
+        packed |= B > 1
+        for b in range(B):
+            i, first = divmod(int(h_in[b, 0, 0]), 1000)  # the sequence, and where its window starts
+            n, plen = seqs[i]
+            pairs = min(n, M) - 2  # a window of min(n, M) tokens
+            assert first + min(n, M) <= n and (first == 0 or n > M)  # only a long sequence is cut
+            at = 1000 * i + first + torch.arange(pairs)  # pair t: (h_j, x_{j+1}) -> h_{j+1}, j = first + t
+            assert torch.equal(h_in[b, :pairs, 0], at.float())
+            assert torch.equal(x_next[b, :pairs], at + 1) and torch.equal(h_tgt[b, :pairs, 0], at.float() + 1)
+            t = torch.arange(T)
+            assert torch.equal(mask[b], (first + t >= plen - 1) & (t < pairs)), (i, first, mask[b])
+            seen.add(i)
+            if n > M:
+                starts.add((i, first))
+    assert seen == set(range(20)) and packed
+    assert len({first for i, first in starts if i == 19}) > 5  # the window's start is random
+    h_in, _, _, mask = buf.sample(8, random.Random(1), max_tokens=5)  # every sequence at least 3 tokens
+    assert mask.shape[0] == 1 and mask.shape[1] + 2 <= 5  # one row, cut to 5 tokens at most
 
 
 # ----------------------------------------------------------------------------- isolation of rows
@@ -267,7 +288,7 @@ def test_drafter_cache_matches_full_forward_with_rollbacks():
     with torch.no_grad():
         full_logits, full_h = drafter(h, x)
         cache = drafter.new_cache(B, max_len=16)
-        assert cache.k.shape[0] == 1 and cache.k.dtype == torch.float64  # one layer, drafter's dtype
+        assert cache.kv.shape[0] == 1 and cache.kv.dtype == torch.float64  # one layer, drafter's dtype
         # prefill several pairs, then one at a time
         lg, hp = drafter(h[:, :4], x[:, :4], cache)
         assert close(lg, full_logits[:, :4]) and close(hp, full_h[:, :4])
@@ -307,7 +328,7 @@ def test_buffer_keeps_only_the_last_steps():
         steps = {s for s, *_ in buf.items}
         assert steps == kept_after[step], (step, steps)
         assert len(buf) == sum(len(sizes[s]) for s in steps)
-        assert buf.num_tokens() == sum(sum(sizes[s]) for s in steps)
+        assert buf.tokens == sum(sum(sizes[s]) for s in steps)
     # what sample() returns comes only from kept steps
     h_in, x_next, _, _ = buf.sample(32, random.Random(1))
     assert set(x_next[:, 0].tolist()) <= {2, 3}
@@ -317,27 +338,25 @@ def test_buffer_keeps_only_the_last_steps():
         assert {s for s, *_ in one.items} == {step}
 
 
-def test_staged_rows_are_bounded_without_idle_time():
-    """A process that never has idle time (one process, the rank always last) stages a step's rows
-    and never stores them: over 50 steps what it holds, staged and stored, stays within
-    keep_tokens and within the last keep_steps steps, the oldest rows dropped first."""
+def test_a_rollouts_rows_are_stored_within_the_bounds():
+    """add_rows stores a rollout's finished rows at once, under both bounds: over 50 steps what the
+    buffer holds stays within keep_tokens and within the last keep_steps steps, the oldest rows
+    dropped first, the newest kept, and `tokens` counts what it holds."""
     buf = DrafterBuffer(keep_steps=3, keep_tokens=300)
-    buf.add(0, *_item(40, 0), prompt_len=2)  # something stored before the rank lost its idle time
+    buf.add(0, *_item(40, 0), prompt_len=2)
     for step in range(1, 51):
         rows = [Sample([], *_item(30 + 5 * (i + step % 3), step), 2) for i in range(4)]  # 130 to 180 tokens a step
         buf.add_rows(step, rows)
-        staged = sum(s.tokens.shape[0] for _, s in buf.staged)
-        stored = sum(t.shape[0] for _, t, _, _ in buf.items)
-        assert staged + stored == buf.held_tokens() <= 300, step
-        assert buf.staged[-1][1] is rows[-1]  # the newest row always stays
-        assert all(st > step - 3 for st, _ in buf.staged) and all(it[0] > step - 3 for it in buf.items)
-    assert len(buf) == 0 and buf.store_staged() > 0 and len(buf) > 0  # stored on the first idle turn
+        assert sum(t.shape[0] for _, t, _, _ in buf.items) == buf.tokens <= 300, step
+        assert torch.equal(buf.items[-1][1], rows[-1].tokens)  # the newest row always stays
+        assert [it[0] for it in buf.items][-4:] == [step] * 4  # stored at once: this step's rows all fit
+        assert all(it[0] > step - 3 for it in buf.items)
 
 
 def test_one_idle_turn_handles_at_most_idle_tokens_positions(target, monkeypatch):
-    """The idle loop's turns each touch at most max_tokens positions, however much is staged:
-    storing staged rows goes a piece a turn, the health figure scores a piece a chore, a training
-    batch is cut to max_tokens padded positions; and drawing a batch sorts nothing."""
+    """The idle loop's turns each touch at most max_tokens positions, however much the buffer holds:
+    the health figure scores a piece a chore, a training batch is cut to max_tokens padded
+    positions; and drawing a batch sorts nothing."""
     import drafter as drafter_module
     g = torch.Generator().manual_seed(0)
     C, max_tokens = target.config.n_embd, 64
@@ -345,10 +364,7 @@ def test_one_idle_turn_handles_at_most_idle_tokens_positions(target, monkeypatch
     rows = [Sample([], torch.randint(0, 10, (n,), generator=g), torch.randn(n - 1, C, generator=g), 2) for n in lengths]
     buf = DrafterBuffer(keep_steps=4, keep_tokens=100_000)
     buf.add_rows(0, rows)
-    pieces = []
-    while buf.staged:
-        pieces.append(buf.store_staged(max_tokens))
-    assert sum(pieces) == sum(lengths) == buf.num_tokens() and max(pieces) <= max_tokens < sum(lengths)
+    assert buf.tokens == sum(lengths) > max_tokens
     scored = []
     import scheduler
     real = scheduler.top1_agreement
@@ -369,7 +385,7 @@ def test_buffer_add_rejects_mismatched_lengths():
     for n_hidden in (6, 4, 0):
         with pytest.raises(ValueError):
             buf.add(0, torch.zeros(6, dtype=torch.long), torch.zeros(n_hidden, 4), prompt_len=2)
-    assert len(buf) == 1 and buf.num_tokens() == 6
+    assert len(buf) == 1 and buf.tokens == 6
 
 
 def test_buffer_keeps_at_most_keep_tokens_dropping_the_oldest():
@@ -391,12 +407,12 @@ def test_buffer_keeps_at_most_keep_tokens_dropping_the_oldest():
             expected.insert(0, j)
             total += m
         assert kept == expected, (i, kept, expected)
-        assert buf.num_tokens() == total <= 20
+        assert buf.tokens == total <= 20
     assert len(buf) < len(lengths)  # the bound did drop sequences
     unbounded = DrafterBuffer(keep_steps=100)
     for i, n in enumerate(lengths):
         unbounded.add(0, torch.full((n,), i, dtype=torch.long), torch.zeros(n - 1, 4), prompt_len=1)
-    assert unbounded.num_tokens() == sum(lengths)
+    assert unbounded.tokens == sum(lengths)
 
 
 def test_buffer_stores_hidden_states_in_its_dtype_and_batches_in_float32():
@@ -488,10 +504,10 @@ def test_top1_pieces_count_the_drafted_positions(target, buffers):
     from scheduler import top1_pieces
     scoring = top1_pieces(drafter, samples, into, 40)
     assert len(scoring) > 2  # 10 samples of up to 14 tokens, in pieces of at most 40 padded positions
-    scoring[0]()
+    scoring.popleft()()
     assert 0 < into[1] < sum(s.tokens.shape[0] - 1 - s.prompt_len for s in samples)
-    for piece in scoring[1:]:
-        piece()
+    while scoring:
+        scoring.popleft()()
     agree, n = into
     assert n == sum(s.tokens.shape[0] - 1 - s.prompt_len for s in samples)  # pairs t = plen-1 .. N-3
     assert (agree, n) == top1_agreement(drafter, *pair_batch([(s.tokens, s.hidden, s.prompt_len) for s in samples]))

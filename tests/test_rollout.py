@@ -8,10 +8,11 @@ import torch
 
 from drafter import Drafter
 from model import GPT, GPTConfig
-from harness.instrument import HostTraffic, RolloutStats, TimedDrafter, observers, tail_share
+from harness.checkpoint import bandit_state, load_bandit
+from harness.instrument import RolloutStats, TimedDrafter, observers, tail_share
 from harness.report import best_arms
 from harness.summary import bucket_sizes
-from rollout import ARMS, Bandit, rollout
+from rollout import ARMS, Bandit, TailPolicy, rollout
 
 EOS = 3
 
@@ -97,12 +98,9 @@ def test_hidden_states_align_with_tokens(tlt):
 
 
 @pytest.mark.parametrize("sampler", ["gumbel", "rejection"])
-def test_a_rollout_reads_once_per_step_and_copies_nothing_in_its_loop(sampler, monkeypatch):
-    """The budget of a rollout's hot path, as a GPU would pay it (instrument.HostTraffic): per decoding
-    step, its compaction and the bandit's clock included, one read (which rows finished) and no copy
-    from the host; the prefill reads once (its compaction) and copies a few host lists; the end reads
-    twice (the responses, and the observer's counts). The bandit is scored with every step's tokens,
-    which that one read brings."""
+def test_the_bandit_is_scored_with_every_steps_tokens(sampler):
+    """In the tail every decoding step, plain (k = 0) or speculative, scores the bandit's arm with
+    the tokens it emitted, while rows finish mid-run."""
     target, drafter = tiny_models(3)
     ps = [p for p in prompts(6, seed=8) for _ in range(4)]  # 6 GRPO groups of 4
     scored = []
@@ -111,21 +109,30 @@ def test_a_rollout_reads_once_per_step_and_copies_nothing_in_its_loop(sampler, m
         def update(self, batch_size, arm, tokens, seconds):
             scored.append(tokens)
             super().update(batch_size, arm, tokens, seconds)
-    counter = HostTraffic()
-    with counter:  # segments: the prefill, one per decoding step (each with its compaction), the end
-        results, st = observed(target, drafter, ps, 40, temperature=1.0, eos_id=EOS, sampler=sampler, sd_threshold=100,
-                               bandit=Spy(arms=(0, 2, 3), seed=1), generator=torch.Generator().manual_seed(0),
-                               keys=list(range(len(ps))), observer=lambda batch, step: counter.mark())
-    reads, copies = counter.counts("read"), counter.counts("copy")
-    assert len(reads) == st.steps + 2
-    assert reads[1:-1] == [1] * st.steps and copies[1:-1] == [0] * st.steps, counter.segments
-    assert reads[0] == 1 and reads[-1] == 2 and copies[-1] == 0, (counter.segments[0], counter.segments[-1])
-    assert copies[0] <= 8  # the prefill: a few host lists, each in one copy, not one per prompt
+    results, st = observed(target, drafter, ps, 40, temperature=1.0, eos_id=EOS, sampler=sampler, sd_threshold=100,
+                           bandit=Spy(arms=(0, 2, 3), seed=1), generator=torch.Generator().manual_seed(0),
+                           keys=list(range(len(ps))))
     sizes = st.batch_sizes
     assert st.sd_row_steps > 0 and st.accept_hist.get(0, 0) > 0 and st.sd_row_steps < sum(sizes)  # plain steps too
     assert any(0 < b < a for a, b in zip(sizes, sizes[1:]))  # rows finished mid-run: compactions in the loop
     assert len(scored) == st.steps and sum(scored) == st.tokens  # the bandit saw every step's tokens
     assert all(r.response and len(r.tokens) == r.prompt_len + len(r.response) for r in results)
+
+
+def test_tail_policy_decodes_plainly_above_the_threshold_and_asks_the_bandit_at_or_below():
+    """rollout.TailPolicy, which speculative.decode asks for each step's k: above the threshold a
+    plain step (k = 0) that the bandit does not score; at or below it the bandit's k, scored with
+    the step's tokens per second."""
+    bandit = Bandit(arms=(2, 4), seed=0)
+    policy = TailPolicy(bandit, threshold=4)
+    assert policy.choose(5) == 0
+    policy.update(5, 0, 10, 1.0)
+    assert not bandit.plays  # a big batch's step scores nothing
+    k = policy.choose(4)
+    assert k in (2, 4)
+    policy.update(4, k, 6, 1.0)  # an arm's first play only marks it tried
+    policy.update(4, k, 6, 2.0)
+    assert bandit.score(Bandit.bucket(4), k) == 3.0
 
 
 def test_batch_shrinks_as_rows_finish():
@@ -203,7 +210,7 @@ def test_bandit_tries_every_arm_first_and_round_trips_state():
     assert sorted(first) == sorted(2 * ARMS)
     assert all(bandit.score(Bandit.bucket(4), k) == (1.0 + k) / 0.5 for k in ARMS)  # the slow first plays do not count
     clone = Bandit(seed=99)
-    clone.load_state_dict(bandit.state_dict())
+    load_bandit(clone, bandit_state(bandit))  # through a checkpoint's plain lists
     assert [clone.choose(4) for _ in range(50)] == [bandit.choose(4) for _ in range(50)]
 
 

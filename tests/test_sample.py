@@ -25,7 +25,7 @@ def run_dir(tmp_path):
     config = GPTConfig(vocab_size=task.VOCAB_SIZE, block_size=56, n_layer=1, n_head=2, n_embd=16)
     target = randomize(GPT(config).eval(), 0, std=0.3)
     run, warm = randomize(Drafter(target), 1, std=0.3), randomize(Drafter(target), 2, std=0.3)
-    meta = {"model": config.to_dict(), "rl_task": TASK.meta(), "drafter_layers": 1}
+    meta = {"model": asdict(config), "rl_task": TASK.meta(), "drafter_layers": 1}
     torch.save({"meta": meta, "step": 9, "model": target.state_dict(), "drafter": run.state_dict()}, tmp_path / "ckpt.pt")
     torch.save({"meta": meta, "drafter": warm.state_dict()}, tmp_path / "drafter_warmup.pt")
     return str(tmp_path)

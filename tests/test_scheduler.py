@@ -1,7 +1,7 @@
 """Idle-rank drafter training across gloo processes: skewed loads, preemption by the last rank,
 identical drafters after the sync (the top-1 counts summed in it), no hang for 1, 2 or 4 ranks or a
-rank without prompts, a dead peer failing the idle barrier; the drafter's rate from its recent top-1,
-the slowest rank's rows scored on its next idle turn. Slow is not dead: tests/test_liveness.py."""
+rank without prompts, a dead peer failing the idle barrier; the drafter's rate from its recent top-1.
+Slow is not dead: tests/test_liveness.py."""
 import json
 import os
 import random
@@ -152,8 +152,8 @@ def test_render_timeline_draws_each_phase():
 
 
 def _always_last_worker(rank, world, port, out_path):
-    """Rank 1 finishes every step's rollout last, so it never has idle time: it stages each step's
-    rows and never stores them. Both ranks record what their buffers hold after each step."""
+    """Rank 1 finishes every step's rollout last, so it never has idle time: it stores each step's
+    rows and never trains on them. Both ranks record what their buffers hold after each step."""
     from speculative import FinishedRow as Sample
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
@@ -166,8 +166,7 @@ def _always_last_worker(rank, world, port, out_path):
         time.sleep(0.05 + 0.15 * rank)  # rank 1's rollout is always the long one
         buffer.add_rows(step, [Sample([], tokens, hidden, plen) for _, tokens, hidden, plen in rows])
         steps += idle_train(drafter, opt, buffer, random.Random(step), IdleWork(batch_size=4, piece_tokens=40))[0]
-        held.append([buffer.held_tokens(), len(buffer.staged), sum(t.shape[0] for _, t, _, _ in buffer.items)
-                     + sum(s.tokens.shape[0] for _, s in buffer.staged)])
+        held.append([buffer.tokens, len(buffer), sum(t.shape[0] for _, t, _, _ in buffer.items)])
         start_drafter_sync(drafter, steps)()
     recs = gather_ranks({"rank": rank, "held": held, "steps": steps})
     if rank == 0:
@@ -180,7 +179,7 @@ def _always_last_worker(rank, world, port, out_path):
 
 def test_a_rank_always_last_holds_at_most_keep_tokens(tmp_path):
     """The buffer's bounds hold when rows are given, not when an idle turn reads them: the rank that
-    is always last, which never stores a row, holds at most keep_tokens all the same."""
+    is always last, which never has an idle turn, holds at most keep_tokens all the same."""
     out = str(tmp_path / "held.json")
     ctx = mp.start_processes(_always_last_worker, args=(2, _free_port(), out), nprocs=2, join=False, start_method="spawn")
     deadline = time.time() + DEADLINE_S
@@ -189,7 +188,7 @@ def test_a_rank_always_last_holds_at_most_keep_tokens(tmp_path):
     with open(out) as f:
         first, last = json.load(f)
     assert first["steps"] > 0  # the idle rank trained
-    assert max(h for h, _, _ in last["held"]) <= 100 and max(n for _, n, _ in last["held"]) > 0  # rows staged, bounded
+    assert max(h for h, _, _ in last["held"]) <= 100 and max(n for _, n, _ in last["held"]) > 0  # rows held, bounded
     for h, _, counted in first["held"] + last["held"]:
         assert h == counted <= 100  # the running count is what is held
 
@@ -246,11 +245,11 @@ def test_the_idle_ranks_train_the_drafter_as_hard_as_its_top1_asks():
     top1 = Top1()
     assert top1.mean() is None
     for i in range(TOP1_STEPS + 2):
-        top1.end_step(5 if i < 2 else 10, 10)  # the two weak steps fall out of the window
-    top1.end_step(0, 0)  # no rank had time to score: the figure is unchanged
+        top1.add(5 if i < 2 else 10, 10)  # the two weak steps fall out of the window
+    top1.add(0, 0)  # no rank had time to score: the figure is unchanged
     assert len(top1.recent) == TOP1_STEPS and top1.mean() == 1.0
     top1.recent = [[5.0, 10]]
-    top1.end_step(30, 30)
+    top1.add(30, 30)
     assert top1.mean() == 35 / 40  # weighted by positions scored
     warm = SimpleNamespace(drafter_warmup_steps=100, drafter_online_lr=1e-4, drafter_cold_lr=1e-2, drafter_depth=3, rl_steps=11)
     assert drafter_schedule(warm, 5, None) == (1e-4, 3) and drafter_schedule(warm, 5, TOP1_GENTLE + 0.01) == (1e-4, 3)
@@ -261,32 +260,3 @@ def test_the_idle_ranks_train_the_drafter_as_hard_as_its_top1_asks():
     quarter = 1e-2 / 20 + (1e-2 - 1e-2 / 20) * (1 + math.cos(math.pi / 4)) / 2  # a quarter of the way: a cosine, not a line
     assert drafter_schedule(cold, 1, None) == (pytest.approx(quarter), 1)
     assert drafter_schedule(cold, 4, None) == (pytest.approx(1e-2 / 20), 1)
-
-
-def test_the_slowest_ranks_rows_are_scored_on_its_next_idle_turn_one_step_back_at_most(monkeypatch):
-    """Top1.start_step puts the pieces the last step left unscored (the slowest rank has no idle
-    time) before this step's, into this step's counts; end_step keeps only the step's own rows of
-    what is left, so pieces two steps old are dropped and never held through another rollout."""
-    import scheduler
-
-    def pieces(drafter, rows, into, piece_tokens):  # a piece per row: it scores 1 of its `row` positions
-        def score(row):
-            into[0] += 1
-            into[1] += row
-        return [lambda row=row: score(row) for row in rows]
-    monkeypatch.setattr(scheduler, "top1_pieces", pieces)
-    top1 = scheduler.Top1()
-    assert len(top1.start_step(None, [2, 3], 64)) == 2  # the slowest rank: nothing scored
-    top1.end_step(0, 0)
-    assert len(top1.pending) == 2  # both carried
-    work = top1.start_step(None, [4], 64)
-    assert len(work) == 3
-    work.popleft()()  # an idle turn scores the oldest first
-    assert top1.counts == [1, 2]
-    top1.end_step(1, 2)
-    assert len(top1.pending) == 1  # step 1's row 3 is two steps old now: dropped, row 4 carried
-    work = top1.start_step(None, [5], 64)
-    assert len(work) == 2
-    while work:
-        work.popleft()()
-    assert top1.counts == [2, 4 + 5]  # row 4 carried, then row 5, into this step's counts

@@ -456,7 +456,7 @@ def test_a_cache_only_rank_0_sees_is_used_by_every_rank(tmp_path):
 @pytest.mark.parametrize("flags", [[], ["--drafter-updates", "off"], ["--tlt", "off"]])
 def test_one_process_holds_at_most_keep_tokens_in_every_configuration(flags, tmp_path):
     """A single process never has idle time, so nothing it gives the drafter buffer is ever trained
-    on or stored; over 8 steps with a small bound, what it holds (staged and stored) stays within
+    on; over 8 steps with a small bound, what it holds stays within
     --drafter-keep-tokens, and a run that never trains the drafter holds nothing."""
     out = str(tmp_path / "run")
     r = run_train(TINY + flags + ["--out-dir", out, "--rl-steps", "8", "--eval-per-bucket", "0", "--ckpt-every", "8",

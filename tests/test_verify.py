@@ -21,14 +21,14 @@ import torch
 from drafter import Drafter
 from conftest import every_drafter, randomize, tiny
 from harness.instrument import DecodeStats
-from speculative import _mix32_, draw, gumbel_choose, gumbel_noise, gumbel_seeds, probs, verify, verify_gumbel
+from speculative import GumbelSampler, draw, gumbel_noise, gumbel_seeds, mix32, probs, verify, verify_gumbel
 from speculative import autoregressive_generate, speculative_generate
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def gumbel_argmax(logits, temperature, noise):
-    """The Gumbel-max token with the whole noise given: what gumbel_choose must equal."""
+    """The Gumbel-max token with the whole noise given: what GumbelSampler.choose must equal."""
     return (logits.float() / temperature + noise).argmax(-1)
 
 
@@ -271,7 +271,9 @@ def test_mix32_is_lowbias32():
         x = (x * 0x846CA68B) & 0xFFFFFFFF
         return x ^ (x >> 16)
     xs = [0, 1, 2, 0xFFFFFFFF, 0x80000000] + [random.Random(0).getrandbits(32) for _ in range(200)]
-    assert _mix32_(torch.tensor(xs)).tolist() == [lowbias32(x) for x in xs]
+    t = torch.tensor(xs)
+    assert mix32(t).tolist() == [lowbias32(x) for x in xs]
+    assert t.tolist() == xs  # a new tensor: its input is left as it was
 
 
 def test_gumbel_noise_is_a_function_of_key_position_and_token():
@@ -322,10 +324,10 @@ def test_verify_gumbel_keeps_drafts_up_to_the_first_mismatch():
     assert n_acc.tolist() == [3, 1, 0, 2]
 
 
-def test_gumbel_choice_in_row_passes_equals_one_argmax_and_ignores_the_logits_dtype():
-    """gumbel_choose makes the noise of a bounded number of rows per pass (bounded memory) and picks
-    the same tokens as one argmax over the whole noise, made there or given; bfloat16 logits give
-    the tokens of the same logits in float32 (the noise is added in float32, never coarsened to bf16)."""
+def test_gumbel_sampler_choice_is_the_noisy_argmax_and_ignores_the_logits_dtype():
+    """GumbelSampler.choose at positions (B, T) picks the tokens of one argmax over the whole noise of
+    each row's key at each position (q None); bfloat16 logits give the tokens of the same logits in
+    float32 (the noise is added in float32, never coarsened to bf16); temperature 0 is the argmax."""
     g = torch.Generator().manual_seed(0)
     B, T, V = 6, 3, 50
     logits = torch.randn(B, T, V, generator=g) * 2
@@ -333,13 +335,13 @@ def test_gumbel_choice_in_row_passes_equals_one_argmax_and_ignores_the_logits_dt
     seeds = gumbel_seeds(keys, pos)
     whole = gumbel_argmax(logits, 1.0, gumbel_noise(seeds, V))
     assert len(set(whole.flatten().tolist())) > 5  # varied tokens: a row given another's noise would show
-    for max_elements in (7, 50, 120, 350, 900, None):  # 1, 1, 2, 7 and 18 rows per pass, then the default
-        assert torch.equal(gumbel_choose(logits, 1.0, seeds, max_elements=max_elements), whole)
-    assert torch.equal(gumbel_choose(logits, 1.0, seeds, noise=gumbel_noise(seeds, V)), whole)
+    tokens, q = GumbelSampler(1.0, keys, V).choose(logits, pos)
+    assert q is None and torch.equal(tokens, whole)
+    assert not torch.equal(GumbelSampler(1.0, keys.flip(0), V).choose(logits, pos)[0], whole)  # keys matter
     low = logits.bfloat16()
     exact = gumbel_argmax(low.float(), 0.7, gumbel_noise(seeds, V))
-    assert torch.equal(gumbel_choose(low, 0.7, seeds, max_elements=100), exact)
-    assert torch.equal(gumbel_choose(low, 0.7, seeds, noise=gumbel_noise(seeds, V)), exact)
+    assert torch.equal(GumbelSampler(0.7, keys, V).choose(low, pos)[0], exact)
+    assert torch.equal(GumbelSampler(0.0, keys, V).choose(logits, pos)[0], logits.argmax(-1))
 
 
 def test_rows_whose_old_32_bit_streams_were_a_shift_apart_get_unrelated_noise():
