@@ -62,11 +62,9 @@ class Drafter(nn.Module):
         """Draft k tokens per row of a speculative.RunningBatch -> drafts (B, k) and, with rejection
         sampling, their distributions q (B, k, V). It reads the batch's tokens, hidden states and
         n_tokens, picks drafts with its sampler, and keeps its KV cache in batch.draft_cache.
-
-        First it catches up: row b reads the pairs (h_j, x_{j+1}) recorded since it last drafted,
-        j = its cache length .. L - 1, in one pass as wide as the longest such run (the shorter
-        ones read past their end, and those entries are dropped). Then it drafts k, feeding back
-        its own predicted state; draft i is the sampler's choice at position L + 1 + i."""
+        First row b catches up on the pairs (h_j, x_{j+1}) recorded since it last drafted, j = its
+        cache length .. L - 1, in one pass as wide as the longest such run. Then it drafts k,
+        feeding back its own state; draft i is the sampler's choice at position L + 1 + i."""
         B, L = batch.batch_size, batch.n_tokens - 1  # L (B,): the target cache's length
         if batch.draft_cache is None:  # the switch to speculation: no recorded state read yet
             batch.draft_cache = self.new_cache(B, batch.cache.max_len, dtype=batch.cache.kv.dtype)
@@ -77,7 +75,7 @@ class Drafter(nn.Module):
         logits, h = self(batch.hidden[rows, j], batch.tokens[rows, j + 1], cache)
         latest = (L - 1 - start)[:, None]  # (B, 1): the column of pair L - 1
         logits, h = logits[rows, latest], h[rows, latest]  # (B, 1, V), (B, 1, C)
-        cache.lengths = L  # drops the pairs read past a row's end
+        cache.lengths = L  # drops what a shorter run read past its row's end
         drafts, qs = [], []
         for i in range(k):  # draft k tokens, feeding back its own state
             d, q = batch.sampler.choose(logits, batch.n_tokens[:, None] + i)  # (B, 1), q or None

@@ -44,10 +44,6 @@ class KVCache:
         self.lengths = torch.zeros(batch_size, dtype=torch.long, device=device)
         self.max_len = max_len
 
-    @property
-    def batch_size(self):
-        return self.lengths.shape[0]
-
     def compact(self, live):
         """Keep only the rows `live` (a list of row indices, in order)."""
         self.kv, self.lengths = self.kv[:, :, live], self.lengths[live]

@@ -16,9 +16,8 @@ by the tokens per second it delivered. The switch to speculation costs no second
 drafter catches up from the hidden states the running batch records for every token, and the same
 states go to the drafter's buffer.
 
-The decoding loop itself is `speculative.decode`, shared with the generate functions; the engine
-is the policy it asks for k each step (`TailPolicy`). What a rollout decoded and how long it took
-is counted outside the engine, by an observer called after every step (the harness's RolloutStats).
+The decoding loop is `speculative.decode`; the engine is the policy it asks for k each step
+(`TailPolicy`). The harness counts and times a rollout with the observer the loop calls each step.
 
 Test: python -m pytest tests/test_rollout.py
 """

@@ -15,12 +15,11 @@ rank waits for the piece in flight. The last rank itself does none.
 
 Then every rank holds the same drafter again. The weights are averaged, weighted by each rank's
 local drafter steps, in one all-reduce that overlaps the target's update. Each rank's AdamW moments
-stay its own. A single process has no idle time, so it never trains the drafter online. That is
-the technique, not a bug: the single process still scores the drafter, since nobody waits for it.
+stay its own. A single process has no idle time: it never trains the drafter online (that is the
+technique, not a bug), but it scores it, since nobody waits for it.
 
 How hard the idle ranks train is set by the drafter's recent top-1 agreement with the target
-(`Top1`, `drafter_schedule`). The counts ride in the sync's all-reduce, so every rank keeps the
-same figure.
+(`Top1`, `drafter_schedule`), whose counts ride in the sync's all-reduce.
 
 Test: python -m pytest tests/test_scheduler.py   (gloo processes with skewed loads)
 """
@@ -46,10 +45,6 @@ class IdleWork:
     piece_tokens: int = 128  # padded positions in one drafter step, at most
 
 
-def many_ranks():
-    return dist.is_initialized() and dist.get_world_size() > 1
-
-
 def idle_train(drafter, optimizer, buffer, rng, work, scoring=(), barrier=None, grace_s=0.005):
     """The idle loop, from this rank's arrival until the last rank's -> (drafter steps, skipped
     steps, idle seconds, busy). busy is [start, end] of the turns that did work (None: none did).
@@ -60,7 +55,7 @@ def idle_train(drafter, optimizer, buffer, rng, work, scoring=(), barrier=None, 
     that slow ranks are alive. grace_s is short because a barrier's round trip takes well under a
     millisecond, and every millisecond of grace is idle time that trains nothing."""
     t0 = time.perf_counter()
-    if not many_ranks():  # no idle time, and nobody to delay
+    if not dist.is_initialized() or dist.get_world_size() == 1:  # no idle time, nobody to delay
         while scoring:
             scoring.popleft()()
         return 0, 0, 0.0, None
@@ -108,7 +103,7 @@ def start_drafter_sync(drafter, local_steps, top1=(0, 0)):
     `finish()` waits for it, writes the average in and returns the top-1 counts (agreeing,
     positions) summed over ranks. A rank that trained 0 steps adds nothing; if nobody trained,
     the weights do not change. Every rank gets bit-identical sums, so identical weights."""
-    if not many_ranks():
+    if not dist.is_initialized() or dist.get_world_size() == 1:
         return lambda: tuple(top1)
     params = list(drafter.parameters())
     counts = torch.tensor([float(local_steps), *top1], dtype=torch.float64, device=params[0].device)

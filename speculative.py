@@ -8,8 +8,8 @@ One speculative step, for every running row at once:
 3. accept: each row keeps its own number of drafts (ragged acceptance) and one target token after
    them. Rolling the rejected drafts back is assigning the cache lengths.
 
-The file reads top to bottom: the running batch and its two kinds of step; the decoding loop that
-the generate functions and the rollout share; the verify rules; the two samplers.
+In reading order: the running batch and its two steps; the decoding loop (`decode`, also the
+rollout's); the verify rules; the two samplers and the noise.
 
 The batch's sampler, chosen once per batch, picks every token and verifies the drafts, so no step
 branches on the rule. Both rules keep the emitted tokens distributed exactly as the target's own:
@@ -62,9 +62,8 @@ class RunningBatch:
         longest_prompt = max(len(p) for p in prompts)
         need = longest_prompt + max_new_tokens + max_draft  # a verify pass writes k past the end
         if need > target.config.block_size:
-            raise ValueError(f"prompt ({longest_prompt}) + max_new_tokens ({max_new_tokens}) + "
-                             f"draft ({max_draft}) = {need} exceeds block_size "
-                             f"{target.config.block_size}")
+            raise ValueError(f"prompt ({longest_prompt}) + max_new_tokens ({max_new_tokens}) + draft "
+                             f"({max_draft}) = {need} exceeds block_size {target.config.block_size}")
         dev, B = target.wte.weight.device, len(prompts)
         self.target, self.eos_id, self.prompts = target, s.eos_id, prompts
         self.ids, self.results = list(range(B)), [None] * B

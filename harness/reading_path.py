@@ -95,7 +95,7 @@ ROWS = {
          "drafter.top1_agreement"],
         "the drafter's rate from its recent top-1; scoring this rank's fresh rows first"),
     "the idle loop": (
-        ["scheduler.idle_train", "scheduler.many_ranks"],
+        ["scheduler.idle_train"],
         "the async barrier's loop, a piece of work a turn, until the last rank arrives"),
     "the sync": (
         ["scheduler.start_drafter_sync", "Top1.add"],

@@ -192,10 +192,10 @@ def test_compact_drops_finished_rows_keeps_original_order(greedy_setup):
             assert gen.ids == running  # the running rows, in prompt order
             assert not bool(gen.done.any())
             assert gen.tokens.shape[0] == gen.hidden.shape[0] == gen.n_tokens.shape[0] == n
-            assert gen.cache.batch_size == n
+            assert gen.cache.lengths.shape[0] == gen.cache.kv.shape[2] == n
             assert torch.equal(gen.cache.lengths, gen.n_tokens - 1)
             if gen.draft_cache is not None:
-                assert gen.draft_cache.batch_size == n
+                assert gen.draft_cache.lengths.shape[0] == gen.draft_cache.kv.shape[2] == n
             if n == 0:
                 break
             if k == 0:
