@@ -41,7 +41,7 @@ class FinishedRow(NamedTuple):
 
 
 class RunningBatch:
-    """The running rows of one generate or rollout call, in the order of `prompts`.
+    """The running rows of one generate or rollout call.
 
     Row b is prompt ids[b]. It holds tokens[b, :n_tokens[b]], prompt then response; its last token
     is *pending*: sampled but not yet read by the target, so the target's cache holds n_tokens - 1
@@ -137,21 +137,25 @@ class RunningBatch:
         """Move finished rows to `results` and out of every tensor and cache. Returns the number
         of rows still running."""
         done, n_tokens = torch.stack((self.done, self.n_tokens)).tolist()  # sync: the step's read
-        live = [b for b in range(len(done)) if not done[b]]
-        if len(live) == len(done):
-            return len(live)
+        n = len(done) - sum(done)  # rows still running
+        if n == len(done):
+            return n
         for b in (b for b in range(len(done)) if done[b]):
-            prompt_len, n = len(self.prompts[self.ids[b]]), n_tokens[b]
-            self.results[self.ids[b]] = FinishedRow(self.tokens[b, prompt_len:n].tolist(),
-                                                    self.tokens[b, :n].clone(),
-                                                    self.hidden[b, :n - 1].clone(), prompt_len)
-        self.ids = [self.ids[b] for b in live]
-        for name in ("tokens", "hidden", "n_tokens", "end", "done"):  # t = t[live], per tensor
-            setattr(self, name, getattr(self, name)[live])
+            prompt_len, end = len(self.prompts[self.ids[b]]), n_tokens[b]
+            self.results[self.ids[b]] = FinishedRow(self.tokens[b, prompt_len:end].tolist(),
+                                                    self.tokens[b, :end].clone(),
+                                                    self.hidden[b, :end - 1].clone(), prompt_len)
+        # Running rows keep their places, but for the last ones, which fill the places that
+        # finished rows leave among the first n: the caches move only those (KVCache.compact).
+        movers = iter([b for b in range(n, len(done)) if not done[b]])
+        keep = [next(movers) if done[b] else b for b in range(n)]  # new row i is old row keep[i]
+        self.ids = [self.ids[b] for b in keep]
+        for name in ("tokens", "hidden", "n_tokens", "end", "done"):  # t = t[keep], per tensor
+            setattr(self, name, getattr(self, name)[keep])
         for per_row in (self.cache, self.draft_cache, self.sampler):
             if per_row is not None:
-                per_row.compact(live)
-        return len(live)
+                per_row.compact(keep)
+        return n
 
 
 class DecodeStep(NamedTuple):
@@ -300,7 +304,7 @@ class RejectionSampler:
     def __init__(self, temperature, generator):
         self.temperature, self.generator = temperature, generator
 
-    def compact(self, live):
+    def compact(self, keep):
         pass  # no per-row state
 
     def choose(self, logits, positions):
@@ -325,8 +329,8 @@ class GumbelSampler:
     def __init__(self, temperature, keys, vocab_size):
         self.temperature, self.keys, self.vocab_size = temperature, keys, vocab_size  # keys (B,)
 
-    def compact(self, live):
-        self.keys = self.keys[live]
+    def compact(self, keep):
+        self.keys = self.keys[keep]
 
     def choose(self, logits, positions):
         """logits (B, T, V) at positions (B, T) -> tokens (B, T), and None for q."""
