@@ -1,9 +1,12 @@
 """Shared by the tests: the repository root on sys.path, helpers to randomise tiny models, the greedy
-setup of the decoding tests, and fixtures that fail any use of the network or run on one thread."""
+setup of the decoding tests, fixtures that fail any use of the network or run on one thread, and
+run_ranks, which runs a function on gloo processes."""
+import datetime
 import os
 import random
 import socket
 import sys
+import time
 
 import pytest
 import torch
@@ -120,3 +123,53 @@ def every_drafter(learned):
     from harness.model_free import NgramDrafter, SiblingDrafter, SiblingOrLearned
     return {"learned": learned, "ngram": NgramDrafter(n=1), "sibling": SiblingDrafter(max_match=4),
             "sibling+learned": SiblingOrLearned(learned, max_match=4)}
+
+
+# ----------------------------------------------------------------------------- gloo processes
+
+def run_ranks(fn, world, *args, group=True, timeout_s=120):
+    """fn(rank, *args) on `world` spawned processes joined in one gloo group (group=False: none, a
+    single process as train.py runs without torchrun). A rank that raises fails the test with its
+    traceback; ranks still running after timeout_s fail it as hung. The group meets at a store this
+    process opens on port 0 and holds until the ranks are done: a port picked free and closed
+    again could be taken by another socket before rank 0 binds it."""
+    import torch.distributed as dist
+    import torch.multiprocessing as mp
+    store = dist.TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False)
+    ctx = mp.start_processes(_rank_main, args=(fn, world, store.port, group, args), nprocs=world, join=False,
+                             start_method="spawn")
+    deadline = time.time() + timeout_s
+    try:
+        while not ctx.join(timeout=1):  # raises, with the rank's traceback, if a rank failed
+            if time.time() > deadline:
+                pytest.fail(f"{world} rank(s) hung for {timeout_s}s")
+    finally:
+        for p in ctx.processes:
+            if p.is_alive():
+                p.kill()
+            p.join()
+
+
+def join_group(rank, world, port, timeout_s=None):
+    """Join the gloo group of `world` ranks whose store a test holds on `port`."""
+    import torch.distributed as dist
+    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=60))
+    kw = {"timeout": datetime.timedelta(seconds=timeout_s)} if timeout_s else {}
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world, **kw)
+
+
+def _rank_main(rank, fn, world, port, group, args):
+    """One rank of run_ranks. It ends as train.main does: a barrier (nobody tears gloo down while a
+    peer still talks to it), then without the C++ static destructors, which now and then abort the
+    process after gloo ("terminate called without an active exception", SIGABRT)."""
+    import torch.distributed as dist
+    torch.set_num_threads(1)  # ranks share the cores
+    if group:
+        join_group(rank, world, port)
+    fn(rank, *args)  # an exception leaves through torch's spawn wrapper, which hands its traceback to run_ranks
+    if group:
+        dist.barrier()
+        dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

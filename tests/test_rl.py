@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import rl
+from conftest import run_ranks
 from model import GPT, GPTConfig
 
 
@@ -197,17 +198,12 @@ def _update(model, net, rows, update_tokens=12):
     return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
 
 
-def _update_worker(rank, port, deal, out):
-    import torch.distributed as dist
+def _update_worker(rank, deal, out):
     from torch.nn.parallel import DistributedDataParallel
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     model = _model()
     w = _update(model, DistributedDataParallel(model), DEALS[deal][rank])
     if rank == 0:
         torch.save(w, out)
-    dist.barrier()
-    dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("deal", sorted(DEALS))
@@ -215,13 +211,8 @@ def test_update_on_two_ranks_equals_one_process(deal, tmp_path):
     """The token-level mean is over the global batch: 2 gloo ranks holding uneven shares of the
     batch (one a single response token, or nothing) make the single-process update, to float64
     precision. Dividing by each rank's own token count would differ by about 30% of the update."""
-    import socket
-    import torch.multiprocessing as mp
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     out = str(tmp_path / "w.pt")
-    mp.start_processes(_update_worker, args=(port, deal, out), nprocs=2, start_method="spawn")
+    run_ranks(_update_worker, 2, deal, out)
     w0 = torch.cat([p.detach().reshape(-1) for p in _model().parameters()])
     one = _update(_model(), None, range(len(SEQS)), update_tokens=1000)  # one process, one micro-batch
     two = torch.load(out, map_location="cpu")

@@ -3,9 +3,7 @@ identical drafters after the sync (the top-1 counts summed in it), no hang for 1
 rank without prompts, a dead peer failing the idle barrier; the drafter's rate from its recent top-1.
 Slow is not dead: tests/test_liveness.py."""
 import json
-import os
 import random
-import socket
 import time
 
 import pytest
@@ -15,6 +13,7 @@ import torch.multiprocessing as mp
 from torch.nn.parallel import DistributedDataParallel
 from torch.nn.utils import parameters_to_vector
 
+from conftest import join_group, run_ranks
 from drafter import Drafter, DrafterBuffer, make_optimizer
 from harness.instrument import checksum
 from model import GPT, GPTConfig
@@ -27,21 +26,13 @@ from scheduler import IdleWork, idle_train, start_drafter_sync
 DEADLINE_S = 120  # a hang fails the test instead of blocking CI
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _models():
     torch.manual_seed(0)  # identical initial weights on every rank
     target = GPT(GPTConfig(vocab_size=10, block_size=48, n_layer=1, n_head=2, n_embd=16)).eval()
     return target, Drafter(target)
 
 
-def _worker(rank, world, port, loads, out_path):
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+def _worker(rank, loads, out_path):
     target, drafter = _models()
     net = DistributedDataParallel(target)
     target_opt = torch.optim.SGD(target.parameters(), lr=0.1)
@@ -83,21 +74,11 @@ def _worker(rank, world, port, loads, out_path):
     if rank == 0:
         with open(out_path, "w") as f:
             json.dump({"records": recs, "timeline": render_timeline(recs)}, f)
-    dist.barrier()  # nobody tears down gloo while a peer still talks to it
-    dist.destroy_process_group()
-    os._exit(0)  # skip C++ static destructors, which now and then abort after gloo (see train.main)
 
 
 def _run(world, loads, tmp_path):
     out = str(tmp_path / "records.json")
-    ctx = mp.start_processes(_worker, args=(world, _free_port(), loads, out), nprocs=world, join=False,
-                             start_method="spawn")
-    deadline = time.time() + DEADLINE_S
-    while not ctx.join(timeout=1):
-        if time.time() > deadline:
-            for p in ctx.processes:
-                p.kill()
-            pytest.fail(f"world size {world} hung for {DEADLINE_S}s")
+    run_ranks(_worker, world, loads, out, timeout_s=DEADLINE_S)
     with open(out) as f:
         return json.load(f)
 
@@ -151,12 +132,10 @@ def test_render_timeline_draws_each_phase():
     assert row1.split("|")[1] == "#" * 20
 
 
-def _always_last_worker(rank, world, port, out_path):
+def _always_last_worker(rank, out_path):
     """Rank 1 finishes every step's rollout last, so it never has idle time: it stores each step's
     rows and never trains on them. Both ranks record what their buffers hold after each step."""
     from speculative import FinishedRow as Sample
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     target, drafter = _models()
     opt, buffer = make_optimizer(drafter), DrafterBuffer(keep_steps=3, keep_tokens=100)
     gen = torch.Generator().manual_seed(rank)
@@ -172,19 +151,13 @@ def _always_last_worker(rank, world, port, out_path):
     if rank == 0:
         with open(out_path, "w") as f:
             json.dump(recs, f)
-    dist.barrier()
-    dist.destroy_process_group()
-    os._exit(0)
 
 
 def test_a_rank_always_last_holds_at_most_keep_tokens(tmp_path):
     """The buffer's bounds hold when rows are given, not when an idle turn reads them: the rank that
     is always last, which never has an idle turn, holds at most keep_tokens all the same."""
     out = str(tmp_path / "held.json")
-    ctx = mp.start_processes(_always_last_worker, args=(2, _free_port(), out), nprocs=2, join=False, start_method="spawn")
-    deadline = time.time() + DEADLINE_S
-    while not ctx.join(timeout=1):
-        assert time.time() < deadline, "hung"
+    run_ranks(_always_last_worker, 2, out, timeout_s=DEADLINE_S)
     with open(out) as f:
         first, last = json.load(f)
     assert first["steps"] > 0  # the idle rank trained
@@ -195,8 +168,7 @@ def test_a_rank_always_last_holds_at_most_keep_tokens(tmp_path):
 
 def _failing_worker(rank, world, port, q):
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=__import__("datetime").timedelta(seconds=20))
+    join_group(rank, world, port, timeout_s=20)
     target, drafter = _models()
     if rank == 1:
         raise RuntimeError("rank 1 fails during its rollout")
@@ -227,8 +199,8 @@ def _start_and_join(ctx, target, args_per_rank, hung_message, timeout=60):
 def test_dead_peer_fails_the_idle_barrier_in_bounded_time():
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    port = _free_port()
-    procs = _start_and_join(ctx, _failing_worker, [(r, 2, port, q) for r in range(2)], "a rank hung on a dead peer")
+    store = dist.TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False)  # held here: see conftest.run_ranks
+    procs = _start_and_join(ctx, _failing_worker, [(r, 2, store.port, q) for r in range(2)], "a rank hung on a dead peer")
     assert all(p.exitcode != 0 for p in procs)
     outcome, waited = q.get(timeout=5)
     assert outcome != "returned" and waited <= 30

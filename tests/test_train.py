@@ -20,6 +20,7 @@ from harness import config  # noqa: E402
 import train  # noqa: E402
 from harness import warmup  # noqa: E402
 from harness.instrument import checksum  # noqa: E402
+from conftest import run_ranks  # noqa: E402
 
 TINY = ["--max-n", "4", "--block-size", "56", "--n-layer", "1", "--n-head", "2", "--n-embd", "16",
         "--warmup-steps", "10", "--warmup-tokens", "256", "--drafter-warmup-seqs", "16", "--drafter-warmup-steps", "5",
@@ -352,15 +353,11 @@ SOMETIMES_RIGHT = TINY + ["--max-n", "1", "--n-embd", "32", "--warmup-steps", "1
                           "--warmup-lr", "1e-2", "--eval-per-bucket", "0"]  # a target whose rewards vary
 
 
-def _rl_steps_worker(rank, world, port, out, n_steps, warm):
+def _rl_steps_worker(rank, world, out, n_steps, warm):
     """n_steps of train.rl_step on `world` gloo ranks (world 1: no process group) from the target
     in `warm`; rank 0 saves the step digests and rewards and the target's weights."""
-    import torch.distributed as dist
     from harness.instrument import RolloutStats
     from harness.report import step_record
-    torch.set_num_threads(1)
-    if world > 1:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     args = config.parse_args(SOMETIMES_RIGHT + ["--prompts-per-step", "3", "--group-size", "3", "--rl-lr", "3e-3"])
     model, drafter = _tiny_models(args)
     model.load_state_dict(torch.load(warm, map_location="cpu")["model"])
@@ -372,19 +369,11 @@ def _rl_steps_worker(rank, world, port, out, n_steps, warm):
     if rank == 0:
         torch.save({"digests": [r["responses_digest"] for r in recs], "rewards": [r["reward"] for r in recs],
                     "weights": torch.cat([p.detach().reshape(-1) for p in model.parameters()])}, out)
-    if world > 1:
-        dist.barrier()
-        dist.destroy_process_group()
 
 
 def _rl_steps(world, tmp_path, warm, n_steps=3):
-    import socket
-    import torch.multiprocessing as mp
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     out = str(tmp_path / f"w{world}.pt")
-    mp.start_processes(_rl_steps_worker, args=(world, port, out, n_steps, warm), nprocs=world, start_method="spawn")
+    run_ranks(_rl_steps_worker, world, world, out, n_steps, warm, group=world > 1, timeout_s=240)
     return torch.load(out, map_location="cpu")
 
 
@@ -414,11 +403,8 @@ def test_too_few_rows_for_the_ranks_is_a_clear_error(tmp_path):
     assert proc.returncode != 0 and "leave some of the 2 ranks without work" in stdout
 
 
-def _cache_worker(rank, port, warmup_dir, out):
+def _cache_worker(rank, warmup_dir, out):
     """prepare_models on 2 ranks where only rank 0 can see the warm-up caches."""
-    import torch.distributed as dist
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     if rank == 1:
         real = os.path.exists
         os.path.exists = lambda p: False if str(p).startswith(warmup_dir) else real(p)
@@ -426,27 +412,17 @@ def _cache_worker(rank, port, warmup_dir, out):
     model, drafter = warmup.prepare_models(args, config.task_of(args), config.task_of(args, warmup=True),
                                               True, rank, 2, torch.device("cpu"))
     torch.save({"model": model.state_dict(), "drafter": checksum(drafter)}, f"{out}.{rank}")
-    dist.barrier()
-    dist.destroy_process_group()
 
 
 def test_a_cache_only_rank_0_sees_is_used_by_every_rank(tmp_path):
     """Rank 0 decides whether to load or to warm up and every rank follows: a rank that cannot see
     the cache does not warm up on its own (its collectives would then never match rank 0's)."""
-    import socket
-    import torch.multiprocessing as mp
     warmup_dir = str(tmp_path / "warm")
     r = run_train(TINY + ["--out-dir", warmup_dir, "--rl-steps", "0", "--eval-per-bucket", "0"])
     assert r.returncode == 0, r.stderr[-2000:]
     cached = torch.load(os.path.join(warmup_dir, "target_warmup.pt"), map_location="cpu")["model"]
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     out = str(tmp_path / "got")
-    ctx = mp.start_processes(_cache_worker, args=(port, warmup_dir, out), nprocs=2, start_method="spawn", join=False)
-    deadline = time.time() + 120
-    while not ctx.join(timeout=1):
-        assert time.time() < deadline, "the ranks hung"
+    run_ranks(_cache_worker, 2, warmup_dir, out)
     got = [torch.load(f"{out}.{r}", map_location="cpu") for r in range(2)]
     for g in got:
         assert all(torch.equal(g["model"][k], cached[k]) for k in cached)
