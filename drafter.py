@@ -64,7 +64,7 @@ class Drafter(nn.Module):
         n_tokens, picks drafts with its sampler, and keeps its KV cache in batch.draft_cache.
         First row b catches up on the pairs (h_j, x_{j+1}) recorded since it last drafted, j = its
         cache length .. L - 1, in one pass as wide as the longest such run. Then it drafts k,
-        feeding back its own state; draft i is the sampler's choice at position L + 1 + i."""
+        feeding back its own state; draft i is the sampler's choice at position n_tokens + i."""
         B, L = batch.batch_size, batch.n_tokens - 1  # L (B,): the target cache's length
         if batch.draft_cache is None:  # the switch to speculation: no recorded state read yet
             batch.draft_cache = self.new_cache(B, batch.cache.max_len, dtype=batch.cache.kv.dtype)
@@ -72,10 +72,12 @@ class Drafter(nn.Module):
         start = cache.lengths  # (B,) the first pair each row has not read
         unread = int((L - start).max())  # sync: the longest run of unread pairs
         j = start[:, None] + torch.arange(unread, device=L.device)  # (B, unread)
+        # a shorter run reads junk past its row's end (dropped below), still inside the tensors:
+        # the first catch-up starts every row at 0, later runs differ by at most the last k
         logits, h = self(batch.hidden[rows, j], batch.tokens[rows, j + 1], cache)
         latest = (L - 1 - start)[:, None]  # (B, 1): the column of pair L - 1
         logits, h = logits[rows, latest], h[rows, latest]  # (B, 1, V), (B, 1, C)
-        cache.lengths = L  # drops what a shorter run read past its row's end
+        cache.lengths = L  # drops the junk
         drafts, qs = [], []
         for i in range(k):  # draft k tokens, feeding back its own state
             d, q = batch.sampler.choose(logits, batch.n_tokens[:, None] + i)  # (B, 1), q or None

@@ -5,7 +5,7 @@ finish far apart. A rank that is done enters an asynchronous barrier. Until the 
 it works for the drafter, one short piece at a time:
 
     arrived = dist.barrier(async_op=True)   # completes when the LAST rank arrives
-    wait for it a moment (grace_s)          # the last rank finds it complete: it starts nothing
+    wait for it a moment (grace_s)          # so the last rank finds it complete, starts nothing
     while not arrived.is_completed():       # preemption: the last rank's arrival
         one piece of drafter work
 
@@ -108,11 +108,11 @@ def start_drafter_sync(drafter, local_steps, top1=(0, 0)):
     params = list(drafter.parameters())
     counts = torch.tensor([float(local_steps), *top1], dtype=torch.float64, device=params[0].device)
     flat = torch.cat([parameters_to_vector(params).double() * local_steps, counts])
-    work = dist.all_reduce(flat, async_op=True)
+    pending = dist.all_reduce(flat, async_op=True)
 
     @torch.no_grad()
     def finish():
-        work.wait()
+        pending.wait()
         total, agree, positions = flat[-3:].tolist()  # sync: the summed counts
         if total > 0:
             vector_to_parameters((flat[:-3] / total).to(params[0].dtype), params)
