@@ -61,10 +61,10 @@ class Drafter(nn.Module):
     def propose(self, batch, k):
         """Draft k tokens per row of a speculative.RunningBatch -> drafts (B, k) and, with rejection
         sampling, their distributions q (B, k, V). It reads the batch's tokens, hidden states and
-        n_tokens, picks drafts with its sampler, and keeps its KV cache in batch.draft_cache.
+        n_tokens, draws with batch.choose_draft, and keeps its KV cache in batch.draft_cache.
         First row b catches up on the pairs (h_j, x_{j+1}) recorded since it last drafted, j = its
         cache length .. L - 1, in one pass as wide as the longest such run. Then it drafts k,
-        feeding back its own state; draft i is the sampler's choice at position n_tokens + i."""
+        feeding back its own state; draft i goes at position n_tokens + i."""
         B, L = batch.batch_size, batch.n_tokens - 1  # L (B,): the target cache's length
         if batch.draft_cache is None:  # the switch to speculation: no recorded state read yet
             batch.draft_cache = self.new_cache(B, batch.cache.max_len, dtype=batch.cache.kv.dtype)
@@ -80,7 +80,7 @@ class Drafter(nn.Module):
         cache.lengths = L  # drops the junk
         drafts, qs = [], []
         for i in range(k):  # draft k tokens, feeding back its own state
-            d, q = batch.sampler.choose(logits, batch.n_tokens[:, None] + i)  # (B, 1), q or None
+            d, q = batch.choose_draft(logits, i)  # (B, 1), q (B, 1, V) or None
             drafts.append(d)
             qs.append(q)
             if i + 1 < k:

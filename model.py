@@ -44,13 +44,9 @@ class KVCache:
         self.lengths = torch.zeros(batch_size, dtype=torch.long, device=device)
         self.max_len = max_len
 
-    def compact(self, keep):
-        """Keep the rows `keep` (a list of row indices): row i becomes old row keep[i]. Only rows
-        that change place are copied, in place: a fresh copy of every kept row each time a row
-        finishes would cost the default RL step XX%."""
-        moved = [i for i, b in enumerate(keep) if i != b]
-        self.kv[:, :, moved] = self.kv[:, :, [keep[i] for i in moved]]  # the right side: a copy
-        self.kv, self.lengths = self.kv[:, :, :len(keep)], self.lengths[keep]
+    def compact(self, live):
+        """Keep only the rows `live` (a list of row indices, in order)."""
+        self.kv, self.lengths = self.kv[:, :, live], self.lengths[live]
 
 
 class Attention(nn.Module):

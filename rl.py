@@ -122,19 +122,6 @@ def grpo_loss(logp, logp_old, advantages, mask, clip_eps=0.2, kl_coef=0.0, logp_
     return loss, stats
 
 
-def global_mean_scale(n_local, device="cpu", n_total=None):
-    """W / N, with W the world size and N the loss's tokens on all ranks (n_total, or n_local
-    all-reduced). A rank's summed loss times it, averaged by DDP, is the global token mean, however
-    rows are dealt."""
-    world = dist.get_world_size() if dist.is_initialized() else 1
-    if n_total is not None:
-        return world / max(n_total, 1)
-    n = torch.tensor(float(n_local), dtype=torch.float64, device=device)
-    if dist.is_initialized():
-        dist.all_reduce(n)  # sync: one small all-reduce per update
-    return world / max(n.item(), 1.0)
-
-
 def deal_by_tokens(lengths, world_size):
     """Row lengths -> {rank: [rows]} with about as many tokens per rank, so that no rank keeps the
     others waiting at DDP's all-reduce: the longest row first, each to the rank with fewest."""
@@ -169,15 +156,17 @@ class GRPOConfig:
     temperature: float = 1.0  # the rollout's, > 0: the log-probs are scored at it
 
 
-def grpo_update(net, opt, sequences, prompt_lens, advantages, cfg, ref_model=None, n_total=None):
+def grpo_update(net, opt, sequences, prompt_lens, advantages, cfg, n_total, ref_model=None):
     """One GRPO update on the rows dealt to this rank (token lists, prompt lengths, advantages),
     re-dealt by tokens from every rank's rollouts (train.update_target) -> (loss, clip fraction,
-    skipped). net is the model or its DDP wrapper; ref_model the frozen reference, for kl_coef > 0;
-    n_total the global batch's response tokens, if known. Length-grouped micro-batches, one
+    skipped). net is the model or its DDP wrapper; n_total the response tokens of the whole global
+    batch; ref_model the frozen reference, for kl_coef > 0. Length-grouped micro-batches, one
     optimizer step per epoch, skipped on every rank if the gradient is not finite."""
     device = next(net.parameters()).device
     n_local = sum(len(s) - p for s, p in zip(sequences, prompt_lens))
-    scale = global_mean_scale(n_local, device, n_total)  # the mean is over every rank's tokens
+    # a rank's summed loss times W / N, averaged over the W ranks by DDP, is the mean over the
+    # N tokens of every rank, however the rows are dealt
+    scale = (dist.get_world_size() if dist.is_initialized() else 1) / max(n_total, 1)
     # rows with advantage 0 add exactly 0 to the loss and its gradient (not so with a KL term)
     active = [i for i in range(len(sequences)) if cfg.kl_coef > 0 or advantages[i] != 0]
     if not active:  # a one-token dummy with an empty mask: this rank still joins the collectives

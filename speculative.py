@@ -41,7 +41,7 @@ class FinishedRow(NamedTuple):
 
 
 class RunningBatch:
-    """The running rows of one generate or rollout call.
+    """The running rows of one generate or rollout call, in the order of `prompts`.
 
     Row b is prompt ids[b]. It holds tokens[b, :n_tokens[b]], prompt then response; its last token
     is *pending*: sampled but not yet read by the target, so the target's cache holds n_tokens - 1
@@ -50,7 +50,7 @@ class RunningBatch:
     goes to results[ids[b]].
 
     A drafter's contract with the batch: `propose` reads tokens, hidden, n_tokens (and ids, prompts
-    and results), picks its tokens with sampler.choose, and writes only `draft_cache`, its own
+    and results), draws its drafts with `choose_draft`, and writes only `draft_cache`, its own
     per-row state, which `compact` keeps in step with the rows."""
 
     def __init__(self, target, prompts, max_new_tokens, *, max_draft=0, **sampling):
@@ -72,7 +72,7 @@ class RunningBatch:
                                   dtype=target.wte.weight.dtype)  # (B, need + 1, C)
         self.sampler = s.new_sampler(B, target.config.vocab_size, dev)
         self.cache = target.new_cache(B, max_len=need)
-        self.draft_cache = None  # the drafter's, made by its first `propose`
+        self.draft_cache, self.step_noise = None, None  # the drafter's cache; see speculative_step
         # prefill: every prompt in one padded pass; the padding's cache entries are never read
         prompt_len = torch.tensor([len(p) for p in prompts], device=dev)  # (B,)
         logits, self.hidden[:, :longest_prompt] = target(self.tokens[:, :longest_prompt],
@@ -81,7 +81,7 @@ class RunningBatch:
         self.n_tokens, self.end = prompt_len.clone(), prompt_len + max_new_tokens  # (B,), (B,)
         self.done = torch.zeros(B, dtype=torch.bool, device=dev)
         last = logits[torch.arange(B, device=dev), prompt_len - 1][:, None]  # (B, 1, V)
-        self._append(self.sampler.choose(last, prompt_len[:, None])[0])
+        self._append(self.sampler.choose(last, self.sampler.noise(prompt_len[:, None]))[0])
 
     @property
     def batch_size(self):
@@ -112,7 +112,8 @@ class RunningBatch:
         L = self.n_tokens - 1  # (B,) the target cache's length; tokens[L] is pending
         logits, hidden = self.target(self.tokens.gather(1, L[:, None]), self.cache)  # (B, 1, .)
         self.hidden[torch.arange(self.batch_size, device=L.device), L] = hidden[:, 0]
-        return self._append(self.sampler.choose(logits, self.n_tokens[:, None])[0])
+        noise = self.sampler.noise(self.n_tokens[:, None])  # at the new token's position
+        return self._append(self.sampler.choose(logits, noise)[0])
 
     @torch.no_grad()
     def speculative_step(self, drafter, k):
@@ -120,6 +121,9 @@ class RunningBatch:
         Returns (tokens emitted per row, drafts accepted per row)."""
         L = self.n_tokens - 1  # (B,) the target cache's length; tokens[L] is pending
         positions = self.n_tokens[:, None] + torch.arange(k + 1, device=L.device)  # (B, k+1)
+        # the step's noise, made once: draft i and the target's token at position i read the same
+        # (making it again for every draft cost the default --tlt on step 10-16%, in RESULTS.md)
+        self.step_noise = self.sampler.noise(positions)  # (B, k+1, V), or None
         # 1. draft: k tokens per row, at positions[:, :k], and q (B, k, V) or None (deterministic)
         draft, q = drafter.propose(self, k)  # (B, k)
         # 2. verify: the target reads the pending token and the k drafts in one pass
@@ -128,34 +132,37 @@ class RunningBatch:
         rows = torch.arange(self.batch_size, device=L.device)[:, None]
         self.hidden[rows, positions - 1] = hidden  # the rejected drafts' states: never read
         # 3. accept: row b keeps its first n_acc[b] drafts and one token of the target's
-        n_acc, out = self.sampler.verify(draft, q, logits, positions)  # (B,), (B, k+1)
+        n_acc, out = self.sampler.verify(draft, q, logits, self.step_noise)  # (B,), (B, k+1)
         n_emitted = self._append(out, n_acc + 1)
         self.cache.lengths = self.n_tokens - 1  # roll the rejected drafts back
         return n_emitted, n_acc
+
+    def choose_draft(self, logits, i):
+        """Draft i of the speculative step under way, from the drafter's logits (B, 1, V): the
+        sampler's choice at position n_tokens + i, with the noise the verify pass reads there ->
+        tokens (B, 1), and q (B, 1, V) or None."""
+        noise = None if self.step_noise is None else self.step_noise[:, i:i + 1]
+        return self.sampler.choose(logits, noise)
 
     def compact(self):
         """Move finished rows to `results` and out of every tensor and cache. Returns the number
         of rows still running."""
         done, n_tokens = torch.stack((self.done, self.n_tokens)).tolist()  # sync: the step's read
-        n = len(done) - sum(done)  # rows still running
-        if n == len(done):
-            return n
+        live = [b for b in range(len(done)) if not done[b]]
+        if len(live) == len(done):
+            return len(live)
         for b in (b for b in range(len(done)) if done[b]):
             prompt_len, end = len(self.prompts[self.ids[b]]), n_tokens[b]
             self.results[self.ids[b]] = FinishedRow(self.tokens[b, prompt_len:end].tolist(),
                                                     self.tokens[b, :end].clone(),
                                                     self.hidden[b, :end - 1].clone(), prompt_len)
-        # Running rows keep their places, but for the last ones, which fill the places that
-        # finished rows leave among the first n: the caches move only those (KVCache.compact).
-        movers = iter([b for b in range(n, len(done)) if not done[b]])
-        keep = [next(movers) if done[b] else b for b in range(n)]  # new row i is old row keep[i]
-        self.ids = [self.ids[b] for b in keep]
-        for name in ("tokens", "hidden", "n_tokens", "end", "done"):  # t = t[keep], per tensor
-            setattr(self, name, getattr(self, name)[keep])
+        self.ids = [self.ids[b] for b in live]
+        for name in ("tokens", "hidden", "n_tokens", "end", "done"):  # t = t[live], per tensor
+            setattr(self, name, getattr(self, name)[live])
         for per_row in (self.cache, self.draft_cache, self.sampler):
             if per_row is not None:
-                per_row.compact(keep)
-        return n
+                per_row.compact(live)
+        return len(live)
 
 
 class DecodeStep(NamedTuple):
@@ -304,15 +311,18 @@ class RejectionSampler:
     def __init__(self, temperature, generator):
         self.temperature, self.generator = temperature, generator
 
-    def compact(self, keep):
+    def compact(self, live):
         pass  # no per-row state
 
-    def choose(self, logits, positions):
+    def noise(self, positions):
+        return None  # draws from the generator instead
+
+    def choose(self, logits, noise):
         """logits (B, T, V) -> tokens (B, T) and their distributions (B, T, V)."""
         p = probs(logits, self.temperature)
         return draw(p.flatten(0, 1), self.generator).view(p.shape[:-1]), p
 
-    def verify(self, draft, q, logits, positions):
+    def verify(self, draft, q, logits, noise):
         """-> n_acc (B,) and the step's tokens (B, k+1), of which row b keeps n_acc[b] + 1."""
         if q is None:  # deterministic proposals: a one-hot q
             q = torch.zeros(*draft.shape, logits.shape[-1], device=draft.device)
@@ -329,18 +339,23 @@ class GumbelSampler:
     def __init__(self, temperature, keys, vocab_size):
         self.temperature, self.keys, self.vocab_size = temperature, keys, vocab_size  # keys (B,)
 
-    def compact(self, keep):
-        self.keys = self.keys[keep]
+    def compact(self, live):
+        self.keys = self.keys[live]
 
-    def choose(self, logits, positions):
-        """logits (B, T, V) at positions (B, T) -> tokens (B, T), and None for q."""
+    def noise(self, positions):
+        """The noise at positions (B, T) -> (B, T, V), or None at temperature 0 (plain argmax)."""
         if self.temperature == 0:
+            return None
+        return gumbel_noise(gumbel_seeds(self.keys, positions), self.vocab_size)
+
+    def choose(self, logits, noise):
+        """logits (B, T, V) and their positions' noise -> tokens (B, T), and None for q."""
+        if noise is None:
             return logits.argmax(-1), None
-        noise = gumbel_noise(gumbel_seeds(self.keys, positions), self.vocab_size)  # (B, T, V)
         return (logits.float() / self.temperature + noise).argmax(-1), None
 
-    def verify(self, draft, q, logits, positions):
-        out, _ = self.choose(logits, positions)  # the target's tokens: up to a mismatch, the drafts
+    def verify(self, draft, q, logits, noise):
+        out, _ = self.choose(logits, noise)  # the target's tokens: up to a mismatch, the drafts
         return verify_gumbel(draft, out), out
 
 

@@ -288,7 +288,7 @@ def update_target(s, rows, rewards):
     s.model.train()
     n_total = sum(len(q) - p for q, p in zip(seqs, plens))
     update = rl.grpo_update(s.net, s.opt, [seqs[i] for i in ours], [plens[i] for i in ours],
-                            adv[ours], cfg, s.ref_model, n_total=n_total)
+                            adv[ours], cfg, n_total, s.ref_model)
     s.model.eval()
     return t_update, (all_rewards, [q[p:] for q, p in zip(seqs, plens)], update)
 

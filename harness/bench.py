@@ -190,7 +190,7 @@ def vocab_noise(device, vocabs=(50_257, 151_936), batches=(1, 64), repeats=5, sh
                 cache.lengths.fill_(20)
                 logits = model(x, cache)[0]
                 if sampler == "gumbel":
-                    return gumbel.choose(logits, at)[0]
+                    return gumbel.choose(logits, gumbel.noise(at))[0]
                 return torch.multinomial(torch.softmax(logits[:, -1].float(), -1), 1, generator=gen)
             runs = {name: lambda name=name: step(name) for name in ("multinomial", "gumbel")}
             t, _ = interleaved(runs, repeats, device)

@@ -115,7 +115,7 @@ ROWS = {
         ["train.update_target", "rl.group_advantages", "rl.deal_by_tokens"],
         "every rank's rows, advantages, rows re-dealt by tokens"),
     "the update": (
-        ["rl.grpo_update", "rl.group_by_length", "rl.global_mean_scale", "rl.collate",
+        ["rl.grpo_update", "rl.group_by_length", "rl.collate",
          "rl.token_logprobs", "rl.grpo_loss"],
         "the masked clipped loss, its token mean over the global batch"),
     "the drafter buffer": (

@@ -68,17 +68,26 @@ def lr_at(step, total, peak):
     return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))  # cosine down to 10% of peak
 
 
+def global_mean_scale(n_local, device):
+    """W / N, with W the world size and N the loss's tokens on all ranks (n_local all-reduced): a
+    rank's summed loss times it, averaged by DDP, is the mean over every rank's tokens."""
+    n = torch.tensor(float(n_local), dtype=torch.float64, device=device)
+    if dist.is_initialized():
+        dist.all_reduce(n)  # sync: one small all-reduce per step
+    return (dist.get_world_size() if dist.is_initialized() else 1) / max(n.item(), 1.0)
+
+
 def sft_step(model, net, opt, batch, pad_id, device):
     """One supervised step on a batch of (token ids, prompt length): next-token loss on response
     tokens only (the prompt's digits are random), the mean over every rank's response tokens
-    (`rl.global_mean_scale`), so the step does not depend on how the tokens fall on the ranks.
+    (`global_mean_scale`), so the step does not depend on how the tokens fall on the ranks.
     Returns (loss, padded tokens read)."""
     ids, plens = zip(*batch)
     tokens, mask = rl.collate(ids, plens, pad_id, device)
     x, y = tokens[:, :-1], tokens[:, 1:].masked_fill(~mask, -100)
     logits, _ = net(x)
     loss_sum = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1), ignore_index=-100, reduction="sum")
-    loss = loss_sum * rl.global_mean_scale(mask.sum(), device)
+    loss = loss_sum * global_mean_scale(mask.sum(), device)
     opt.zero_grad(set_to_none=True)
     loss.backward()
     torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)

@@ -78,7 +78,7 @@ def _grpo_grads(model, seqs, plens, adv, temperature):
             self.grads = [p.grad.clone() for p in model.parameters()]
     opt = Capture(model.parameters(), lr=0.0)
     cfg = rl.GRPOConfig(pad_id=0, update_tokens=1000, temperature=temperature)
-    rl.grpo_update(model, opt, seqs, plens, adv, cfg)
+    rl.grpo_update(model, opt, seqs, plens, adv, cfg, sum(len(s) - p for s, p in zip(seqs, plens)))
     return torch.cat([g.reshape(-1) for g in opt.grads])
 
 
@@ -120,7 +120,7 @@ def test_grpo_update_rejects_temperature_zero():
     opt = torch.optim.SGD(m.parameters(), lr=0.1)
     with pytest.raises(ValueError):
         rl.grpo_update(m, opt, [[1, 2, 3]], [1], torch.tensor([1.0]),
-                       rl.GRPOConfig(pad_id=0, update_tokens=100, temperature=0.0))
+                       rl.GRPOConfig(pad_id=0, update_tokens=100, temperature=0.0), 2)
 
 
 def test_loss_is_token_mean_and_ignores_masked_positions():
@@ -183,6 +183,7 @@ SEQS = [[1, 2, 3, 4, 5, 6, 1, 2], [1, 2, 5], [3, 4, 6, 6, 1, 2, 3, 4, 5, 6], [2,
 PLENS = [2, 2, 3, 1, 2]
 ADV = [1.0, -0.5, 0.8, -1.3, 0.4]
 DEALS = {"one_token": [[0, 2, 3, 4], [1]], "empty": [[0, 1, 2, 3, 4], []]}
+N_TOTAL = sum(len(s) - p for s, p in zip(SEQS, PLENS))  # the global batch's response tokens
 
 
 def _model():
@@ -194,7 +195,7 @@ def _update(model, net, rows, update_tokens=12):
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     rl.grpo_update(net if net is not None else model, opt, [SEQS[i] for i in rows], [PLENS[i] for i in rows],
                    torch.tensor([ADV[i] for i in rows], dtype=torch.float64),
-                   rl.GRPOConfig(pad_id=0, update_tokens=update_tokens))
+                   rl.GRPOConfig(pad_id=0, update_tokens=update_tokens), N_TOTAL)
     return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
 
 

@@ -294,10 +294,10 @@ def test_non_finite_update_is_skipped_and_never_saved(tmp_path):
     seqs, plens = [[1, 2, 3, 4], [1, 2, 5, 6]], [2, 2]
     adv = torch.tensor([float("nan"), 1.0])
     cfg = train.rl.GRPOConfig(pad_id=0, update_tokens=args.update_tokens)
-    loss, _, skipped = train.rl.grpo_update(model, opt, seqs, plens, adv, cfg)
+    loss, _, skipped = train.rl.grpo_update(model, opt, seqs, plens, adv, cfg, 4)
     assert skipped
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
-    loss, _, skipped = train.rl.grpo_update(model, opt, seqs, plens, torch.tensor([1.0, -1.0]), cfg)
+    loss, _, skipped = train.rl.grpo_update(model, opt, seqs, plens, torch.tensor([1.0, -1.0]), cfg, 4)
     assert not skipped and not all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
     path = tmp_path / "x.pt"
     checkpoint.save_atomic({"model": model.state_dict()}, str(path))

@@ -335,13 +335,16 @@ def test_gumbel_sampler_choice_is_the_noisy_argmax_and_ignores_the_logits_dtype(
     seeds = gumbel_seeds(keys, pos)
     whole = gumbel_argmax(logits, 1.0, gumbel_noise(seeds, V))
     assert len(set(whole.flatten().tolist())) > 5  # varied tokens: a row given another's noise would show
-    tokens, q = GumbelSampler(1.0, keys, V).choose(logits, pos)
+    sampler = GumbelSampler(1.0, keys, V)
+    tokens, q = sampler.choose(logits, sampler.noise(pos))
     assert q is None and torch.equal(tokens, whole)
-    assert not torch.equal(GumbelSampler(1.0, keys.flip(0), V).choose(logits, pos)[0], whole)  # keys matter
+    other = GumbelSampler(1.0, keys.flip(0), V)
+    assert not torch.equal(other.choose(logits, other.noise(pos))[0], whole)  # keys matter
     low = logits.bfloat16()
     exact = gumbel_argmax(low.float(), 0.7, gumbel_noise(seeds, V))
-    assert torch.equal(GumbelSampler(0.7, keys, V).choose(low, pos)[0], exact)
-    assert torch.equal(GumbelSampler(0.0, keys, V).choose(logits, pos)[0], logits.argmax(-1))
+    cool, greedy = GumbelSampler(0.7, keys, V), GumbelSampler(0.0, keys, V)
+    assert torch.equal(cool.choose(low, cool.noise(pos))[0], exact)
+    assert greedy.noise(pos) is None and torch.equal(greedy.choose(logits, None)[0], logits.argmax(-1))
 
 
 def test_rows_whose_old_32_bit_streams_were_a_shift_apart_get_unrelated_noise():
