@@ -48,8 +48,7 @@ class Drafter(nn.Module):
                 nn.init.normal_(p, mean=0.0, std=0.02)
 
     def forward(self, hidden, next_tokens, cache=None):
-        """hidden (B, T, C) = h_t, next_tokens (B, T) = x_{t+1}
-        -> logits (B, T, V), h~_{t+1} (B, T, C)."""
+        """h_t (B, T, C), x_{t+1} (B, T) -> logits for x_{t+2} (B, T, V), h~_{t+1} (B, T, C)."""
         emb = F.embedding(next_tokens, self.target.wte.weight.detach())  # (B, T, C)
         h_pred = self.norm(self.stack(self.project_in(hidden, emb), cache))
         return F.linear(h_pred, self.target.lm_head.weight.detach()), h_pred
@@ -121,17 +120,15 @@ class DrafterBuffer:
             self.tokens -= self.items.popleft()[1].shape[0]
 
     def add_rows(self, step, rows):
-        """A rollout's finished rows (speculative.FinishedRow)."""
-        for r in rows:
+        for r in rows:  # a rollout's speculative.FinishedRow
             self.add(step, r.tokens, r.hidden, r.prompt_len)
 
     def __len__(self):
         return len(self.items)
 
     def sample(self, batch_size, rng, device="cpu", max_tokens=None):
-        """A padded batch (`pair_batch`) of up to batch_size sequences drawn at random. With
-        max_tokens, the batch holds at most that many padded positions: a longer sequence is cut to
-        a random window of max_tokens tokens, and sequences are dropped until the rest fit."""
+        """A padded batch (`pair_batch`) of up to batch_size sequences drawn at random, with
+        max_tokens at most that many padded positions: each cut to a window (`crop`), then fewer."""
         seqs = [self.items[i][1:] for i in rng.sample(range(len(self)), min(batch_size, len(self)))]
         if max_tokens is not None:
             seqs = [crop(s, max_tokens, rng) for s in seqs]

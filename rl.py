@@ -34,9 +34,8 @@ def derive_seed(*parts):
 
 
 class Seed(enum.IntEnum):
-    """What a derived seed is for: one stream each. Most are derive_seed(seed, rank, step, Seed.X);
-    a row's key is derive_seed(seed, step, row, Seed.ROLLOUT_KEYS) or (seed, row, 0,
-    Seed.EVAL_KEYS)."""
+    """What a derived seed is for, one stream each: most are derive_seed(seed, rank, step, Seed.X),
+    row keys derive_seed(seed, step, row, Seed.ROLLOUT_KEYS) or (seed, row, 0, Seed.EVAL_KEYS)."""
     TARGET_DATA = 1        # the target warm-up's warm-up traces
     DRAFTER_DATA = 2       # the drafter warm-up's prompts and batches
     DRAFTER_SAMPLES = 3    # the target's samples the drafter warms up on

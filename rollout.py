@@ -26,7 +26,7 @@ from collections import deque
 
 import torch
 
-from speculative import RunningBatch, decode
+from speculative import FixedK, RunningBatch, decode
 
 ARMS = (0, 1, 2, 3, 4, 6, 8)
 
@@ -95,5 +95,5 @@ def rollout(target, drafter, prompts, max_new_tokens, *, sd_threshold=64, bandit
     bandit = bandit if bandit is not None else Bandit()
     max_draft = max(bandit.arms) if drafter is not None else 0
     batch = RunningBatch(target, prompts, max_new_tokens, max_draft=max_draft, **sampling)
-    policy = TailPolicy(bandit, sd_threshold) if drafter is not None else None
-    return decode(batch, drafter, policy, observer)
+    policy = TailPolicy(bandit, sd_threshold) if drafter is not None else FixedK(0)
+    return decode(batch, policy, drafter, observer)

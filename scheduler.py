@@ -47,13 +47,11 @@ class IdleWork:
 
 def idle_train(drafter, optimizer, buffer, rng, work, scoring=(), barrier=None, grace_s=0.005):
     """The idle loop, from this rank's arrival until the last rank's -> (drafter steps, skipped
-    steps, idle seconds, busy). busy is [start, end] of the turns that did work (None: none did).
-
-    scoring: a deque of pieces that score the drafter on fresh rows. They run one per turn, before
-    any training; the ones left when the last rank arrives are dropped. barrier: makes the
-    async barrier (default dist.barrier(async_op=True)); the harness passes one that also checks
-    that slow ranks are alive. grace_s is short because a barrier's round trip takes well under a
-    millisecond, and every millisecond of grace is idle time that trains nothing."""
+    steps, idle seconds, busy: [start, end] of the turns that did work, or None).
+    scoring: pieces that score the drafter on fresh rows, one a turn before any training; those
+    left when the last rank arrives are dropped. barrier: makes the async barrier (the harness's
+    also checks that slow ranks are alive). grace_s is short: a barrier's round trip takes well
+    under a millisecond, and every millisecond of grace is idle time that trains nothing."""
     t0 = time.perf_counter()
     if not dist.is_initialized() or dist.get_world_size() == 1:  # no idle time, nobody to delay
         while scoring:

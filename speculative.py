@@ -62,8 +62,9 @@ class RunningBatch:
         longest_prompt = max(len(p) for p in prompts)
         need = longest_prompt + max_new_tokens + max_draft  # a verify pass writes k past the end
         if need > target.config.block_size:
-            raise ValueError(f"prompt ({longest_prompt}) + max_new_tokens ({max_new_tokens}) + draft "
-                             f"({max_draft}) = {need} exceeds block_size {target.config.block_size}")
+            raise ValueError(f"prompt ({longest_prompt}) + max_new_tokens ({max_new_tokens}) + "
+                             f"draft ({max_draft}) = {need} exceeds block_size "
+                             f"{target.config.block_size}")
         dev, B = target.wte.weight.device, len(prompts)
         self.target, self.eos_id, self.prompts = target, s.eos_id, prompts
         self.ids, self.results = list(range(B)), [None] * B
@@ -72,7 +73,7 @@ class RunningBatch:
                                   dtype=target.wte.weight.dtype)  # (B, need + 1, C)
         self.sampler = s.new_sampler(B, target.config.vocab_size, dev)
         self.cache = target.new_cache(B, max_len=need)
-        self.draft_cache, self.step_noise = None, None  # the drafter's cache; see speculative_step
+        self.draft_cache = self.step_noise = None  # the drafter's; see speculative_step
         # prefill: every prompt in one padded pass; the padding's cache entries are never read
         prompt_len = torch.tensor([len(p) for p in prompts], device=dev)  # (B,)
         logits, self.hidden[:, :longest_prompt] = target(self.tokens[:, :longest_prompt],
@@ -88,9 +89,8 @@ class RunningBatch:
         return self.n_tokens.shape[0]
 
     def _append(self, new, n_new=None):
-        """Write new (B, W) tokens after each row's end; row b keeps its first n_new[b] (default
-        all). A row is cut after its first kept <|eos|> and at max_new_tokens, and marked done.
-        Returns the tokens kept per row (B,)."""
+        """Write new (B, W) tokens after each row's end -> tokens kept per row (B,): row b keeps its
+        first n_new[b] (default all), cut after an <|eos|> and at max_new_tokens (then done)."""
         W = new.shape[1]
         # writes past what is kept land beyond the row's end, where nothing reads them
         at = self.n_tokens[:, None] + torch.arange(W, device=new.device)  # (B, W)
@@ -174,8 +174,7 @@ class DecodeStep(NamedTuple):
 
 
 class FixedK:
-    """A draft length for `decode`: k at every step (0: plain decoding). It counts the tokens
-    emitted per row per step: with k > 0, the accept length."""
+    """`decode`'s k at every step (0: plain decoding); it counts tokens per row per step."""
 
     def __init__(self, k):
         self.k, self.tokens, self.row_steps = k, 0, 0
@@ -188,12 +187,11 @@ class FixedK:
 
 
 @torch.no_grad()
-def decode(batch, drafter=None, policy=None, observer=None):
+def decode(batch, policy, drafter=None, observer=None):
     """Run a RunningBatch until every row has finished -> its results (a FinishedRow per prompt).
     Each step, policy.choose(running rows) gives k: 0 for a plain step, else a speculative one of
     k drafts; policy.update(rows, k, tokens emitted, seconds) hears how it went. The harness counts
     with observer(batch, step), called after the prefill (step None) and after each step."""
-    policy = policy or FixedK(0)
     running = batch.compact()  # a row can end on its first token
     if observer:
         observer(batch, None)
@@ -211,7 +209,8 @@ def decode(batch, drafter=None, policy=None, observer=None):
 def autoregressive_generate(target, prompts, max_new_tokens, *, observer=None, **sampling):
     """Plain decoding, one token per row per target pass; finished rows leave the batch.
     `sampling` takes `Sampling`'s fields by name; for `observer` see `decode`."""
-    results = decode(RunningBatch(target, prompts, max_new_tokens, **sampling), observer=observer)
+    results = decode(RunningBatch(target, prompts, max_new_tokens, **sampling), FixedK(0),
+                     observer=observer)
     return [r.response for r in results], {"accept_len": None}
 
 
@@ -223,7 +222,7 @@ def speculative_generate(target, drafter, prompts, max_new_tokens, *, k=4, obser
         raise ValueError(f"k must be >= 1, got {k}")
     policy = FixedK(k)
     batch = RunningBatch(target, prompts, max_new_tokens, max_draft=k, **sampling)
-    results = decode(batch, drafter, policy, observer)
+    results = decode(batch, policy, drafter, observer)
     accept_len = policy.tokens / policy.row_steps if policy.row_steps else None
     return [r.response for r in results], {"accept_len": accept_len}
 

@@ -61,7 +61,7 @@ SEAMS = {"observer": ["instrument.observers", "RolloutStats.__call__", "instrume
 NOT_IN_A_DEFAULT_STEP = {
     **dict.fromkeys(["BatchChecker.__init__", "instrument.check"], "TLT_DEBUG=1"),
     **dict.fromkeys(["FixedK.__init__", "FixedK.choose", "FixedK.update"], "the generate functions"),
-    **dict.fromkeys(["RejectionSampler.__init__", "RejectionSampler.choose",
+    **dict.fromkeys(["RejectionSampler.__init__", "RejectionSampler.noise", "RejectionSampler.choose",
                      "RejectionSampler.verify", "RejectionSampler.compact", "speculative.probs",
                      "speculative.draw", "speculative.verify"], "--sampler rejection")}
 TARGET_NAMES = ("target", "model", "net")  # the names the core gives the target (a GPT)
@@ -136,10 +136,11 @@ ROWS = {
         ["RunningBatch.plain_step", "RunningBatch._append"],
         "one token a row; the kept tokens, cut at `<|eos|>`"),
     "the speculative step": (
-        ["RunningBatch.speculative_step"],
-        "draft, verify in one target pass, keep a ragged number per row"),
+        ["RunningBatch.speculative_step", "RunningBatch.choose_draft"],
+        "the step's noise made once; draft, verify in one target pass, keep a ragged number per "
+        "row"),
     "the gumbel sampler": (
-        ["GumbelSampler.__init__", "GumbelSampler.choose", "GumbelSampler.verify",
+        ["GumbelSampler.__init__", "GumbelSampler.noise", "GumbelSampler.choose", "GumbelSampler.verify",
          "GumbelSampler.compact", "speculative.verify_gumbel"],
         "exact-token sampling (the default): a token is the argmax of logits / T + noise"),
     "the noise": (
