@@ -16,8 +16,6 @@ after it. So a training step runs it as it drafts, DEPTH passes deep from every 
 (`chained_states`, EAGLE-3's training-time test). A *chain* is the drafts made one after another
 from one real pair; each pass attends to exactly what the drafter's cache holds there.
 
-The buffer keeps recent (tokens, hidden states); `train_step` serves the warm-up and idle ranks.
-
 Test: python -m pytest tests/test_drafter.py
 """
 from collections import deque
@@ -59,11 +57,10 @@ class Drafter(nn.Module):
 
     def propose(self, batch, k):
         """Draft k tokens per row of a speculative.RunningBatch -> drafts (B, k) and, with rejection
-        sampling, their distributions q (B, k, V). It reads the batch's tokens, hidden states and
-        n_tokens, draws with batch.choose_draft, and keeps its KV cache in batch.draft_cache.
-        First row b catches up on the pairs (h_j, x_{j+1}) recorded since it last drafted, j = its
-        cache length .. L - 1, in one pass as wide as the longest such run. Then it drafts k,
-        feeding back its own state; draft i goes at position n_tokens + i."""
+        sampling, q (B, k, V). It reads the batch's tokens, hidden states and n_tokens, draws with
+        batch.choose_draft and keeps its KV cache in batch.draft_cache. Row b first catches up on
+        the pairs (h_j, x_{j+1}) recorded since it last drafted, j = its cache length .. L - 1, in
+        one pass as wide as the longest such run; then it drafts, feeding back its own state."""
         B, L = batch.batch_size, batch.n_tokens - 1  # L (B,): the target cache's length
         if batch.draft_cache is None:  # the switch to speculation: no recorded state read yet
             batch.draft_cache = self.new_cache(B, batch.cache.max_len, dtype=batch.cache.kv.dtype)
@@ -123,13 +120,11 @@ class DrafterBuffer:
         for r in rows:  # a rollout's speculative.FinishedRow
             self.add(step, r.tokens, r.hidden, r.prompt_len)
 
-    def __len__(self):
-        return len(self.items)
-
     def sample(self, batch_size, rng, device="cpu", max_tokens=None):
         """A padded batch (`pair_batch`) of up to batch_size sequences drawn at random, with
         max_tokens at most that many padded positions: each cut to a window (`crop`), then fewer."""
-        seqs = [self.items[i][1:] for i in rng.sample(range(len(self)), min(batch_size, len(self)))]
+        n = len(self.items)
+        seqs = [self.items[i][1:] for i in rng.sample(range(n), min(batch_size, n))]
         if max_tokens is not None:
             seqs = [crop(s, max_tokens, rng) for s in seqs]
             while len(seqs) * max(len(tokens) for tokens, _, _ in seqs) > max_tokens:

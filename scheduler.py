@@ -65,7 +65,7 @@ def idle_train(drafter, optimizer, buffer, rng, work, scoring=(), barrier=None, 
         start = time.perf_counter() - t0
         if scoring:
             scoring.popleft()()
-        elif work.train and len(buffer):
+        elif work.train and buffer.items:
             batch = buffer.sample(work.batch_size, rng, drafter.in_proj.weight.device,
                                   work.piece_tokens)  # at most piece_tokens padded positions
             loss, applied = train_step(drafter, optimizer, batch, work.depth,
@@ -127,11 +127,9 @@ TOP1_STEPS = 5  # RL steps whose figures make the recent top-1
 
 
 class Top1:
-    """The drafter's recent top-1 agreement with the target on fresh rows (rows it has not trained
-    on yet): the figure that sets how hard idle ranks train it. Each rank scores its own rows on
-    idle time (`top1_pieces`), before it trains on them; the slowest rank has no idle time, so its
-    rows go unscored. Each step's counts are summed over ranks in the drafter sync, so every rank
-    keeps the same figure: the last TOP1_STEPS steps' sums together."""
+    """The drafter's top-1 agreement with the target on fresh rows over the last TOP1_STEPS steps,
+    which sets how hard idle ranks train it. Each rank scores its own rows on idle time, before it
+    trains on them (the slowest rank's go unscored); the sync sums the counts over ranks."""
 
     def __init__(self):
         self.recent = []  # [agreeing, positions] per RL step, summed over ranks

@@ -32,8 +32,7 @@ import torch
 import torch.nn.functional as F
 
 
-class FinishedRow(NamedTuple):
-    """A row that left the running batch."""
+class FinishedRow(NamedTuple):  # a row that left the running batch
     response: list  # generated ids (ending with <|eos|> when it stopped on one)
     tokens: torch.Tensor  # (N,) prompt + response
     hidden: torch.Tensor  # (N - 1, C): hidden[j], the target's final state after reading tokens[j]
@@ -41,7 +40,7 @@ class FinishedRow(NamedTuple):
 
 
 class RunningBatch:
-    """The running rows of one generate or rollout call, in the order of `prompts`.
+    """The running rows of one generate or rollout call.
 
     Row b is prompt ids[b]. It holds tokens[b, :n_tokens[b]], prompt then response; its last token
     is *pending*: sampled but not yet read by the target, so the target's cache holds n_tokens - 1
@@ -145,24 +144,27 @@ class RunningBatch:
         return self.sampler.choose(logits, noise)
 
     def compact(self):
-        """Move finished rows to `results` and out of every tensor and cache. Returns the number
-        of rows still running."""
+        """Finished rows to `results` and out of every tensor and cache -> rows still running."""
         done, n_tokens = torch.stack((self.done, self.n_tokens)).tolist()  # sync: the step's read
-        live = [b for b in range(len(done)) if not done[b]]
-        if len(live) == len(done):
-            return len(live)
+        n = len(done) - sum(done)  # rows still running
+        if n == len(done):
+            return n
         for b in (b for b in range(len(done)) if done[b]):
             prompt_len, end = len(self.prompts[self.ids[b]]), n_tokens[b]
             self.results[self.ids[b]] = FinishedRow(self.tokens[b, prompt_len:end].tolist(),
                                                     self.tokens[b, :end].clone(),
                                                     self.hidden[b, :end - 1].clone(), prompt_len)
-        self.ids = [self.ids[b] for b in live]
-        for name in ("tokens", "hidden", "n_tokens", "end", "done"):  # t = t[live], per tensor
-            setattr(self, name, getattr(self, name)[live])
+        # the last running rows take the places finished ones leave among the first n: the caches
+        # copy only those rows (KVCache.compact)
+        movers = iter([b for b in range(n, len(done)) if not done[b]])
+        keep = [next(movers) if done[b] else b for b in range(n)]  # new row i is old row keep[i]
+        self.ids = [self.ids[b] for b in keep]
+        for name in ("tokens", "hidden", "n_tokens", "end", "done"):  # t = t[keep], per tensor
+            setattr(self, name, getattr(self, name)[keep])
         for per_row in (self.cache, self.draft_cache, self.sampler):
             if per_row is not None:
-                per_row.compact(live)
-        return len(live)
+                per_row.compact(keep)
+        return n
 
 
 class DecodeStep(NamedTuple):
@@ -189,9 +191,8 @@ class FixedK:
 @torch.no_grad()
 def decode(batch, policy, drafter=None, observer=None):
     """Run a RunningBatch until every row has finished -> its results (a FinishedRow per prompt).
-    Each step, policy.choose(running rows) gives k: 0 for a plain step, else a speculative one of
-    k drafts; policy.update(rows, k, tokens emitted, seconds) hears how it went. The harness counts
-    with observer(batch, step), called after the prefill (step None) and after each step."""
+    Each step policy.choose(rows) gives k (0: a plain step) and policy.update(rows, k, tokens,
+    seconds) hears how it went; observer(batch, step) runs after the prefill and every step."""
     running = batch.compact()  # a row can end on its first token
     if observer:
         observer(batch, None)
@@ -310,7 +311,7 @@ class RejectionSampler:
     def __init__(self, temperature, generator):
         self.temperature, self.generator = temperature, generator
 
-    def compact(self, live):
+    def compact(self, keep):
         pass  # no per-row state
 
     def noise(self, positions):
@@ -338,8 +339,8 @@ class GumbelSampler:
     def __init__(self, temperature, keys, vocab_size):
         self.temperature, self.keys, self.vocab_size = temperature, keys, vocab_size  # keys (B,)
 
-    def compact(self, live):
-        self.keys = self.keys[live]
+    def compact(self, keep):
+        self.keys = self.keys[keep]
 
     def noise(self, positions):
         """The noise at positions (B, T) -> (B, T, V), or None at temperature 0 (plain argmax)."""

@@ -204,8 +204,8 @@ class StepResult(NamedTuple):
 
 
 def rl_step(step, s, observer=None):
-    """One RL step on this rank, in the seven steps of the README -> StepResult. observer: called
-    by the rollout after every decoding step (the harness counts and times the rollout with it)."""
+    """One RL step on this rank, in the README's seven steps -> StepResult. observer: the
+    harness's, called after every decoding step."""
     args, t0 = s.args, time.perf_counter()
     # 1. this rank's rows of the step's global batch, each with its key
     problems, keys, _ = rl.step_rows(args, s.task, step, s.rank, s.world_size)
@@ -241,10 +241,8 @@ def roll_out(s, step, problems, keys, observer):
 
 
 def idle_phase(s, step, rows):
-    """Steps 3-5: the rows into the drafter buffer. On idle time, until the last rank has finished
-    its rollout: first the drafter's top-1 agreement on these fresh rows, then its training. The
-    last rank does none of it. Then the weighted sync starts, to overlap the update.
-    -> (what idle time did, the sync's finish)."""
+    """Steps 3-5: the rows into the drafter buffer; on idle time, until the last rank arrives, the
+    drafter scored on them, then trained; the weighted sync started -> (idle stats, its finish)."""
     args = s.args
     learned = args.tlt and args.drafter in LEARNED
     train_drafter = learned and args.drafter_updates

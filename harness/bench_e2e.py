@@ -167,7 +167,7 @@ def drift_bench(targs, task, model, drafter, sft_steps=300, sft_lr=2e-3, n_seqs=
             print(f"{name:24} accept length {statistics.mean(out[name]):.3f} (k = 4, {len(prompts)} held-out prompts; "
                   f"{min(out[name]):.3f} to {max(out[name]):.3f} over {len(seeds)} random streams)", flush=True)
     print(f"target fine-tuned {sft_steps} steps on uniform sizes at lr {sft_lr:g}; drafter trained {online_steps} "
-          f"steps at lr {targs.drafter_online_lr:g} on {len(buffer)} samples of the moved target")
+          f"steps at lr {targs.drafter_online_lr:g} on {len(buffer.items)} samples of the moved target")
     return {"drift": out}
 
 

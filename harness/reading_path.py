@@ -119,7 +119,7 @@ ROWS = {
          "rl.token_logprobs", "rl.grpo_loss"],
         "the masked clipped loss, its token mean over the global batch"),
     "the drafter buffer": (
-        ["DrafterBuffer.add_rows", "DrafterBuffer.add", "DrafterBuffer.__len__",
+        ["DrafterBuffer.add_rows", "DrafterBuffer.add",
          "DrafterBuffer.sample", "drafter.crop", "drafter.pair_batch"],
         "the recent rows, bounded; random batches of at most a piece's positions"),
     "the prefill and cache": (

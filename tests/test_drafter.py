@@ -327,7 +327,7 @@ def test_buffer_keeps_only_the_last_steps():
             buf.add(step, tokens, hidden, prompt_len=2)
         steps = {s for s, *_ in buf.items}
         assert steps == kept_after[step], (step, steps)
-        assert len(buf) == sum(len(sizes[s]) for s in steps)
+        assert len(buf.items) == sum(len(sizes[s]) for s in steps)
         assert buf.tokens == sum(sum(sizes[s]) for s in steps)
     # what sample() returns comes only from kept steps
     h_in, x_next, _, _ = buf.sample(32, random.Random(1))
@@ -385,7 +385,7 @@ def test_buffer_add_rejects_mismatched_lengths():
     for n_hidden in (6, 4, 0):
         with pytest.raises(ValueError):
             buf.add(0, torch.zeros(6, dtype=torch.long), torch.zeros(n_hidden, 4), prompt_len=2)
-    assert len(buf) == 1 and buf.tokens == 6
+    assert len(buf.items) == 1 and buf.tokens == 6
 
 
 def test_buffer_keeps_at_most_keep_tokens_dropping_the_oldest():
@@ -408,7 +408,7 @@ def test_buffer_keeps_at_most_keep_tokens_dropping_the_oldest():
             total += m
         assert kept == expected, (i, kept, expected)
         assert buf.tokens == total <= 20
-    assert len(buf) < len(lengths)  # the bound did drop sequences
+    assert len(buf.items) < len(lengths)  # the bound did drop sequences
     unbounded = DrafterBuffer(keep_steps=100)
     for i, n in enumerate(lengths):
         unbounded.add(0, torch.full((n,), i, dtype=torch.long), torch.zeros(n - 1, 4), prompt_len=1)

@@ -178,7 +178,7 @@ def test_drafts_come_from_the_drafter_on_the_recorded_history(greedy_setup, monk
 # ----------------------------------------------------------------------------- compaction
 
 
-def test_compact_drops_finished_rows_keeps_original_order(greedy_setup):
+def test_compact_drops_finished_rows_and_keeps_each_rows_own_tokens(greedy_setup):
     target, drafter, pool, free, eos = greedy_setup
     alone = [autoregressive_generate(target, [p], N_NEW, temperature=0, eos_id=eos)[0][0] for p in pool]
     for k in (0, 2):  # plain steps, then speculative steps
@@ -189,7 +189,9 @@ def test_compact_drops_finished_rows_keeps_original_order(greedy_setup):
             sizes.append(n)
             running = [i for i, r in enumerate(gen.results) if r is None]
             assert n == gen.batch_size == len(running)
-            assert gen.ids == running  # the running rows, in prompt order
+            assert sorted(gen.ids) == running  # every running row once
+            for b, i in enumerate(gen.ids):  # each with its own prompt
+                assert gen.tokens[b, :len(pool[i])].tolist() == pool[i]
             assert not bool(gen.done.any())
             assert gen.tokens.shape[0] == gen.hidden.shape[0] == gen.n_tokens.shape[0] == n
             assert gen.cache.lengths.shape[0] == gen.cache.kv.shape[2] == n
@@ -217,13 +219,16 @@ def test_compact_moves_marked_rows_to_results():
     before_tokens = gen.tokens.clone()
     before_kv = gen.cache.kv.clone()
     before_len = gen.cache.lengths.clone()
+    storage = gen.cache.kv.data_ptr()
     gen.done = torch.tensor([True, False, True, False])
     assert gen.compact() == 2
-    # rows 1 and 3 stay, in order, each with its own tokens and cache entries
-    assert gen.ids == [1, 3]
-    assert torch.equal(gen.tokens, before_tokens[[1, 3]])
-    assert torch.equal(gen.cache.kv, before_kv[:, :, [1, 3]])
-    assert torch.equal(gen.cache.lengths, before_len[[1, 3]])
+    # rows 1 and 3 stay, each with its own tokens and cache entries: row 1 in its place, row 3
+    # moved into the place row 0 left, in the cache's own storage
+    assert gen.ids == [3, 1]
+    assert torch.equal(gen.tokens, before_tokens[[3, 1]])
+    assert torch.equal(gen.cache.kv, before_kv[:, :, [3, 1]])
+    assert torch.equal(gen.cache.lengths, before_len[[3, 1]])
+    assert gen.cache.kv.data_ptr() == storage
     assert gen.results[1] is None and gen.results[3] is None
     for b in (0, 2):
         ids, tokens, hidden, plen = gen.results[b]
