@@ -248,6 +248,14 @@ def warmup_drafter(drafter, model, args, task, ddp, rank, world_size, device):
     return train_to_plateau(drafter, buffer, held, rng, args, ddp, device)
 
 
+def length_window(buffer, order, batch_size, rng, device):
+    """A batch (drafter.pair_batch) of a window of the buffer's sequences in length order (`order`):
+    long-tailed lengths batched at random would be mostly padding. The window's start is uniform
+    over -(batch_size - 1) .. len - 1, so the shortest and the longest are drawn too."""
+    start = rng.randrange(-(batch_size - 1), len(order))
+    return pair_batch([buffer.items[i][1:] for i in order[max(start, 0):start + batch_size]], device)
+
+
 def train_to_plateau(drafter, buffer, held, rng, args, ddp, device):
     """warmup_drafter's training, on a buffer to train on and one to score on. Returns how it ended:
     {"steps", "plateau" (False: stopped by the cap), "figures" (the kept drafter's, as a list)}."""
@@ -255,10 +263,11 @@ def train_to_plateau(drafter, buffer, held, rng, args, ddp, device):
     t0, warm = time.time(), min(100, max(1, args.drafter_warmup_steps // 20))
     best, best_state, scores, drops, step = -1.0, None, [], 0, 0
     deep = args.drafter_depth == 1  # chained passes yet?
+    order = sorted(range(len(buffer.items)), key=lambda i: (buffer.items[i][1].shape[0], i))
     for step in range(args.drafter_warmup_steps):
         for g in opt.param_groups:
             g["lr"] = args.drafter_lr * min(1.0, (step + 1) / warm) * LR_DROP ** drops
-        batch = buffer.sample(args.drafter_batch, rng, device)
+        batch = length_window(buffer, order, args.drafter_batch, rng, device)
         loss, _ = train_step(drafter, opt, batch, depth=args.drafter_depth if deep else 1, sync_grads=ddp)
         if (step + 1) % EVAL_EVERY and step + 1 < args.drafter_warmup_steps:
             continue
