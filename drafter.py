@@ -254,8 +254,7 @@ def train_step(drafter, optimizer, batch, depth=DEPTH, sync_grads=False, preempt
 
 @torch.no_grad()
 def top1_agreement(drafter, h_in, x_next, h_tgt, mask):
-    """Teacher-forced top-1 agreement, which sets the drafter's online rate: over the masked
-    positions, how often its argmax for x_{t+2} is the target's -> (agreeing, positions)."""
+    """Teacher-forced top-1 agreement over the masked positions -> (agreeing, positions)."""
     logits, _ = drafter(h_in, x_next)
     target = F.linear(h_tgt[mask], drafter.target.lm_head.weight)  # (positions, V)
     agree = (logits[mask].argmax(-1) == target.argmax(-1)).sum()

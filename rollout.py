@@ -68,9 +68,8 @@ class Bandit:
 
 
 class TailPolicy:
-    """The engine's choice of k for `speculative.decode`: 0 (a plain step) while the running batch
-    is larger than `threshold`, the bandit's k at or below it, where each step's throughput scores
-    the k it used."""
+    """The engine's k for `speculative.decode`: 0 (a plain step) while the running batch is larger
+    than `threshold`, the bandit's at or below it, where each step's throughput scores its k."""
 
     def __init__(self, bandit, threshold):
         self.bandit, self.threshold = bandit, threshold

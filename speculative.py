@@ -24,6 +24,7 @@ branches on the rule. Both rules keep the emitted tokens distributed exactly as 
 
 Test: python -m pytest tests/test_speculative.py tests/test_verify.py
 """
+import functools
 import time
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -70,7 +71,7 @@ class RunningBatch:
         self.tokens = torch.tensor([p + [0] * (need + 1 - len(p)) for p in prompts], device=dev)
         self.hidden = torch.zeros(B, need + 1, target.config.n_embd, device=dev,
                                   dtype=target.wte.weight.dtype)  # (B, need + 1, C)
-        self.sampler = s.new_sampler(B, target.config.vocab_size, dev)
+        self.sampler = s.new_sampler(B, target.config.vocab_size, need + 1, dev)
         self.cache = target.new_cache(B, max_len=need)
         self.draft_cache = self.step_noise = None  # the drafter's; see speculative_step
         # prefill: every prompt in one padded pass; the padding's cache entries are never read
@@ -120,8 +121,7 @@ class RunningBatch:
         Returns (tokens emitted per row, drafts accepted per row)."""
         L = self.n_tokens - 1  # (B,) the target cache's length; tokens[L] is pending
         positions = self.n_tokens[:, None] + torch.arange(k + 1, device=L.device)  # (B, k+1)
-        # the step's noise, made once: draft i and the target's token at position i read the same
-        # (making it again for every draft cost the default --tlt on step 10-16%, in RESULTS.md)
+        # made once: draft i and the target at position i read the same (10-16% of the step)
         self.step_noise = self.sampler.noise(positions)  # (B, k+1, V), or None
         # 1. draft: k tokens per row, at positions[:, :k], and q (B, k, V) or None (deterministic)
         draft, q = drafter.propose(self, k)  # (B, k)
@@ -137,9 +137,8 @@ class RunningBatch:
         return n_emitted, n_acc
 
     def choose_draft(self, logits, i):
-        """Draft i of the speculative step under way, from the drafter's logits (B, 1, V): the
-        sampler's choice at position n_tokens + i, with the noise the verify pass reads there ->
-        tokens (B, 1), and q (B, 1, V) or None."""
+        """Draft i of the speculative step under way, from the drafter's logits (B, 1, V), with
+        the noise the verify reads at position n_tokens + i -> tokens (B, 1), q (B, 1, V) or None."""
         noise = None if self.step_noise is None else self.step_noise[:, i:i + 1]
         return self.sampler.choose(logits, noise)
 
@@ -167,8 +166,7 @@ class RunningBatch:
         return n
 
 
-class DecodeStep(NamedTuple):
-    """One decoding step, as `decode` tells an observer of it."""
+class DecodeStep(NamedTuple):  # one decoding step, as `decode` tells an observer of it
     batch_size: int  # running rows before the step
     k: int  # drafts per row; 0: a plain step
     n_emitted: torch.Tensor  # (batch_size,) tokens each row kept
@@ -273,8 +271,8 @@ class Sampling:
     keys: list = None  # "gumbel": one int64 >= 0 per row (None: random, from the generator)
     generator: torch.Generator = None
 
-    def new_sampler(self, batch_size, vocab_size, device):
-        """The batch's one sampler, chosen here, once."""
+    def new_sampler(self, batch_size, vocab_size, width, device):
+        """The batch's one sampler, chosen here, once, for rows of up to `width` positions."""
         if self.sampler not in SAMPLERS:
             raise ValueError(f"sampler must be one of {SAMPLERS}, got {self.sampler!r}")
         if self.keys is not None and (len(self.keys) != batch_size or min(self.keys) < 0):
@@ -286,7 +284,7 @@ class Sampling:
                 2 ** 62, (1,), generator=self.generator, device=device)
         else:
             keys = torch.as_tensor(self.keys, dtype=torch.long, device=device)
-        return GumbelSampler(self.temperature, keys, vocab_size)
+        return GumbelSampler(self.temperature, keys, vocab_size, width)
 
 
 def probs(logits, temperature):
@@ -333,20 +331,21 @@ class RejectionSampler:
 
 
 class GumbelSampler:
-    """Exact-token sampling: the token at a row's position t is argmax(logits / T + noise), the
-    noise a pure function of (the row's key, t, token id)."""
+    """Exact-token sampling: a row's token at t is argmax(logits / T + noise(row key, t, token))."""
 
-    def __init__(self, temperature, keys, vocab_size):
-        self.temperature, self.keys, self.vocab_size = temperature, keys, vocab_size  # keys (B,)
+    def __init__(self, temperature, keys, vocab_size, width):
+        positions = torch.arange(width, device=keys.device).expand(keys.shape[0], width)
+        self.seeds = gumbel_seeds(keys, positions)  # (B, width): hashed once a batch, not a step
+        self.temperature, self.vocab_size = temperature, vocab_size
 
     def compact(self, keep):
-        self.keys = self.keys[keep]
+        self.seeds = self.seeds[keep]
 
     def noise(self, positions):
         """The noise at positions (B, T) -> (B, T, V), or None at temperature 0 (plain argmax)."""
         if self.temperature == 0:
             return None
-        return gumbel_noise(gumbel_seeds(self.keys, positions), self.vocab_size)
+        return gumbel_noise(self.seeds.gather(1, positions), self.vocab_size)
 
     def choose(self, logits, noise):
         """logits (B, T, V) and their positions' noise -> tokens (B, T), and None for q."""
@@ -377,10 +376,14 @@ def gumbel_seeds(keys, positions):
     return mix32(seed ^ (keys >> 32)[:, None])
 
 
+@functools.lru_cache(maxsize=8)  # made once: with the seed table, 6% of a --tlt off step
+def token_hashes(vocab_size, device):
+    return mix32(torch.arange(vocab_size, device=device) + 0x9E3779B9)  # (V,)
+
+
 def gumbel_noise(seeds, vocab_size):
     """seeds (...) -> (..., V) float32 Gumbel(0, 1) noise, one value per token id: each seed hashed
     with the token's hash, the top 23 bits a uniform in (0, 1), then -log(-log(u))."""
-    token_hash = mix32(torch.arange(vocab_size, device=seeds.device) + 0x9E3779B9)  # (V,)
-    bits = mix32(seeds[..., None] ^ token_hash)  # (..., V)
+    bits = mix32(seeds[..., None] ^ token_hashes(vocab_size, seeds.device))  # (..., V)
     u = ((bits >> 9).float() + 0.5) * 2.0 ** -23  # never 0 or 1
     return -torch.log(-torch.log(u))

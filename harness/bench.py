@@ -184,7 +184,7 @@ def vocab_noise(device, vocabs=(50_257, 151_936), batches=(1, 64), repeats=5, sh
         model = GPT(GPTConfig(vocab_size=V, block_size=32, **(shape or {}))).to(device).eval()
         for B in batches:
             cache, x, gen = model.new_cache(B), torch.zeros(B, 1, dtype=torch.long, device=device), generator(model, 0)
-            gumbel, at = GumbelSampler(1.0, torch.arange(B, device=device), V), torch.full((B, 1), 20, device=device)
+            gumbel, at = GumbelSampler(1.0, torch.arange(B, device=device), V, 21), torch.full((B, 1), 20, device=device)
 
             def step(sampler):  # a forward at 20 cached positions, logits (B, 1, V) -> tokens (B, 1)
                 cache.lengths.fill_(20)

@@ -144,7 +144,8 @@ ROWS = {
          "GumbelSampler.compact", "speculative.verify_gumbel"],
         "exact-token sampling (the default): a token is the argmax of logits / T + noise"),
     "the noise": (
-        ["speculative.gumbel_seeds", "speculative.gumbel_noise", "speculative.mix32"],
+        ["speculative.gumbel_seeds", "speculative.gumbel_noise", "speculative.token_hashes",
+         "speculative.mix32"],
         "the gumbel noise, hashed from (row key, position, token)"),
     "the drafter's propose": (
         ["Drafter.propose", "Drafter.new_cache", "Drafter.forward", "Drafter.project_in"],

@@ -340,7 +340,7 @@ def test_a_gumbel_step_runs_the_same_ops_at_any_vocabulary_size():
         batch = RunningBatch(target, [[1, 2, 3], [4, 5]], 20, max_draft=3, sampler="gumbel", keys=[7, 8])
         batch.compact()
         logits = torch.randn(2, 4, V)
-        sampler, positions = GumbelSampler(0.8, torch.tensor([7, 8]), V), torch.arange(4).expand(2, 4)
+        sampler, positions = GumbelSampler(0.8, torch.tensor([7, 8]), V, 4), torch.arange(4).expand(2, 4)
         counts[V] = [count_ops(batch.plain_step), count_ops(lambda: batch.speculative_step(drafter, 3)),
                      count_ops(lambda: batch.speculative_step(drafter, 3)),
                      count_ops(lambda: sampler.choose(logits, sampler.noise(positions)))]

@@ -335,14 +335,14 @@ def test_gumbel_sampler_choice_is_the_noisy_argmax_and_ignores_the_logits_dtype(
     seeds = gumbel_seeds(keys, pos)
     whole = gumbel_argmax(logits, 1.0, gumbel_noise(seeds, V))
     assert len(set(whole.flatten().tolist())) > 5  # varied tokens: a row given another's noise would show
-    sampler = GumbelSampler(1.0, keys, V)
+    sampler = GumbelSampler(1.0, keys, V, 16)
     tokens, q = sampler.choose(logits, sampler.noise(pos))
     assert q is None and torch.equal(tokens, whole)
-    other = GumbelSampler(1.0, keys.flip(0), V)
+    other = GumbelSampler(1.0, keys.flip(0), V, 16)
     assert not torch.equal(other.choose(logits, other.noise(pos))[0], whole)  # keys matter
     low = logits.bfloat16()
     exact = gumbel_argmax(low.float(), 0.7, gumbel_noise(seeds, V))
-    cool, greedy = GumbelSampler(0.7, keys, V), GumbelSampler(0.0, keys, V)
+    cool, greedy = GumbelSampler(0.7, keys, V, 16), GumbelSampler(0.0, keys, V, 16)
     assert torch.equal(cool.choose(low, cool.noise(pos))[0], exact)
     assert greedy.noise(pos) is None and torch.equal(greedy.choose(logits, None)[0], logits.argmax(-1))
 
