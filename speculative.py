@@ -137,8 +137,8 @@ class RunningBatch:
         return n_emitted, n_acc
 
     def choose_draft(self, logits, i):
-        """Draft i of the speculative step under way, from the drafter's logits (B, 1, V), with
-        the noise the verify reads at position n_tokens + i -> tokens (B, 1), q (B, 1, V) or None."""
+        """Draft i of the speculative step under way, from the drafter's logits (B, 1, V), with the
+        noise the verify pass reads at its position -> tokens (B, 1), q (B, 1, V) or None."""
         noise = None if self.step_noise is None else self.step_noise[:, i:i + 1]
         return self.sampler.choose(logits, noise)
 

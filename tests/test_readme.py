@@ -45,10 +45,10 @@ def test_the_walk_follows_calls_by_name_and_leaves_out_what_no_call_reaches():
     order = rp.reached(rp.read_code())
     assert order[0] == "train.rl_step"
     assert {"rollout.rollout", "RunningBatch.__init__", "RunningBatch.compact", "GumbelSampler.verify",
-            "Drafter.propose", "RunningBatch.batch_size", "DrafterBuffer.__len__", "RolloutStats.__call__",
+            "Drafter.propose", "RunningBatch.batch_size", "RunningBatch.choose_draft", "RolloutStats.__call__",
             "TimedDrafter.propose", "Watched.is_completed", "DecodeStats.__call__"} <= set(order)
     assert not {"RejectionSampler.verify", "speculative.verify", "instrument.check"} & set(order)
-    assert "Bandit.state_dict" not in order and "speculative.autoregressive_generate" not in order
+    assert "FixedK.choose" not in order and "speculative.autoregressive_generate" not in order
 
 
 def test_the_walk_follows_a_module_call_to_its_forward():
