@@ -140,7 +140,11 @@ class Blocks(nn.Module):
         write_at, mask = None, past_mask
         if cache is not None:  # a query at position p sees keys 0..p of its own row, nothing stale
             write_at = (torch.arange(B, device=x.device)[:, None], pos)  # row b's go at pos[b]
-            mask = torch.arange(n_keys, device=x.device) <= pos[:, None, :, None]  # (B,1,T,keys)
+            unseen = torch.arange(n_keys, device=x.device) > pos[:, None, :, None]  # (B,1,T,keys)
+            # additive, in the dtype attention runs in: a bool mask is cast in every layer
+            dev = x.device.type
+            dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
+            mask = unseen.new_zeros(unseen.shape, dtype=dtype).masked_fill_(unseen, float("-inf"))
         past = past if past is not None else [None] * len(self.blocks)
         for i, block in enumerate(self.blocks):
             # block i's cache slice, taken here: taken before block i - 1 writes, it breaks autograd

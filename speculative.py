@@ -74,10 +74,16 @@ class RunningBatch:
         self.sampler = s.new_sampler(B, target.config.vocab_size, need + 1, dev)
         self.cache = target.new_cache(B, max_len=need)
         self.draft_cache = self.step_noise = None  # the drafter's; see speculative_step
-        # prefill: every prompt in one padded pass; the padding's cache entries are never read
+        # prefill: each distinct prompt once (a GRPO group repeats it), its cache entries copied to
+        # the rows that share it, in one padded pass; the padding's entries are never read
+        distinct = {}  # a prompt -> its place among the distinct ones
+        group = torch.tensor([distinct.setdefault(tuple(p), len(distinct)) for p in prompts])
+        first = [group.tolist().index(u) for u in range(len(distinct))]  # a row of each
+        prompt_cache = target.new_cache(len(distinct), max_len=longest_prompt)
+        logits, hidden = target(self.tokens[first, :longest_prompt], prompt_cache)
+        self.cache.kv[..., :longest_prompt, :] = prompt_cache.kv[:, :, group]
+        logits, self.hidden[:, :longest_prompt] = logits[group], hidden[group]
         prompt_len = torch.tensor([len(p) for p in prompts], device=dev)  # (B,)
-        logits, self.hidden[:, :longest_prompt] = target(self.tokens[:, :longest_prompt],
-                                                         self.cache)
         self.cache.lengths = prompt_len
         self.n_tokens, self.end = prompt_len.clone(), prompt_len + max_new_tokens  # (B,), (B,)
         self.done = torch.zeros(B, dtype=torch.bool, device=dev)
