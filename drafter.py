@@ -56,11 +56,10 @@ class Drafter(nn.Module):
         return self.in_proj(torch.cat([hidden, emb], dim=-1)).to(self.in_proj.weight.dtype)
 
     def propose(self, batch, k):
-        """Draft k tokens per row of a speculative.RunningBatch -> drafts (B, k) and, with rejection
-        sampling, q (B, k, V). It reads the batch's tokens, hidden states and n_tokens, draws with
-        batch.choose_draft and keeps its KV cache in batch.draft_cache. Row b first catches up on
-        the pairs (h_j, x_{j+1}) recorded since it last drafted, j = its cache length .. L - 1, in
-        one pass as wide as the longest such run; then it drafts, feeding back its own state."""
+        """Draft k tokens per row of a speculative.RunningBatch -> drafts (B, k), q (B, k, V) or
+        None. It reads the batch's tokens, hidden states and n_tokens, draws with choose_draft and
+        keeps its KV cache in batch.draft_cache. Each row first catches up on the pairs (h_j,
+        x_{j+1}) recorded since it last drafted, in one pass; then drafts from its own states."""
         B, L = batch.batch_size, batch.n_tokens - 1  # L (B,): the target cache's length
         if batch.draft_cache is None:  # the switch to speculation: no recorded state read yet
             batch.draft_cache = self.new_cache(B, batch.cache.max_len, dtype=batch.cache.kv.dtype)

@@ -115,13 +115,6 @@ class Blocks(nn.Module):
         one = torch.tensor([1.0, 0.0], device=device).expand_as(turn)  # 1 + 0i: values stay
         return torch.stack((turn, turn, one), dim=1)
 
-    def _apply(self, fn, recurse=True):
-        # .to(), .bfloat16() cast buffers here: a table below float32 is made again in float32
-        super()._apply(fn, recurse)
-        if self.rope.dtype not in (torch.float32, torch.float64):
-            self.rope = self._rope_table(self.rope.device)
-        return self
-
     def forward(self, x, cache=None, past=None, past_mask=None):
         """x (B, T, C) -> (B, T, C). With a cache, row b's tokens follow its cached ones. The
         drafter's chained training passes give `past` (per block, earlier passes' keys, values)."""

@@ -67,9 +67,8 @@ def step_rows(args, task, step, rank, world_size):
 
 
 def group_advantages(rewards, group_size, eps=1e-6):
-    """rewards (N,) in groups of `group_size` consecutive rows -> advantages (N,). The divisor is
-    the population std, not the sample std (a choice): the advantages are sqrt(G / (G - 1)) times
-    TRL's (1.155 at the default G = 4)."""
+    """rewards (N,) in groups of `group_size` consecutive rows -> advantages (N,). Divided by the
+    population std (a choice): sqrt(G / (G - 1)) times TRL's (1.155 at the default G = 4)."""
     if rewards.numel() % group_size:
         raise ValueError(f"{rewards.numel()} rewards do not split into groups of {group_size}")
     r = rewards.float().view(-1, group_size)  # (groups, G)
@@ -156,11 +155,9 @@ class GRPOConfig:
 
 
 def grpo_update(net, opt, sequences, prompt_lens, advantages, cfg, n_total, ref_model=None):
-    """One GRPO update on the rows dealt to this rank (token lists, prompt lengths, advantages),
-    re-dealt by tokens from every rank's rollouts (train.update_target) -> (loss, clip fraction,
-    skipped). net is the model or its DDP wrapper; n_total the response tokens of the whole global
-    batch; ref_model the frozen reference, for kl_coef > 0. Length-grouped micro-batches, one
-    optimizer step per epoch, skipped on every rank if the gradient is not finite."""
+    """One GRPO update on this rank's rows -> (loss, clip fraction, skipped). net: the model or its
+    DDP wrapper; n_total: the global batch's response tokens; ref_model: for kl_coef > 0. One
+    optimizer step per epoch over length-grouped micro-batches, skipped if it is not finite."""
     device = next(net.parameters()).device
     n_local = sum(len(s) - p for s, p in zip(sequences, prompt_lens))
     # a rank's summed loss times W / N, averaged over the W ranks by DDP, is the mean over the

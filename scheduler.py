@@ -81,8 +81,7 @@ def idle_train(drafter, optimizer, buffer, rng, work, scoring=(), barrier=None, 
 
 
 def top1_pieces(drafter, rows, into, piece_tokens):
-    """Pieces of idle work that score the drafter's teacher-forced top-1 agreement on a rollout's
-    finished rows (speculative.FinishedRow), adding (agreeing positions, positions) to `into`: rows
+    """Idle pieces that add the drafter's top-1 counts on a rollout's FinishedRows to `into`: rows
     of similar lengths at a time, about piece_tokens padded positions (one row, if longer)."""
     def score(piece):
         batch = pair_batch([(r.tokens, r.hidden, r.prompt_len) for r in piece],
@@ -96,11 +95,10 @@ def top1_pieces(drafter, rows, into, piece_tokens):
 
 @torch.no_grad()
 def start_drafter_sync(drafter, local_steps, top1=(0, 0)):
-    """Start averaging the drafter's weights over ranks, weighted by local drafter steps. One
-    all-reduce of [steps * weights, steps, top-1 counts] runs in the background; the returned
-    `finish()` waits for it, writes the average in and returns the top-1 counts (agreeing,
-    positions) summed over ranks. A rank that trained 0 steps adds nothing; if nobody trained,
-    the weights do not change. Every rank gets bit-identical sums, so identical weights."""
+    """Start averaging the drafter's weights over ranks, weighted by local drafter steps: one
+    all-reduce of [steps * weights, steps, top-1 counts] in the background. `finish()` waits, writes
+    the average in (unchanged if nobody trained; bit-identical on every rank) and returns the top-1
+    counts (agreeing, positions) summed over ranks."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return lambda: tuple(top1)
     params = list(drafter.parameters())

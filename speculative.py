@@ -74,8 +74,8 @@ class RunningBatch:
         self.sampler = s.new_sampler(B, target.config.vocab_size, need + 1, dev)
         self.cache = target.new_cache(B, max_len=need)
         self.draft_cache = self.step_noise = None  # the drafter's; see speculative_step
-        # prefill: each distinct prompt once (a GRPO group repeats it), its cache entries copied to
-        # the rows that share it, in one padded pass; the padding's entries are never read
+        # prefill: each distinct prompt once (a GRPO group repeats it) in one padded pass, copied to
+        # the rows that share it (with model.py's additive mask: 9% of a --tlt off step, RESULTS.md)
         distinct = {}  # a prompt -> its place among the distinct ones
         group = torch.tensor([distinct.setdefault(tuple(p), len(distinct)) for p in prompts])
         first = [group.tolist().index(u) for u in range(len(distinct))]  # a row of each
@@ -123,8 +123,7 @@ class RunningBatch:
 
     @torch.no_grad()
     def speculative_step(self, drafter, k):
-        """Draft k tokens per row, verify them in one target pass, keep a ragged number per row.
-        Returns (tokens emitted per row, drafts accepted per row)."""
+        """Draft k a row, verify in one target pass, keep a ragged number -> (emitted, accepted)."""
         L = self.n_tokens - 1  # (B,) the target cache's length; tokens[L] is pending
         positions = self.n_tokens[:, None] + torch.arange(k + 1, device=L.device)  # (B, k+1)
         # made once: draft i and the target at position i read the same (10-16% of the step)
@@ -364,8 +363,7 @@ class GumbelSampler:
         return verify_gumbel(draft, out), out
 
 
-def mix32(x):
-    """Wellons' 32-bit "lowbias32" hash of int64 tensors holding 32-bit values."""
+def mix32(x):  # Wellons' 32-bit "lowbias32" hash, on int64 tensors holding 32-bit values
     x = x ^ (x >> 16)
     x = (x * 0x7FEB352D) & MASK32
     x = x ^ (x >> 15)

@@ -263,10 +263,8 @@ def idle_phase(s, step, rows):
 
 
 def update_target(s, rows, rewards):
-    """Step 6: every rank's rewards and sequences (a group may span ranks), group-normalised
-    advantages, and one GRPO update on the rows that carry a gradient, re-dealt so that every rank
-    updates about as many tokens -> (when the update began, (every reward and response in global
-    row order, (loss, clip fraction, skipped)))."""
+    """Step 6: every rank's rewards and rows, advantages per group, one GRPO update on the rows
+    with a gradient, re-dealt by tokens -> (its start, (rewards, responses, update figures)))."""
     args = s.args
     part = (rewards, [r.tokens.tolist() for r in rows], [r.prompt_len for r in rows])
     everyone = [part]  # every rank's part, in rank order

@@ -326,27 +326,6 @@ def test_bf16_autocast_cached_ragged_forward_matches_uncached_and_float32():
     assert 0 < err <= BF16_TOL * scale, f"bf16 vs float32: {err / scale:.4f} of the largest logit"
 
 
-def test_rope_table_keeps_its_precision_through_dtype_changes():
-    """The rotary table stays float32 when the model goes to bf16 or fp16 (bf16 angles would be off
-    by whole radians at position 200), follows .double() to float64, and keeps its values; a bf16
-    model's cached forward then matches its uncached one."""
-    m = GPT(tiny_config()).eval()
-    table = m.stack.rope.clone()
-    assert table.dtype == torch.float32
-    assert m.bfloat16().stack.rope.dtype == torch.float32 and torch.equal(m.stack.rope, table)
-    assert m.to(torch.float16).stack.rope.dtype == torch.float32 and torch.equal(m.stack.rope, table)
-    assert m.double().stack.rope.dtype == torch.float64
-    m.bfloat16()
-    idx = rand_ids(torch.Generator().manual_seed(10), 2, 9)
-    with torch.no_grad():
-        ref, _ = m(idx)
-        cache = m.new_cache(2, 16)
-        assert cache.kv.dtype == torch.bfloat16
-        got = torch.cat([m(idx[:, :5], cache)[0], m(idx[:, 5:], cache)[0]], 1)
-    scale = ref.float().abs().max().item()
-    assert (got.float() - ref.float()).abs().max().item() <= BF16_TOL * scale
-
-
 def test_bf16_plain_and_speculative_generate_run():
     """Under autocast, plain and speculative decoding with exact-token sampling run, with bf16 caches
     for the target and the drafter and float32 hidden states; the first token of every row (from the
