@@ -160,8 +160,7 @@ def grpo_update(net, opt, sequences, prompt_lens, advantages, cfg, n_total, ref_
     optimizer step per epoch over length-grouped micro-batches, skipped if it is not finite."""
     device = next(net.parameters()).device
     n_local = sum(len(s) - p for s, p in zip(sequences, prompt_lens))
-    # a rank's summed loss times W / N, averaged over the W ranks by DDP, is the mean over the
-    # N tokens of every rank, however the rows are dealt
+    # W / N: a rank's summed loss times it, averaged over W ranks by DDP, is the global token mean
     scale = (dist.get_world_size() if dist.is_initialized() else 1) / max(n_total, 1)
     # rows with advantage 0 add exactly 0 to the loss and its gradient (not so with a KL term)
     active = [i for i in range(len(sequences)) if cfg.kl_coef > 0 or advantages[i] != 0]
@@ -180,10 +179,9 @@ def grpo_update(net, opt, sequences, prompt_lens, advantages, cfg, n_total, ref_
                 logp = token_logprobs(net, tokens, cfg.temperature)
                 # the rollout came from the weights of epoch 0: their log-probs are the "old" ones
                 logp_old = old.setdefault(m_i, logp.detach())
-                logp_ref = None
-                if cfg.kl_coef > 0:
-                    with torch.no_grad():
-                        logp_ref = token_logprobs(ref_model, tokens, cfg.temperature)
+                with torch.no_grad():  # the frozen reference's, for the KL term
+                    kl_on = cfg.kl_coef > 0
+                    logp_ref = token_logprobs(ref_model, tokens, cfg.temperature) if kl_on else None
                 loss, st = grpo_loss(logp, logp_old, adv, mask, cfg.clip_eps, cfg.kl_coef, logp_ref)
                 # mean x tokens = this micro-batch's sum; x scale = its share of the global mean
                 (loss * mask.sum() * scale).backward()
