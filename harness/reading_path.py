@@ -124,7 +124,7 @@ ROWS = {
         "the recent rows, bounded; random batches of at most a piece's positions"),
     "the prefill and cache": (
         ["RunningBatch.__init__", "Sampling.new_sampler", "GPT.new_cache", "KVCache.__init__"],
-        "one sampler for the batch; every prompt prefilled in one pass into a cache with a "
+        "one sampler for the batch; each distinct prompt prefilled once into a cache with a "
         "length per row"),
     "compaction": (
         ["RunningBatch.compact", "KVCache.compact"],
