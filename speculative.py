@@ -77,8 +77,8 @@ class RunningBatch:
         # prefill: each distinct prompt once (a GRPO group repeats it) in one padded pass, copied to
         # the rows that share it (with model.py's additive mask: 9% of a --tlt off step, RESULTS.md)
         distinct = {}  # a prompt -> its place among the distinct ones
-        group = torch.tensor([distinct.setdefault(tuple(p), len(distinct)) for p in prompts])
-        first = [group.tolist().index(u) for u in range(len(distinct))]  # a row of each
+        group = [distinct.setdefault(tuple(p), len(distinct)) for p in prompts]  # per row
+        first = [group.index(u) for u in range(len(distinct))]  # a row of each
         prompt_cache = target.new_cache(len(distinct), max_len=longest_prompt)
         logits, hidden = target(self.tokens[first, :longest_prompt], prompt_cache)
         self.cache.kv[..., :longest_prompt, :] = prompt_cache.kv[:, :, group]
