@@ -22,6 +22,7 @@ The decoding loop is `speculative.decode`; the engine is the policy it asks for 
 Test: python -m pytest tests/test_rollout.py
 """
 import random
+import statistics
 from collections import deque
 
 import torch
@@ -33,9 +34,12 @@ ARMS = (0, 1, 2, 3, 4, 6, 8)
 
 class Bandit:
     """Bucketed epsilon-greedy choice of the draft length k. An arm's score is its throughput over
-    a short window, sum(tokens) / sum(seconds). (A median of per-step rates would be biased: a step
-    emits a small random count.) The window is short because the best arm moves as the drafter
-    improves. An arm's first play only marks it tried, as it pays one-time costs."""
+    a short window: the mean tokens of a step over the median seconds of one. (A median of per-step
+    rates would be biased: a step emits a small random count. A mean of the seconds would let one
+    step stalled by the machine, many times its usual length, sink an arm's score until the arm
+    is played again, which an arm that looks bad rarely is.) The window is short because the best
+    arm moves as the drafter improves. An arm's first play only marks it tried, as it pays one-time
+    costs."""
 
     def __init__(self, arms=ARMS, epsilon=0.1, window=8, seed=0):
         self.arms, self.epsilon, self.window = tuple(arms), epsilon, window
@@ -48,7 +52,9 @@ class Bandit:
 
     def score(self, bucket, arm):
         r = self.plays.get((bucket, arm))
-        return sum(n for n, _ in r) / sum(t for _, t in r) if r else None  # tokens per second
+        if not r:
+            return None
+        return statistics.mean(n for n, _ in r) / statistics.median(t for _, t in r)  # tokens per second
 
     def choose(self, batch_size):
         b = self.bucket(batch_size)

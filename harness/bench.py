@@ -91,6 +91,9 @@ def parse_args(argv=None):
         args.train_flags = shlex.split(args.train_args)
     except ValueError as e:  # e.g. an unclosed quote
         p.error(f"--train-args: {e}")
+    # the bench measures a drafter warmed up first (train.py's default builds its drafter during RL); a
+    # --drafter-warmup-steps in --train-args comes later and wins
+    args.train_flags = ["--drafter-warmup-steps", str(config.WARM_DRAFTER_STEPS), *args.train_flags]
     if args.sampler:  # the e2e runs and every train.py setting the bench reads take it too
         args.train_flags += ["--sampler", args.sampler]
     args.targs = config.parse_args([*args.train_flags, "--out-dir", args.out_dir])  # the checkpoints' settings, parsed once

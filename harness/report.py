@@ -37,6 +37,7 @@ import warnings
 
 import tasks
 from harness.common import OneLineParser
+from harness.config import WARM_DRAFTER_STEPS
 from harness.distributed import all_sum, gather_ranks, print0
 from harness.instrument import checksum
 from harness.summary import (PICTURE_ROWS, bin_edges, bin_means, binning, bucket_sizes, by_step,
@@ -210,30 +211,37 @@ def plan_line(args, world_size):
 
 
 def next_lines(args, world_size=2):
-    """The run's last lines: how to see the drafter's worth in time. Two runs from the same warm-ups,
-    this one and one with a frozen drafter, write the same responses at every step, so the report
-    pairs them step by step. 600 steps, not 200: the frozen drafter keeps falling behind as RL moves
-    the target, and the last tenth holds 60 paired steps rather than 20. (Its cost in time is still
-    near a shared 2-core machine's noise between runs; RESULTS.md has both.) This run goes on to 600
-    by resuming: `--rl-steps` is not in the checkpoint's settings. The commands are whole: they
+    """The run's last lines: the commands that show what TLT buys, each pair from the same warm-ups.
+    The same RL with --tlt off writes the same responses at every step, so the report pairs the two
+    runs step by step: the headline. Whether a drafter goes stale needs one that was good when RL
+    began: a drafter warmed up first (--drafter-warmup-steps), trained on idle ranks against frozen
+    (a run that warmed its drafter up is itself the first of the two). The commands are whole: they
     carry every other flag this run was given (--task and its settings included), so that pasting
     them trains on the same workload."""
     if not (args.tlt and args.drafter_updates):
         return []
-    steps, frozen = max(600, args.rl_steps), f"{args.out_dir.rstrip('/')}-frozen"
+    out = args.out_dir.rstrip("/")
     given = "".join(f" {shlex.quote(a)}" for a in other_flags(args.argv, RESET_FLAGS))
     run = (f"  torchrun --standalone --nproc_per_node={world_size} train.py{given} --warmup-dir {args.warmup_dir} "
-           f"--rl-steps {steps}")
-    lines = ["", f"the drafter's worth in time: this run and the same with a frozen drafter, {steps} steps "
-                 "each, side by side:"]
-    if args.rl_steps < steps:
-        lines.append(f"{run} --out-dir {args.out_dir} --eval-per-bucket 0")
-    return lines + [f"{run} --out-dir {frozen} --drafter-updates off --eval-per-bucket 0",
-                    f"  python -m harness.report {args.out_dir} {frozen}"]
+           f"--rl-steps {args.rl_steps} --eval-per-bucket 0")
+    lines = ["", "what TLT buys: the same RL without it, the same tokens at every step, side by side:",
+             f"{run} --out-dir {out}-off --tlt off", f"  python -m harness.report {args.out_dir} {out}-off",
+             "", "whether a drafter goes stale: one warmed up before RL, trained on idle ranks and frozen, side by side:"]
+    warm = args.drafter_warmup_steps or WARM_DRAFTER_STEPS
+    if args.drafter_warmup_steps:
+        adaptive = args.out_dir
+    else:
+        adaptive = f"{out}-warm"
+        lines.append(f"{run} --drafter-warmup-steps {warm} --out-dir {adaptive}")
+    return lines + [f"{run} --drafter-warmup-steps {warm} --out-dir {out}-frozen --drafter-updates off",
+                    f"  python -m harness.report {adaptive} {out}-frozen"]
+
+
 
 
 # the flags next_lines sets itself
-RESET_FLAGS = ("--out-dir", "--warmup-dir", "--rl-steps", "--eval-per-bucket", "--drafter-updates")
+RESET_FLAGS = ("--out-dir", "--warmup-dir", "--rl-steps", "--eval-per-bucket", "--drafter-updates", "--tlt",
+               "--drafter-warmup-steps")
 
 
 def other_flags(argv, drop):

@@ -538,23 +538,29 @@ def test_an_unwritable_svg_path_prints_one_error_line(tmp_path):
     assert len(r.stderr.splitlines()) == 1 and r.stderr.startswith("error: cannot write the SVG"), r.stderr
 
 
-def test_a_run_ends_naming_its_frozen_twin_and_the_comparison():
-    """The default run's last lines: this run resumed to 600 steps, the same with a frozen drafter
-    from the same warm-ups, then the report of both; a run that does not train its drafter has no
-    such twin, and one of 600 steps or more needs no resuming."""
+def test_a_run_ends_naming_its_baseline_and_its_stale_drafter_twins():
+    """The default run's last lines: the same RL with --tlt off and the report of both; then, from a
+    drafter warmed up first, the same RL trained on idle ranks and frozen, and their report. A run
+    that warmed its drafter up is itself the trained one; a run that does not train its drafter
+    names nothing."""
     from harness import config
-    lines = report.next_lines(config.parse_args(["--out-dir", "runs/a/"]))
-    assert "--warmup-dir runs/a/ --rl-steps 600 --out-dir runs/a/ --eval-per-bucket 0" in lines[2]
-    assert "--nproc_per_node=2 train.py --warmup-dir" in lines[2]  # no other flag was given
-    assert "--rl-steps 600 --out-dir runs/a-frozen --drafter-updates off" in lines[3]
-    assert lines[4].strip() == "python -m harness.report runs/a/ runs/a-frozen"
-    longer = report.next_lines(config.parse_args(["--rl-steps", "800"]))
-    assert len(longer) == 4 and "--rl-steps 800 --out-dir out-frozen" in longer[2]
+    lines = report.next_lines(config.parse_args(["--out-dir", "runs/a/", "--rl-steps", "300"]))
+    head = "  torchrun --standalone --nproc_per_node=2 train.py --warmup-dir runs/a/ --rl-steps 300 --eval-per-bucket 0"
+    assert lines[2] == head + " --out-dir runs/a-off --tlt off"  # no other flag was given
+    assert lines[3].strip() == "python -m harness.report runs/a/ runs/a-off"
+    assert lines[6] == head + " --drafter-warmup-steps 6000 --out-dir runs/a-warm"
+    assert lines[7] == head + " --drafter-warmup-steps 6000 --out-dir runs/a-frozen --drafter-updates off"
+    assert lines[8].strip() == "python -m harness.report runs/a-warm runs/a-frozen"
+    warm = report.next_lines(config.parse_args(["--drafter-warmup-steps", "3000"]))
+    assert len(warm) == 8 and "--drafter-warmup-steps 3000 --out-dir out-frozen" in warm[6]
+    assert warm[7].strip() == "python -m harness.report out out-frozen"
     # every other flag the run was given, whole: the task and its settings are the workload
-    given = ["--task", "pointer_chase", "--max-n=6", "--out-dir", "b", "--rl-steps", "50", "--eval-per-bucket", "3"]
+    given = ["--task", "pointer_chase", "--max-n=6", "--out-dir", "b", "--rl-steps", "50", "--eval-per-bucket", "3",
+             "--tlt", "on"]
     lines = report.next_lines(config.parse_args(given), world_size=4)
     assert lines[2] == ("  torchrun --standalone --nproc_per_node=4 train.py --task pointer_chase --max-n=6 "
-                        "--warmup-dir b --rl-steps 600 --out-dir b --eval-per-bucket 0")
-    assert lines[3].startswith("  torchrun --standalone --nproc_per_node=4 train.py --task pointer_chase --max-n=6 ")
+                        "--warmup-dir b --rl-steps 50 --eval-per-bucket 0 --out-dir b-off --tlt off")
+    assert all(line.startswith("  torchrun --standalone --nproc_per_node=4 train.py --task pointer_chase --max-n=6 ")
+               for line in lines[6:8])
     for flags in (["--tlt", "off"], ["--drafter-updates", "off"]):
         assert report.next_lines(config.parse_args(flags)) == []

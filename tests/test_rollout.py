@@ -198,6 +198,16 @@ def test_bandit_scores_throughput_not_median_step():
     assert max(median, key=median.get) == 2  # the case really separates the two scores
 
 
+def test_one_stalled_step_does_not_sink_an_arms_score():
+    """A step stalled by the machine (here 50 times its usual length) must not make the best arm
+    look worst: the arm would then rarely be played again to mend its score."""
+    bandit = Bandit(arms=(2, 4), epsilon=0.0, window=8, seed=0)
+    for k, tokens in ((2, 3.0), (4, 5.0)):
+        for seconds in [1.0] * 8 + ([50.0] if k == 4 else []):  # the first play only marks the arm tried
+            bandit.update(1, k, tokens, seconds)
+    assert bandit.score(0, 4) == 5.0 and bandit.choose(1) == 4
+
+
 def test_bandit_tries_every_arm_first_and_round_trips_state():
     """Every arm is played twice before any is chosen on its score: the first play only marks it
     tried (its time carries first-time costs), the second is the first one scored."""
