@@ -158,7 +158,7 @@ def rl_flags(p):
     """GRPO and the rollouts it learns from."""
     p.add_argument("--rl-steps", type=int, default=800, help="GRPO steps: enough for RL to lengthen the responses and for a "
                    "frozen drafter to fall behind")
-    p.add_argument("--prompts-per-step", type=int, default=12, help="prompts per RL step, all ranks together: "
+    p.add_argument("--prompts-per-step", type=int, default=8, help="prompts per RL step, all ranks together: "
                    "more distinct problem sizes per rank, so a step's longest response further from its median")
     p.add_argument("--group-size", type=int, default=4, help="responses per prompt (the GRPO group)")
     p.add_argument("--rl-lr", type=float, default=4e-4, help="learning rate of the GRPO updates")
