@@ -30,19 +30,44 @@ Optional, with defaults here:
                                 (harness.warmup; see --merge-init)
 
 `Task` gives every task the rest: problem sizes from a power law P(n) ~ n^-alpha on min_n..max_n
-(the long tail), `sample`, `eval_set`, `decode`, `mean_by_size`, and the token ids.
+(the long tail), `sample`, `eval_set`, `decode`, `mean_by_size`, and the token ids. This module
+gives the tokenizer: `make_encoding(name, merges, pat_str)` (byte-level ranks, the task's merged
+strings, `<|eos|>` and `<|pad|>`) and `encode(enc, text)`.
 
-Adding a task: one file in this folder with a `Task` subclass, and its import and name in `TASKS`
-below.
+Adding a task: one file in this folder with a `Task` subclass that has a `name`. The package
+imports every module in this folder, and each such subclass registers itself in `TASKS`.
 
 Test: python -m pytest tests/test_tasks.py
 """
 import hashlib
+import importlib
 import inspect
+import pkgutil
 import random
 from dataclasses import asdict, dataclass, field, fields
 from functools import cached_property
 from typing import ClassVar
+
+import tiktoken
+
+EOS = "<|eos|>"
+PAD = "<|pad|>"
+TASKS = {}  # name -> Task subclass, filled as each task's class is defined (Task.__init_subclass__)
+
+
+def make_encoding(name, merges=(), pat_str=r"\S|\s+"):
+    """A tiktoken Encoding made in-process (no download): the 256 bytes, then each string of
+    `merges` as one token (in order; `pat_str` decides where text may merge), then `<|eos|>` and
+    `<|pad|>`."""
+    ranks = {bytes([i]): i for i in range(256)}
+    for merged in merges:
+        ranks[merged.encode()] = len(ranks)
+    return tiktoken.Encoding(name=name, pat_str=pat_str, mergeable_ranks=ranks,
+                             special_tokens={EOS: len(ranks), PAD: len(ranks) + 1})
+
+
+def encode(enc, text):
+    return enc.encode(text, disallowed_special=())  # "<|eos|>" in user text stays plain bytes
 
 
 @dataclass(frozen=True)
@@ -55,6 +80,12 @@ class Task:
     name: ClassVar[str]
     choice: ClassVar[str] = None
     size_buckets: ClassVar[tuple]  # inclusive ranges of problem size
+
+    def __init_subclass__(cls, **kwargs):
+        """A subclass that names itself is registered: `--task NAME` then trains on it."""
+        super().__init_subclass__(**kwargs)
+        if "name" in cls.__dict__:
+            TASKS[cls.name] = cls
 
     def __post_init__(self):  # a NaN fails every rule
         if not 1 <= self.min_n <= self.max_n:
@@ -134,11 +165,9 @@ class Task:
         return {"name": self.name, **asdict(self), "code": digest}
 
 
-# the registry: each task subclasses Task, above
-from tasks.pointer_chase import PointerChase  # noqa: E402
-from tasks.running_sum import RunningSum  # noqa: E402
-
-TASKS = {cls.name: cls for cls in (RunningSum, PointerChase)}
+# the registry: every module in this folder, imported; each Task subclass with a name registers itself
+for module in pkgutil.iter_modules(__path__):
+    importlib.import_module(f"{__name__}.{module.name}")
 
 
 def from_meta(meta):

@@ -24,26 +24,18 @@ Test: python -m pytest tests/test_running_sum.py
 import re
 from dataclasses import dataclass, field
 
-import tiktoken
-
-from tasks import Task
+import tasks
+from tasks import EOS, PAD, Task
 
 LABELS = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
-EOS = "<|eos|>"
-PAD = "<|pad|>"
 SIZE_BUCKETS = ((1, 2), (3, 5), (6, 10), (11, 16), (17, 26), (27, 52))  # inclusive ranges of n
 
 
 def build_tokenizer():
-    """Byte-level ranks plus one merge per labelled digit, made in-process (no download)."""
-    ranks = {bytes([i]): i for i in range(256)}
-    for label in LABELS:
-        for d in "0123456789":
-            ranks[(label + d).encode()] = len(ranks)
-    # the pattern merges "b7" only in the prompt's list
-    return tiktoken.Encoding(name="runsum", pat_str=r"[a-zA-Z][0-9](?=[ :])|\S|\s+",
-                             mergeable_ranks=ranks,
-                             special_tokens={EOS: len(ranks), PAD: len(ranks) + 1})
+    """Byte-level ranks plus one merge per labelled digit, made in-process (no download); the
+    pattern merges "b7" only in the prompt's list."""
+    return tasks.make_encoding("runsum", [label + d for label in LABELS for d in "0123456789"],
+                               pat_str=r"[a-zA-Z][0-9](?=[ :])|\S|\s+")
 
 
 ENC = build_tokenizer()
@@ -53,7 +45,7 @@ VOCAB_SIZE = ENC.n_vocab
 
 
 def encode(text):
-    return ENC.encode(text, disallowed_special=())  # "<|eos|>" in user text stays plain bytes
+    return tasks.encode(ENC, text)
 
 
 @dataclass(frozen=True)

@@ -108,3 +108,34 @@ def test_a_task_may_start_its_sizes_above_1_and_leave_out_the_choice():
     assert ", single steps 50% -> 50%" in trend_lines(history, "single steps")[1]
     assert trend_lines(history, tasks.Task.choice)[1] == "  response length       10.0 -> 10.0 tokens (first and last 1 steps)"
     assert tasks.Task.choice_share(task, None, [1, 2]) == 0.0
+
+
+def test_make_encoding_builds_bytes_merges_and_the_special_tokens(no_network):
+    enc = tasks.make_encoding("t", ["ab", "cd"], pat_str=r"[a-z]{2}(?= )|\S|\s+")
+    assert enc.n_vocab == 256 + 2 + 2
+    assert enc.encode_single_token("ab") == 256 and enc.encode_single_token("cd") == 257
+    assert enc.encode_single_token(tasks.EOS) == 258 and enc.encode_single_token(tasks.PAD) == 259
+    assert tasks.encode(enc, "ab cd") == [256, ord(" "), ord("c"), ord("d")]  # the pattern decides the merge
+    assert tasks.encode(enc, tasks.EOS) != [258] and enc.decode(tasks.encode(enc, "é ✓<|pad|>")) == "é ✓<|pad|>"
+
+
+def test_a_task_in_a_new_module_of_the_folder_registers_itself(tmp_path):
+    """Dropping a file with a named Task subclass into tasks/ is all it takes: the package imports
+    every module in its folder (checked in a fresh interpreter, the module planted and removed),
+    and an unnamed subclass (a base for others) is not registered."""
+    import os
+    import subprocess
+    import sys
+    path = os.path.join(os.path.dirname(tasks.__file__), "planted_registry_check.py")
+    with open(path, "w") as f:
+        f.write("from dataclasses import dataclass\nfrom tasks.running_sum import RunningSum\n\n\n"
+                "@dataclass(frozen=True)\nclass Planted(RunningSum):\n    name = \"planted_registry_check\"\n")
+    try:
+        out = subprocess.run([sys.executable, "-c", "import tasks; print(sorted(tasks.TASKS))"], capture_output=True,
+                             text=True, cwd=os.path.dirname(os.path.dirname(tasks.__file__)), check=True,
+                             env={**os.environ, "PYTHONDONTWRITEBYTECODE": "1"}).stdout
+    finally:
+        os.remove(path)
+    assert "planted_registry_check" in out and "running_sum" in out
+    unnamed = dataclasses.make_dataclass("Unnamed", [], bases=(tasks.Task,), frozen=True)
+    assert unnamed not in tasks.TASKS.values()

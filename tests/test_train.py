@@ -322,7 +322,7 @@ def test_merged_embeddings_start_as_label_plus_digit():
 def test_task_flags_reach_the_task_config():
     args = config.parse_args(TINY + ["--strides", "0.5,0.3,0.2", "--warmup-alpha", "0.25"])
     cfg, wcfg = config.task_of(args), config.task_of(args, warmup=True)
-    default_alpha = __import__("tasks").RunningSum().alpha  # not given: the task's own default
+    default_alpha = __import__("tasks").TASKS["running_sum"]().alpha  # not given: the task's own default
     assert (cfg.strides, wcfg.strides, cfg.alpha, wcfg.alpha) == ((0.5, 0.3, 0.2), (0.5, 0.3, 0.2), default_alpha, 0.25)
     assert config.task_of(config.parse_args(TINY + ["--alpha", "0.7"])).alpha == 0.7
     for bad in (["--strides", "0.5,x"], ["--strides", "0,1"], ["--max-n", "5"]):  # 5 digits do not fit the tiny block
