@@ -31,14 +31,11 @@ Test: python -m pytest tests/test_pointer_chase.py
 import re
 from dataclasses import dataclass, field
 
-import tiktoken
-
+import tasks
 from tasks import Task
 
 LETTERS = "abcdefghijklmnopqrstuvwxyz"
 PAIRS = [a.upper() + b for a in LETTERS for b in LETTERS if a != b]  # every possible link, "Qd"
-EOS = "<|eos|>"
-PAD = "<|pad|>"
 DISTRACTORS = 3             # distractor chains per problem: four chain ends to guess among
 DISTRACTOR_LINKS = (2, 3)   # links per distractor chain: at least 2, so no end gives itself away
 # the letters left for the real chain once the longest distractors have theirs
@@ -47,22 +44,17 @@ SIZE_BUCKETS = ((1, 2), (3, 5), (6, 10), (11, MAX_N))  # inclusive ranges of n
 
 
 def build_tokenizer():
-    """Byte-level ranks plus one merge per link ("Qd"), made in-process (no download)."""
-    ranks = {bytes([i]): i for i in range(256)}
-    for pair in PAIRS:
-        ranks[pair.encode()] = len(ranks)
-    # the pattern merges "Qd" only in the prompt's list, where a space or the colon follows it
-    return tiktoken.Encoding(name="pointer_chase", pat_str=r"[A-Z][a-z](?=[ :])|\S|\s+",
-                             mergeable_ranks=ranks,
-                             special_tokens={EOS: len(ranks), PAD: len(ranks) + 1})
+    """Byte-level ranks plus one merge per link ("Qd"), made in-process (no download); the pattern
+    merges "Qd" only in the prompt's list, where a space or the colon follows it."""
+    return tasks.make_encoding("pointer_chase", PAIRS, pat_str=r"[A-Z][a-z](?=[ :])|\S|\s+")
 
 
 ENC = build_tokenizer()
-EOS_ID = ENC.encode_single_token(EOS)
+EOS_ID = ENC.encode_single_token(tasks.EOS)
 
 
 def encode(text):
-    return ENC.encode(text, disallowed_special=())  # "<|eos|>" in user text stays plain bytes
+    return tasks.encode(ENC, text)
 
 
 @dataclass(frozen=True)
