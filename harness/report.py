@@ -95,7 +95,7 @@ def step_record(s, step, result, stats):
                              t_end - t_update, timeline=timeline_due(step, s.args))
     rec.update(loss=loss, clip_frac=clip, skipped_update=skipped, drafter_lr=idle["lr"],
                drafter_depth=idle["depth"], recent_top1=idle["recent_top1"],
-               bandit_best=best_arms(s.bandit))
+               bandit_best=best_arms(s.bandit), bandit_tokens=arm_tokens(s.bandit))
     return rec, ranks
 
 
@@ -177,6 +177,13 @@ def best_arms(bandit):
     scored = sorted({b for (b, a) in bandit.plays if bandit.score(b, a) is not None})
     return {b: max((a for a in bandit.arms if bandit.score(b, a) is not None),
                    key=lambda a: bandit.score(b, a)) for b in scored}
+
+
+def arm_tokens(bandit):
+    """{bucket: tokens a step} of each bucket's best arm over its recent steps, for the summary: the
+    rollout's own figure of what a draft length buys there (at batch 1 the last row is often near
+    its end, and drafts past its <|eos|> buy nothing)."""
+    return {b: statistics.mean(n for n, _ in bandit.plays[(b, k)]) for b, k in best_arms(bandit).items()}
 
 
 # -----------------------------------------------------------------------------

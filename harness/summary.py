@@ -109,8 +109,10 @@ def record_lines(history, task):
     n = max(1, len(history) // 10)
     for when, rec in ((f"after step {history[n - 1]['step']}", history[n - 1]), ("end of run", history[-1])):
         if rec["bandit_best"]:
-            ks = ", ".join(f"{bucket_sizes(int(b))}: {k}" for b, k in rec["bandit_best"].items())
-            lines.append(f"  bandit's k per batch  {ks} (rank 0, {when})")
+            tokens = rec.get("bandit_tokens") or {}  # records before it was kept have none
+            ks = ", ".join(f"{bucket_sizes(int(b))}: {k}" + (f" ({tokens[b]:.1f})" if b in tokens else "")
+                           for b, k in rec["bandit_best"].items())
+            lines.append(f"  bandit's k per batch  {ks} (rank 0, {when}{'; in brackets, tokens a step' if tokens else ''})")
     return lines + trend_lines(history, task.choice) + length_lines(history)
 
 

@@ -130,6 +130,20 @@ summary
 """  # noqa: E501
 
 
+def test_the_bandits_line_gives_the_tokens_a_step_of_each_buckets_k():
+    """The rollout's own figure beside the bandit's k: the tokens its recent steps emitted (at batch
+    1 the last row is near its end). A record written before the figure was kept prints without it."""
+    from rollout import Bandit
+    bandit = Bandit(arms=(2, 8), epsilon=0.0)
+    for k, tokens in ((2, [3, 3, 1]), (8, [9, 2, 1])):  # the first play of an arm only marks it tried
+        for n in tokens:
+            bandit.update(1, k, n, 1.0)
+    assert report.best_arms(bandit) == {0: 2} and report.arm_tokens(bandit) == {0: 2.0}
+    history = [record(s, bandit_tokens={"0": 2.25, "2": 1.0}) for s in range(3)]
+    lines = summary.record_lines(history, TASK)
+    assert "  bandit's k per batch  1: 4 (2.2), 3-4: 0 (1.0) (rank 0, end of run; in brackets, tokens a step)" in lines
+
+
 def test_summary_keeps_its_lines_then_draws_the_picture(capsys):
     history = [record(s, reward=0.1 * s, response_len=40.0 + s, single_share=0.05 * s,
                       drafter_skipped=s, drafter_top1=None if s == 0 else 0.6 + 0.1 * s)
