@@ -1,30 +1,39 @@
-"""The second task: sorting digits by adjacent swaps, written as passes of odd-even transposition sort.
+"""The second task: sort digits by adjacent swaps and count the swaps, written as passes of
+odd-even transposition sort.
 
     prompt:    a3b7c1d5e2:
-    response:  +a3b7c1d5e2-a3b1c7d2e5+a1b3c2d7e5-a1b2c3d5e7>12357<|eos|>
+    response:  +a3b7c1d5e2=0-a3B1C7D2E5=2+A1B3C2D7e5=4-a1B2C3D5E7=6>6<|eos|>
 
-A pass swaps adjacent pairs that are out of order, in place of the list: "+" pairs (a b) (c d) ...,
-"-" pairs (b c) (d e) ..., the two alternating, and it writes the whole list after it. Each labelled
-digit it writes is the smaller or the larger of two digits of the list before it: two attention
-look-ups (the latest tokens with those labels, one merged token per labelled digit) and one
-comparison. The passes end when the list is sorted, at most n of them; ">" then writes the sorted
-digits. The answer outright (">" before the list is sorted) must sort what is left in one forward
-pass a token, which the target gets right mostly on short or nearly sorted lists. The warm-up
-traces choose after every unsorted list: another pass, or the answer outright (`strides`), so that
-a trace of a long list usually stops early, as base models answer quickly. Rewarded only for the
-final answer, RL shifts the choice toward writing the passes, and the responses grow longest on
-the longest lists. The choice is one token ("+"/"-" or ">"), so RL moves the target there while
-the passes stay what they were.
+The answer is the number of adjacent swaps that sort the list (its inversions: 3>1, 3>2, 7>1, 7>5,
+7>2, 5>2), modulo 10. A pass swaps the adjacent pairs that are out of order, "+" pairing (a b)
+(c d) ..., "-" pairing (b c) (d e) ..., the two alternating; it writes the whole list after it, a
+moved digit's label in capitals, then the count so far ("=4"). Each labelled digit it writes is the
+smaller or the larger of two digits of the list before it: two attention look-ups (the latest
+tokens with those labels; one merged token per labelled digit) and a comparison; the count adds
+half the capitals just written to the count before. The passes end when the list is sorted, at
+most n of them, and ">" copies the last count. The answer outright (">" before the list is sorted)
+must count the inversions left in one forward pass, which the target gets right about as often as
+a guess, except on short or nearly sorted lists. (Where the answer was the sorted list itself, the
+warm-up learned to answer outright: 92.6% of held-out problems sampled right before RL, nothing left
+for RL to gain.) The warm-up traces choose after every unsorted list: another pass, or the answer
+outright (`strides`), so that a trace of a long list usually stops early, as base models answer
+quickly. Rewarded only for the final answer, RL should shift the choice toward writing the passes,
+and the responses grow longest on the longest lists. The choice is one token ("+"/"-" or ">"), so
+RL moves the target there while the passes stay what they were.
 
-The long tail: the passes needed grow about as n, each n + 1 tokens, so a response grows as n^2
-(the longest, n passes, n^2 + 2n + 2 tokens) where the running sum's grows as n; n follows
+The long tail: the passes needed grow about as n, each n + 2 tokens, so a response grows as n^2
+(the longest, n passes, n^2 + 2n + 3 tokens) where the running sum's grows as n; n follows
 P(n) ~ n^-0.5 on 2..12, so that the RL mix holds enough long lists to learn from: responses of all
-the passes have a median of 36 tokens, a p90 of 111 and a longest of 170. Simplified on purpose:
-digits only (repeats allowed), lists of at most 26 (a label a letter), and a tiktoken Encoding
-built in-process (no download) with one merge per labelled digit, so that reading a digit of the
-list before is a single attention look-up.
+the passes have a median of 35 tokens, a p90 of 111 and a longest of 171. Simplified on purpose:
+digits only (repeats allowed), lists of at most 26 (a label a letter), the count modulo 10, and a
+tiktoken Encoding built in-process (no download) with one merge per labelled digit and per count,
+so that reading a digit of the list before, or the count before, is a single attention look-up.
 
-Measured (a 2-core AMD EPYC VM, one process, one thread): see the end of this docstring.
+Measured (a 2-core AMD EPYC VM, one process, one thread; `OMP_NUM_THREADS=1 python train.py --task
+sort --drafter-warmup-steps 0`, the defaults otherwise): RL moves the choice as expected (passes
+written 85% -> 97% of those needed, held-out responses 35.8 -> 55.0 tokens sampled, 73.9 -> 118.8
+on 10-12 digits), but held-out accuracy falls, 79.4% -> 57.5% greedy, 53.8% -> 49.1% sampled: the
+passes get worse under RL. Not yet a task on which RL gains; the runs tried are in RESULTS.md.
 
 Test: python -m pytest tests/test_sort.py
 """
@@ -34,12 +43,12 @@ from dataclasses import dataclass, field
 import tasks
 from tasks import EOS, Task
 
-LABELS = "abcdefghijklmnopqrstuvwxyz"
+LABELS = "abcdefghijklmnopqrstuvwxyz"  # a digit that a pass moved is written with its label in capitals
 MARKS = "+-"  # a pass that pairs (a b) (c d) ..., and one that pairs (b c) (d e) ...
 SIZE_BUCKETS = ((2, 3), (4, 6), (7, 9), (10, 12), (13, 26))  # inclusive ranges of n
 
-ENC = tasks.make_encoding("sort", [label + d for label in LABELS for d in "0123456789"],
-                          pat_str=r"[a-z][0-9]|\S|\s+")
+ENC = tasks.make_encoding("sort", [label + d for label in LABELS + LABELS.upper() + "=" for d in "0123456789"],
+                          pat_str=r"[a-zA-Z=][0-9]|\S|\s+")
 EOS_ID = ENC.encode_single_token(EOS)
 
 
@@ -56,8 +65,10 @@ def transpose(digits, parity):
     return tuple(out)
 
 
-def written(digits):
-    return "".join(f"{LABELS[i]}{d}" for i, d in enumerate(digits))
+def written(digits, before=None):
+    """The list as labelled digits, a digit that moved from `before` with its label in capitals."""
+    moved = [before is not None and d != b for d, b in zip(digits, before or digits)]
+    return "".join(f"{LABELS[i].upper() if m else LABELS[i]}{d}" for i, (d, m) in enumerate(zip(digits, moved)))
 
 
 @dataclass(frozen=True)
@@ -70,7 +81,9 @@ class Problem:
 
     @property
     def answer(self):
-        return "".join(map(str, sorted(self.digits)))
+        """The number of adjacent swaps that sort the list (its inversions), modulo 10."""
+        n = self.size
+        return str(sum(self.digits[i] > self.digits[j] for i in range(n) for j in range(i + 1, n)) % 10)
 
     @property
     def passes(self):
@@ -87,11 +100,13 @@ class Problem:
     def response(self, rng=None, strides=(1.0, 0.0)):
         """The passes, with the choice after every unsorted list drawn from `strides`: P(another pass),
         P(the answer outright). No rng: every pass."""
-        steps = []
+        steps, before, swaps = [], self.digits, 0
         for t, now in enumerate(self.passes):
             if rng and rng.choices((0, 1), weights=strides)[0] == 1:
                 break
-            steps.append(MARKS[t % 2] + written(now))
+            swaps += sum(a != b for a, b in zip(now, before)) // 2
+            steps.append(f"{MARKS[t % 2]}{written(now, before)}={swaps % 10}")
+            before = now
         return "".join(steps) + ">" + self.answer
 
 
@@ -102,9 +117,9 @@ class Sort(Task):
     max_n: int = field(default=12, metadata={"help": f"largest problem (digits to sort), at most {len(LABELS)}"})
     alpha: float = field(default=0.5, metadata={
         "help": "tail exponent of the problem sizes, P(n) ~ n^-alpha (smaller: a heavier tail)"})
-    strides: tuple = field(default=(0.8, 0.2), metadata={
-        "help": "warm-up traces: after every unsorted list, the probability of another pass (+a1b3) and "
-                "of the answer outright (>137)"})
+    strides: tuple = field(default=(0.9, 0.1), metadata={
+        "help": "warm-up traces: after every unsorted list, the probability of another pass (+A1B3c7=1) "
+                "and of the answer outright (>1)"})
 
     name = "sort"
     choice = "passes written"
@@ -127,8 +142,8 @@ class Sort(Task):
         return encode(problem.prompt())
 
     def reward(self, problem, response_ids):
-        """1.0 when the digits after the last '>' are the list sorted, even after wrong passes (as with
-        verifiable rewards), else 0.0. Never raises."""
+        """1.0 when the digit after the last '>' is the number of swaps modulo 10, even after wrong
+        passes (as with verifiable rewards), else 0.0. Never raises."""
         try:
             m = re.search(r">([0-9]+)\s*$", self.decode(response_ids))
             return float(m is not None and m.group(1) == problem.answer)
@@ -141,7 +156,7 @@ class Sort(Task):
 
     @staticmethod
     def response_len(n):  # the longest response (n passes), <|eos|> included
-        return n * (n + 1) + n + 2  # a pass is its mark and n labelled digits; ">", n digits, <|eos|>
+        return n * (n + 2) + 3  # a pass is its mark, n labelled digits and "=6"; then ">", the count, <|eos|>
 
     @property
     def max_prompt_len(self):
@@ -157,13 +172,13 @@ class Sort(Task):
         return parse_prompt(text)
 
     def merges(self):
-        """Each labelled digit "b7" and its parts "b" and "7": see harness.warmup's --merge-init."""
+        """Each labelled digit "b7" ("B7", "=7") and its parts "b" and "7": see harness.warmup's --merge-init."""
         one = ENC.encode_single_token
-        return [(one(label + d), (one(label), one(d))) for label in LABELS for d in "0123456789"]
+        return [(one(label + d), (one(label), one(d))) for label in LABELS + LABELS.upper() + "=" for d in "0123456789"]
 
 
 def parse_prompt(prompt):
-    """Prompt text ("a3b7c1:", labels in order) -> Problem, or None. Never raises."""
+    """Prompt text ("a3b7c1:", lower-case labels in order) -> Problem, or None. Never raises."""
     m = isinstance(prompt, str) and re.fullmatch(r"((?:[a-z][0-9]){1,26}):", prompt)
     if not m:
         return None

@@ -27,11 +27,12 @@ def ids_of(text):
 
 
 def test_the_format_on_an_example():
-    p = Problem((3, 7, 1, 5, 2))
-    assert p.prompt() == "a3b7c1d5e2:" and p.answer == "12357"
-    assert p.response() == "+a3b7c1d5e2-a3b1c7d2e5+a1b3c2d7e5-a1b2c3d5e7>12357"
-    assert Problem((1, 2, 2)).response() == ">122"  # sorted already: no pass
-    assert Problem((2, 1)).response() == "+a1b2>12"
+    p = Problem((3, 7, 1, 5, 2))  # six inversions: 3>1, 3>2, 7>1, 7>5, 7>2, 5>2
+    assert p.prompt() == "a3b7c1d5e2:" and p.answer == "6"
+    assert p.response() == "+a3b7c1d5e2=0-a3B1C7D2E5=2+A1B3C2D7e5=4-a1B2C3D5E7=6>6"
+    assert Problem((1, 2, 2)).response() == ">0"  # sorted already: no pass
+    assert Problem((2, 1)).response() == "+A1B2=1>1"
+    assert Problem(tuple(range(9, -1, -1))).answer == "5"  # 45 swaps, modulo 10
     assert TASKS["sort"] is Sort and DEFAULT.choice == "passes written"
 
 
@@ -40,7 +41,7 @@ def test_the_encoding_is_in_process_and_merges_every_labelled_digit(no_network):
         prompt, response = p.prompt(), p.response()
         assert len(ids_of(prompt)) == p.size + 1  # one token a labelled digit, then ":"
         for passed in response.split(">")[0].replace("-", "+").split("+")[1:]:
-            assert len(ids_of(passed)) == p.size
+            assert len(ids_of(passed)) == p.size + 1  # the labelled digits, then the count "=4"
         assert DEFAULT.decode(ids_of(prompt + response)) == prompt + response
     assert task.EOS_ID not in ids_of("<|eos|>") and DEFAULT.decode(ids_of("é ✓ <|pad|>")) == "é ✓ <|pad|>"
 
@@ -48,8 +49,9 @@ def test_the_encoding_is_in_process_and_merges_every_labelled_digit(no_network):
 def test_the_tokens_do_not_depend_on_a_seed():
     """The same problem, prompt and trace give the same ids, whatever rng drew the problem: the
     encoding is fixed, made once in-process."""
-    a, b = task.ENC, __import__("tasks").make_encoding("sort", [c + d for c in task.LABELS for d in "0123456789"],
-                                                        pat_str=r"[a-z][0-9]|\S|\s+")
+    labels = task.LABELS + task.LABELS.upper() + "="
+    a, b = task.ENC, __import__("tasks").make_encoding("sort", [c + d for c in labels for d in "0123456789"],
+                                                        pat_str=r"[a-zA-Z=][0-9]|\S|\s+")
     for p in by_size(DEFAULT, per_size=5, seed=2):
         text = p.prompt() + p.response()
         assert a.encode(text) == b.encode(text)
@@ -58,7 +60,7 @@ def test_the_tokens_do_not_depend_on_a_seed():
 
 def test_merges_start_from_their_parts():
     merges = DEFAULT.merges()
-    assert len(merges) == 10 * len(task.LABELS)
+    assert len(merges) == 10 * (2 * len(task.LABELS) + 1)
     for merged, (label, digit) in merges:
         assert DEFAULT.decode([merged]) == DEFAULT.decode([label]) + DEFAULT.decode([digit])
 
@@ -67,6 +69,7 @@ def test_merges_start_from_their_parts():
 
 
 def test_the_passes_sort_in_at_most_n_and_each_is_one_transposition_round():
+    """...and the count after the last pass is the answer: one adjacent swap undoes one inversion."""
     for p in by_size(ALL_SIZES, per_size=20, seed=3):
         lists = p.passes
         assert len(lists) <= p.size
@@ -76,6 +79,8 @@ def test_the_passes_sort_in_at_most_n_and_each_is_one_transposition_round():
             assert now == task.transpose(before, t % 2) and Counter(now) == Counter(p.digits)
             assert list(before) != sorted(before)  # no pass after the list is sorted
             before = now
+        body = p.response().split(">")[0]
+        assert body.endswith("=" + p.answer) if lists else body == ""
 
 
 # ----------------------------------------------------------------------------- reward
@@ -84,10 +89,10 @@ def test_the_passes_sort_in_at_most_n_and_each_is_one_transposition_round():
 def test_reward_is_right_on_the_examples():
     p = Problem((3, 7, 1, 5, 2))
     assert DEFAULT.reward(p, ids_of(p.response())) == 1.0
-    assert DEFAULT.reward(p, ids_of(">12357")) == 1.0  # the answer outright counts
-    assert DEFAULT.reward(p, ids_of("+a9>12357")) == 1.0  # only the final answer counts
-    assert DEFAULT.reward(p, ids_of(">12357") + [task.EOS_ID] + ids_of("junk")) == 1.0
-    for wrong in (">1235", ">123577", ">12375", ">37152", "12357", ">12357>1", "", ">", "+a1b2c3d5e7"):
+    assert DEFAULT.reward(p, ids_of(">6")) == 1.0  # the answer outright counts
+    assert DEFAULT.reward(p, ids_of("+a9=1>6")) == 1.0  # only the final answer counts
+    assert DEFAULT.reward(p, ids_of(">6") + [task.EOS_ID] + ids_of("junk")) == 1.0
+    for wrong in (">5", ">16", ">06", ">12357", "6", ">6>1", "", ">", "+a1B2=6", ">6=6"):
         assert DEFAULT.reward(p, ids_of(wrong)) == 0.0, wrong
     for q in by_size(ALL_SIZES, per_size=5, seed=4):
         ids, plen = DEFAULT.warmup_example(q, random.Random(5))
@@ -103,16 +108,17 @@ def test_reward_never_raises():
         assert 0.0 <= DEFAULT.choice_share(p, ids) <= 1.0
     for bad in (None, 1, "x", [None]):
         assert DEFAULT.reward(p, bad) == 0.0
-    assert DEFAULT.reward(p, ids_of(">\uff11\uff13\uff17")) == 0.0  # fullwidth digits are no digits here
+    assert DEFAULT.reward(p, ids_of(">\uff12")) == 0.0  # fullwidth digits are no digits here (answer 2)
+    assert DEFAULT.reward(p, ids_of(">2")) == 1.0
 
 
 def test_choice_share_is_the_share_of_the_needed_passes_written():
     p = Problem((3, 7, 1, 5, 2))  # four passes needed
     share = lambda text: DEFAULT.choice_share(p, ids_of(text))  # noqa: E731
-    assert share(p.response()) == 1.0 and share(">12357") == 0.0
-    assert share("+a3b7c1d5e2-a3b1c7d2e5>12357") == 0.5
-    assert share(p.response().split(">")[0] + "+a1b2c3d5e7>12357") == 1.0  # never above 1
-    assert DEFAULT.choice_share(Problem((1, 2)), ids_of(">12")) == 1.0  # nothing to write
+    assert share(p.response()) == 1.0 and share(">6") == 0.0
+    assert share("+a3b7c1d5e2=0-a3B1C7D2E5=2>6") == 0.5
+    assert share(p.response().split(">")[0] + "+a1b2c3d5e7=6>6") == 1.0  # never above 1
+    assert DEFAULT.choice_share(Problem((1, 2)), ids_of(">0")) == 1.0  # nothing to write
 
 
 # ----------------------------------------------------------------------------- parse
@@ -162,8 +168,9 @@ def test_warm_up_traces_draw_the_choice_after_every_unsorted_list():
         r = p.response(rng, cfg.strides)
         body = r.split(">")[0]
         written = len(body.replace("-", "+").split("+")) - 1
-        assert r == "".join(task.MARKS[t % 2] + task.written(now) for t, now in enumerate(p.passes[:written])) \
-            + ">" + p.answer
+        full = p.response().split(">")[0]  # every pass: the trace is its first passes, then the answer
+        assert full.startswith(body) and full[len(body):len(body) + 1] in ("", *task.MARKS)
+        assert r == body + ">" + p.answer
         seen["pass"] += written
         seen["outright"] += written < len(p.passes)
     share = seen["outright"] / (seen["pass"] + seen["outright"])
