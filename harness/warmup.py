@@ -1,5 +1,6 @@
-"""The warm-ups, cached: supervised training of the target on warm-up traces, then training of
-the drafter on the target's own samples. RL starts from both.
+"""The warm-ups, cached: supervised training of the target on warm-up traces, then, when
+--drafter-warmup-steps asks for it, training of the drafter on the target's own samples. RL starts
+from the target and from that drafter, or (the default) from a drafter that idle ranks build.
 
     target:  the task's warm-up traces (Task.warmup_example) -> next-token loss
     drafter: the warmed-up target's samples of RL prompts, hidden states kept -> drafter.train_step
