@@ -54,7 +54,7 @@ class Bandit:
         r = self.plays.get((bucket, arm))
         if not r:
             return None
-        return statistics.mean(n for n, _ in r) / statistics.median(t for _, t in r)  # tokens per second
+        return statistics.mean(n for n, _ in r) / statistics.median(t for _, t in r)  # tokens/s
 
     def choose(self, batch_size):
         b = self.bucket(batch_size)
