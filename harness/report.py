@@ -95,7 +95,7 @@ def step_record(s, step, result, stats):
                              t_end - t_update, timeline=timeline_due(step, s.args))
     rec.update(loss=loss, clip_frac=clip, skipped_update=skipped, drafter_lr=idle["lr"],
                drafter_depth=idle["depth"], recent_top1=idle["recent_top1"],
-               bandit_best=best_arms(s.bandit), bandit_tokens=arm_tokens(s.bandit))
+               bandit_best=(best := best_arms(s.bandit)), bandit_tokens=arm_tokens(s.bandit, best))
     return rec, ranks
 
 
@@ -179,11 +179,11 @@ def best_arms(bandit):
                    key=lambda a: bandit.score(b, a)) for b in scored}
 
 
-def arm_tokens(bandit):
-    """{bucket: tokens a step} of each bucket's best arm over its recent steps, for the summary: the
-    rollout's own figure of what a draft length buys there (at batch 1 the last row is often near
-    its end, and drafts past its <|eos|> buy nothing)."""
-    return {b: statistics.mean(n for n, _ in bandit.plays[(b, k)]) for b, k in best_arms(bandit).items()}
+def arm_tokens(bandit, best):
+    """{bucket: tokens a step} of each bucket's best arm (`best`, from best_arms) over its recent
+    steps, for the summary: the rollout's own figure of what a draft length buys there (at batch 1
+    the last row is often near its end, and drafts past its <|eos|> buy nothing)."""
+    return {b: statistics.mean(n for n, _ in bandit.plays[(b, k)]) for b, k in best.items()}
 
 
 # -----------------------------------------------------------------------------
@@ -242,8 +242,6 @@ def next_lines(args, world_size=2):
         lines.append(f"{run} --drafter-warmup-steps {warm} --out-dir {adaptive}")
     return lines + [f"{run} --drafter-warmup-steps {warm} --out-dir {out}-frozen --drafter-updates off",
                     f"  python -m harness.report {adaptive} {out}-frozen"]
-
-
 
 
 # the flags next_lines sets itself

@@ -47,8 +47,8 @@ LABELS = "abcdefghijklmnopqrstuvwxyz"  # a digit that a pass moved is written wi
 MARKS = "+-"  # a pass that pairs (a b) (c d) ..., and one that pairs (b c) (d e) ...
 SIZE_BUCKETS = ((2, 3), (4, 6), (7, 9), (10, 12), (13, 26))  # inclusive ranges of n
 
-ENC = tasks.make_encoding("sort", [label + d for label in LABELS + LABELS.upper() + "=" for d in "0123456789"],
-                          pat_str=r"[a-zA-Z=][0-9]|\S|\s+")
+MERGED = [label + d for label in LABELS + LABELS.upper() + "=" for d in "0123456789"]  # "b7", "B7", "=7": one token each
+ENC = tasks.make_encoding("sort", MERGED, pat_str=r"[a-zA-Z=][0-9]|\S|\s+")
 EOS_ID = ENC.encode_single_token(EOS)
 
 
@@ -174,7 +174,7 @@ class Sort(Task):
     def merges(self):
         """Each labelled digit "b7" ("B7", "=7") and its parts "b" and "7": see harness.warmup's --merge-init."""
         one = ENC.encode_single_token
-        return [(one(label + d), (one(label), one(d))) for label in LABELS + LABELS.upper() + "=" for d in "0123456789"]
+        return [(one(merged), (one(merged[0]), one(merged[1]))) for merged in MERGED]
 
 
 def parse_prompt(prompt):

@@ -138,7 +138,7 @@ def test_the_bandits_line_gives_the_tokens_a_step_of_each_buckets_k():
     for k, tokens in ((2, [3, 3, 1]), (8, [9, 2, 1])):  # the first play of an arm only marks it tried
         for n in tokens:
             bandit.update(1, k, n, 1.0)
-    assert report.best_arms(bandit) == {0: 2} and report.arm_tokens(bandit) == {0: 2.0}
+    assert report.best_arms(bandit) == {0: 2} and report.arm_tokens(bandit, report.best_arms(bandit)) == {0: 2.0}
     history = [record(s, bandit_tokens={"0": 2.25, "2": 1.0}) for s in range(3)]
     lines = summary.record_lines(history, TASK)
     assert "  bandit's k per batch  1: 4 (2.2), 3-4: 0 (1.0) (rank 0, end of run; in brackets, tokens a step)" in lines
