@@ -60,19 +60,19 @@ class Drafter(nn.Module):
         None. It reads the batch's tokens, hidden states and n_tokens, draws with choose_draft and
         keeps its KV cache in batch.draft_cache. Each row first catches up on the pairs (h_j,
         x_{j+1}) recorded since it last drafted, in one pass; then drafts from its own states."""
-        B, L = batch.batch_size, batch.n_tokens - 1  # L (B,): the target cache's length
+        B, pending_at = batch.batch_size, batch.n_tokens - 1  # (B,): pairs 0..pending_at - 1 recorded
         if batch.draft_cache is None:  # the switch to speculation: no recorded state read yet
             batch.draft_cache = self.new_cache(B, batch.cache.max_len, dtype=batch.cache.kv.dtype)
-        cache, rows = batch.draft_cache, torch.arange(B, device=L.device)[:, None]
+        cache, rows = batch.draft_cache, torch.arange(B, device=pending_at.device)[:, None]
         start = cache.lengths  # (B,) the first pair each row has not read
-        unread = int((L - start).max())  # sync: the longest run of unread pairs
-        j = start[:, None] + torch.arange(unread, device=L.device)  # (B, unread)
+        unread = int((pending_at - start).max())  # sync: the longest run of unread pairs
+        j = start[:, None] + torch.arange(unread, device=pending_at.device)  # (B, unread)
         # a shorter run reads junk past its row's end (dropped below), still inside the tensors:
         # the first catch-up starts every row at 0, later runs differ by at most the last k
         logits, h = self(batch.hidden[rows, j], batch.tokens[rows, j + 1], cache)
-        latest = (L - 1 - start)[:, None]  # (B, 1): the column of pair L - 1
+        latest = (pending_at - 1 - start)[:, None]  # (B, 1): the column of the latest pair
         logits, h = logits[rows, latest], h[rows, latest]  # (B, 1, V), (B, 1, C)
-        cache.lengths = L  # drops the junk
+        cache.lengths = pending_at  # drops the junk
         drafts, qs = [], []
         for i in range(k):  # draft k tokens, feeding back its own state
             d, q = batch.choose_draft(logits, i)  # (B, 1), q (B, 1, V) or None
@@ -80,7 +80,7 @@ class Drafter(nn.Module):
             qs.append(q)
             if i + 1 < k:
                 logits, h = self(h, d, cache)  # (B, 1, V), (B, 1, C)
-        cache.lengths = L  # entries built on its own guesses are redone next step
+        cache.lengths = pending_at  # entries built on its own guesses are redone next step
         return torch.cat(drafts, 1), None if qs[0] is None else torch.cat(qs, 1)
 
     def new_cache(self, batch_size, max_len=None, device=None, dtype=None):

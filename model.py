@@ -44,12 +44,12 @@ class KVCache:
         self.lengths = torch.zeros(batch_size, dtype=torch.long, device=device)
         self.max_len = max_len
 
-    def compact(self, keep):
-        """Row i becomes old row keep[i]. Only the rows that change place are copied, in the cache's
+    def compact(self, source):
+        """Row i becomes old row source[i]. Only the rows that change place are copied, in the cache's
         own storage: a fresh copy of every kept row cost the --tlt on step 3-8% (RESULTS.md)."""
-        moved = [i for i, b in enumerate(keep) if i != b]
-        self.kv[:, :, moved] = self.kv[:, :, [keep[i] for i in moved]]  # the right side: a copy
-        self.kv, self.lengths = self.kv[:, :, :len(keep)], self.lengths[keep]
+        moved = [i for i, b in enumerate(source) if i != b]
+        self.kv[:, :, moved] = self.kv[:, :, [source[i] for i in moved]]  # the right side: a copy
+        self.kv, self.lengths = self.kv[:, :, :len(source)], self.lengths[source]
 
 
 class Attention(nn.Module):

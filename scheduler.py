@@ -18,12 +18,13 @@ local drafter steps, in one all-reduce that overlaps the target's update. Each r
 stay its own. A single process has no idle time: it never trains the drafter online (that is the
 technique, not a bug), but it scores it, since nobody waits for it.
 
-How hard the idle ranks train is set by the drafter's recent top-1 agreement with the target
-(`Top1`, `drafter_schedule`), whose counts ride in the sync's all-reduce.
+How hard the idle ranks train follows one rule, the same for a drafter built from nothing and for
+one warmed up before RL: the lower the drafter's recent top-1 agreement with the target on fresh
+rows, the higher its learning rate and the shallower its chained passes (`drafter_schedule`); the
+top-1 counts ride in the sync's all-reduce (`RecentTop1`).
 
 Test: python -m pytest tests/test_scheduler.py   (gloo processes with skewed loads)
 """
-import math
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -117,17 +118,17 @@ def start_drafter_sync(drafter, local_steps, top1=(0, 0)):
 
 
 # -----------------------------------------------------------------------------
-# how hard the idle ranks train the drafter: its recent top-1 agreement decides
+# how hard the idle ranks train the drafter: one rule, read from its recent top-1
 
-TOP1_GENTLE = 0.98  # recent top-1 at or above which the idle ranks train the drafter gentlest
-TOP1_HARDEST = 0.85  # and at or below which they train it hardest
+TOP1_HARDEST = 0.85  # recent top-1 at or below which idle ranks train the drafter hardest
+TOP1_GENTLE = 0.98  # and at or above which they train it gentlest
 TOP1_STEPS = 5  # RL steps whose figures make the recent top-1
 
 
-class Top1:
-    """The drafter's top-1 agreement with the target on fresh rows over the last TOP1_STEPS steps,
-    which sets how hard idle ranks train it. Each rank scores its own rows on idle time, before it
-    trains on them (the slowest rank's go unscored); the sync sums the counts over ranks."""
+class RecentTop1:
+    """The drafter's top-1 agreement with the target on fresh rows over the last TOP1_STEPS steps.
+    Each rank scores its own rows on idle time, before it trains on them (the slowest rank's go
+    unscored); the sync sums the counts over ranks."""
 
     def __init__(self):
         self.recent = []  # [agreeing, positions] per RL step, summed over ranks
@@ -142,17 +143,12 @@ class Top1:
         return sum(a for a, _ in self.recent) / n if n else None
 
 
-def drafter_schedule(args, step, top1):
-    """The idle ranks' drafter learning rate and depth at RL step `step`. A cold start
-    (--drafter-warmup-steps 0) trains teacher-forced on a cosine from --drafter-cold-lr down to a
-    twentieth. A warmed-up drafter gets --drafter-online-lr while its recent top-1 is at least
-    TOP1_GENTLE, rising geometrically to --drafter-cold-lr at TOP1_HARDEST and below, on
-    --drafter-depth chained passes."""
-    if args.drafter_warmup_steps == 0:
-        frac, peak = step / max(1, args.rl_steps - 1), args.drafter_cold_lr
-        return peak / 20 + (peak - peak / 20) * 0.5 * (1 + math.cos(math.pi * frac)), 1
-    if top1 is None:
-        return args.drafter_online_lr, args.drafter_depth
-    hard = min(1.0, max(0.0, (TOP1_GENTLE - top1) / (TOP1_GENTLE - TOP1_HARDEST)))
-    lr = args.drafter_online_lr * (args.drafter_cold_lr / args.drafter_online_lr) ** hard
-    return lr, args.drafter_depth
+def drafter_schedule(top1, gentle_lr, hard_lr, max_depth):
+    """The rule: the further the drafter's recent top-1 falls below TOP1_GENTLE, the harder the idle
+    ranks train it -> (learning rate, chained passes). At TOP1_GENTLE and above (or not yet scored):
+    gentle_lr, max_depth passes deep; at TOP1_HARDEST and below: hard_lr, teacher-forced (one
+    pass: a drafter that misses the first token learns that before its own chains); geometric
+    and linear in between. A drafter built from nothing starts at the hard end and one warmed up
+    before RL at the gentle end; a target that moves away from either pushes it harder."""
+    hard = 0.0 if top1 is None else min(1.0, max(0.0, (TOP1_GENTLE - top1) / (TOP1_GENTLE - TOP1_HARDEST)))
+    return gentle_lr * (hard_lr / gentle_lr) ** hard, 1 + round((max_depth - 1) * (1 - hard))

@@ -17,10 +17,12 @@ branches on the rule. Both rules keep the emitted tokens distributed exactly as 
   rejection the next token comes from normalise(max(p - q, 0)) (Leviathan et al.; Chen et al. 2023).
 - "gumbel" (`verify_gumbel`), exact-token: the token at position t is argmax(logits / T + g), with
   Gumbel noise g hashed from (row key, t, token id): a sample of softmax(logits / T) fixed by where
-  the token is. A draft is accepted iff it equals the target's noisy argmax there. So plain and
-  speculative decoding, in any batch order and on any rank, emit the same tokens wherever their
-  passes of different widths round alike; where they do not (bf16 often, float32 rarely), a
-  near-tie can go the other way.
+  the token is. The verify pass computes the target's own token at every drafted position, and a
+  row emits those, up to and including the first that differs from its draft. The tokens are the
+  target's, so plain and speculative decoding, in any batch order and on any rank, emit the same
+  ones (where passes of different widths round alike: a near-tie can flip). The drafter draws its
+  drafts with the same noise, which only raises acceptance: a drafter that has learned the target's
+  distribution at a choice draws the target's sample there.
 
 Test: python -m pytest tests/test_speculative.py tests/test_verify.py
 """
@@ -75,14 +77,14 @@ class RunningBatch:
         self.cache = target.new_cache(B, max_len=need)
         self.draft_cache = self.step_noise = None  # the drafter's; see speculative_step
         # prefill: each distinct prompt once (a GRPO group repeats it) in one padded pass, copied to
-        # the rows that share it (with model.py's additive mask: 9% of a --tlt off step, RESULTS.md)
+        # the rows that share it (saves 9% of a --tlt off step)
         distinct = {}  # a prompt -> its place among the distinct ones
-        group = [distinct.setdefault(tuple(p), len(distinct)) for p in prompts]  # per row
-        first = [group.index(u) for u in range(len(distinct))]  # a row of each
+        distinct_id = [distinct.setdefault(tuple(p), len(distinct)) for p in prompts]  # per row
+        first = [distinct_id.index(u) for u in range(len(distinct))]  # a row of each
         prompt_cache = target.new_cache(len(distinct), max_len=longest_prompt)
         logits, hidden = target(self.tokens[first, :longest_prompt], prompt_cache)
-        self.cache.kv[..., :longest_prompt, :] = prompt_cache.kv[:, :, group]
-        logits, self.hidden[:, :longest_prompt] = logits[group], hidden[group]
+        self.cache.kv[..., :longest_prompt, :] = prompt_cache.kv[:, :, distinct_id]
+        logits, self.hidden[:, :longest_prompt] = logits[distinct_id], hidden[distinct_id]
         prompt_len = torch.tensor([len(p) for p in prompts], device=dev)  # (B,)
         self.cache.lengths = prompt_len
         self.n_tokens, self.end = prompt_len.clone(), prompt_len + max_new_tokens  # (B,), (B,)
@@ -115,25 +117,25 @@ class RunningBatch:
     @torch.no_grad()
     def plain_step(self):
         """One token for every running row. Returns the tokens emitted per row (B,)."""
-        L = self.n_tokens - 1  # (B,) the target cache's length; tokens[L] is pending
-        logits, hidden = self.target(self.tokens.gather(1, L[:, None]), self.cache)  # (B, 1, .)
-        self.hidden[torch.arange(self.batch_size, device=L.device), L] = hidden[:, 0]
+        pending_at = self.n_tokens - 1  # (B,) the pending token's position = the target cache's length
+        logits, hidden = self.target(self.tokens.gather(1, pending_at[:, None]), self.cache)  # (B, 1, .)
+        self.hidden[torch.arange(self.batch_size, device=pending_at.device), pending_at] = hidden[:, 0]
         noise = self.sampler.noise(self.n_tokens[:, None])  # at the new token's position
         return self._append(self.sampler.choose(logits, noise)[0])
 
     @torch.no_grad()
     def speculative_step(self, drafter, k):
         """Draft k a row, verify in one target pass, keep a ragged number -> (emitted, accepted)."""
-        L = self.n_tokens - 1  # (B,) the target cache's length; tokens[L] is pending
-        positions = self.n_tokens[:, None] + torch.arange(k + 1, device=L.device)  # (B, k+1)
-        # made once: draft i and the target at position i read the same (10-16% of the step)
+        pending_at = self.n_tokens - 1  # (B,) the pending token's position = the target cache's length
+        positions = self.n_tokens[:, None] + torch.arange(k + 1, device=pending_at.device)  # (B, k+1)
+        # made once, read by draft i and by the target at position i (saves 10-16% of the step)
         self.step_noise = self.sampler.noise(positions)  # (B, k+1, V), or None
         # 1. draft: k tokens per row, at positions[:, :k], and q (B, k, V) or None (deterministic)
         draft, q = drafter.propose(self, k)  # (B, k)
         # 2. verify: the target reads the pending token and the k drafts in one pass
-        pending = self.tokens.gather(1, L[:, None])  # (B, 1)
+        pending = self.tokens.gather(1, pending_at[:, None])  # (B, 1)
         logits, hidden = self.target(torch.cat([pending, draft], 1), self.cache)  # (B, k+1, .)
-        rows = torch.arange(self.batch_size, device=L.device)[:, None]
+        rows = torch.arange(self.batch_size, device=pending_at.device)[:, None]
         self.hidden[rows, positions - 1] = hidden  # the rejected drafts' states: never read
         # 3. accept: row b keeps its first n_acc[b] drafts and one token of the target's
         n_acc, out = self.sampler.verify(draft, q, logits, self.step_noise)  # (B,), (B, k+1)
@@ -161,13 +163,13 @@ class RunningBatch:
         # the last running rows take the places finished ones leave among the first n: the caches
         # copy only those rows (KVCache.compact)
         movers = iter([b for b in range(n, len(done)) if not done[b]])
-        keep = [next(movers) if done[b] else b for b in range(n)]  # new row i is old row keep[i]
-        self.ids = [self.ids[b] for b in keep]
-        for name in ("tokens", "hidden", "n_tokens", "end", "done"):  # t = t[keep], per tensor
-            setattr(self, name, getattr(self, name)[keep])
+        source = [next(movers) if done[b] else b for b in range(n)]  # new row i is old row source[i]
+        self.ids = [self.ids[b] for b in source]
+        for name in ("tokens", "hidden", "n_tokens", "end", "done"):  # t = t[source], per tensor
+            setattr(self, name, getattr(self, name)[source])
         for per_row in (self.cache, self.draft_cache, self.sampler):
             if per_row is not None:
-                per_row.compact(keep)
+                per_row.compact(source)
         return n
 
 
@@ -314,7 +316,7 @@ class RejectionSampler:
     def __init__(self, temperature, generator):
         self.temperature, self.generator = temperature, generator
 
-    def compact(self, keep):
+    def compact(self, source):
         pass  # no per-row state
 
     def noise(self, positions):
@@ -343,8 +345,8 @@ class GumbelSampler:
         self.seeds = gumbel_seeds(keys, positions)  # (B, width): hashed once a batch, not a step
         self.temperature, self.vocab_size = temperature, vocab_size
 
-    def compact(self, keep):
-        self.seeds = self.seeds[keep]
+    def compact(self, source):
+        self.seeds = self.seeds[source]
 
     def noise(self, positions):
         """The noise at positions (B, T) -> (B, T, V), or None at temperature 0 (plain argmax)."""
@@ -380,7 +382,7 @@ def gumbel_seeds(keys, positions):
     return mix32(seed ^ (keys >> 32)[:, None])
 
 
-@functools.lru_cache(maxsize=8)  # made once: with the seed table, 6% of a --tlt off step
+@functools.lru_cache(maxsize=8)  # made once (with the seed table, saves 6% of a --tlt off step)
 def token_hashes(vocab_size, device):
     return mix32(torch.arange(vocab_size, device=device) + 0x9E3779B9)  # (V,)
 

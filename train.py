@@ -32,14 +32,14 @@ from harness.common import check_out_dir, machine
 from harness.config import autocast, model_config, parse_args, task_of
 from harness.distributed import COLLECTIVE_TIMEOUT_S, compute_init, gather_ranks, print0
 from drafter import DrafterBuffer, make_optimizer
-from harness.evaluate import evaluate_both
+from harness.evaluate import early_step, evaluate_both, snapshot, stale_drafter
 from harness.instrument import RolloutStats, TimedDrafter, observers, liveness_observer
 from harness.liveness import Liveness, beat, watched_barrier
 from harness.model_free import LEARNED, proposer
 from harness.report import log_step, next_lines, plan_line, step_record
 from harness.summary import summary
 from rollout import Bandit, rollout
-from scheduler import (IdleWork, Top1, drafter_schedule, idle_train, start_drafter_sync,
+from scheduler import (IdleWork, RecentTop1, drafter_schedule, idle_train, start_drafter_sync,
                        top1_pieces)
 from harness.warmup import drafter_meta, prepare_models
 
@@ -61,7 +61,7 @@ class RunState:
     device: torch.device
     rollout_drafter: object  # what the rollout drafts with (None: plain decoding only)
     barrier: object  # makes the idle loop's async barrier
-    top1: Top1  # the drafter's top-1 agreement on fresh rows, lately
+    top1: RecentTop1  # the drafter's top-1 agreement on fresh rows, lately
     ref_model: torch.nn.Module = None  # the frozen warm-up target, for --kl-coef
 
 
@@ -100,12 +100,15 @@ def run(args, rank, world_size, device):
                              "before RL")
     s = new_state(args, task, model, drafter, rank, world_size, device)
     start = resume(ckpt_path, ck, s)
+    early = ck.get("early") if ck else None  # the models at early_step, for the stale drafter
     if rank == 0:  # every step appears once: drop records past the checkpoint
         keep_records(metrics_path, start)
         with open(os.path.join(args.out_dir, "task.json"), "w") as f:  # harness.report reads it
             json.dump(task.meta(), f)
     print0(plan_line(args, world_size))
     for step in range(start, args.rl_steps):
+        if step == early_step(args):
+            early = snapshot(model, drafter, step)
         stats = RolloutStats()  # counts and times the rollout from outside; its clock starts here
         with autocast(args, device):  # rollout, drafter training, GRPO update
             result = rl_step(step, s, observers(stats, liveness_observer(beat)))
@@ -116,14 +119,16 @@ def run(args, rank, world_size, device):
                 f.write(json.dumps(rec) + "\n")
         log_step(rec, ranks, args)
         if (step + 1) % args.ckpt_every == 0 or step == args.rl_steps - 1:
-            save(ckpt_path, meta, step, s)
+            save(ckpt_path, meta, step, s, early)
     with autocast(args, device):
         acc1 = evaluate_both(model, drafter, problems, args, task, rank, world_size, "after RL",
                              check=True)
+        stale = stale_drafter(model, drafter, early, problems, args, task, rank, world_size,
+                              metrics_path)
     if rank == 0 and start < args.rl_steps:  # the records read back: none is held while it runs
         with open(metrics_path) as f:
             records = [r for r in map(json.loads, f) if r["step"] >= start]
-        summary(records, acc0, acc1, time.time() - t_run, task)
+        summary(records, acc0, acc1, time.time() - t_run, task, stale)
         for line in next_lines(args, world_size):
             print0(line)
 
@@ -140,7 +145,7 @@ def new_state(args, task, model, drafter, rank, world_size, device):
         rank, world_size, device,
         # the harness's: a drafter that times its proposals, a barrier that watches slow ranks
         TimedDrafter(proposer(args.drafter, drafter), device) if args.tlt else None,
-        watched_barrier, Top1(),
+        watched_barrier, RecentTop1(),
         copy.deepcopy(model).requires_grad_(False) if args.kl_coef > 0 else None)
 
 
@@ -154,12 +159,12 @@ def rl_meta(args, config, task):
     return {**warm, **{k: getattr(args, k) for k in keys}, "draft_ks": list(args.draft_ks)}
 
 
-def save(path, meta, step, s):
+def save(path, meta, step, s, early):
     bandits = gather_ranks(bandit_state(s.bandit))
     save_on_rank0({"meta": meta, "step": step, "model": s.model.state_dict(),
                    "drafter": s.drafter.state_dict(), "opt": s.opt.state_dict(),
                    "d_opt": s.d_opt.state_dict(), "bandits": bandits,
-                   "recent_top1": s.top1.recent},
+                   "recent_top1": s.top1.recent, "early": early},
                   path)
 
 
@@ -249,7 +254,7 @@ def idle_phase(s, step, rows):
     if train_drafter:
         s.buffer.add_rows(step, rows)
     recent, counts = s.top1.mean(), [0, 0]  # this rank's top-1 counts: agreeing, positions
-    lr, depth = drafter_schedule(args, step, recent)
+    lr, depth = drafter_schedule(recent, args.drafter_online_lr, args.drafter_cold_lr, args.drafter_depth)
     for g in s.d_opt.param_groups:
         g["lr"] = lr
     scoring = top1_pieces(s.drafter, rows, counts, args.drafter_idle_tokens) if learned else deque()

@@ -11,23 +11,29 @@ rather than asserted.
 
 Test: python -m pytest tests/test_train.py   (a run prints both checks)
 """
+import copy
+import json
+
 import torch
 
+from drafter import Drafter
 from rl import Seed, derive_seed
-from harness.distributed import gather_ranks, print0
-from harness.instrument import liveness_observer
+from harness.distributed import all_sum, gather_ranks, print0
+from harness.instrument import DecodeStats, liveness_observer, observers
 from harness.liveness import beat, wait_for_all
+from harness.model_free import LEARNED
 from speculative import autoregressive_generate, speculative_generate
 
 
 @torch.no_grad()
 def evaluate(model, task, problems, rank=0, world_size=1, drafter=None, temperature=0.0, seed=0, batch_size=64,
-             sampler="gumbel", k=4):
+             sampler="gumbel", k=4, stats=None):
     """Held-out accuracy by problem size, and every generated response (token ids), all ranks
     together. Greedy by default; with a drafter, decoding is speculative, which at temperature 0
     must give exactly the same tokens. At temperature > 0 problem j's key is derived from (seed, j),
     so with sampler "gumbel" the tokens do not depend on the ranks or on the drafter; with
-    "rejection" the sampling is seeded per rank. k: the draft length of speculative decoding."""
+    "rejection" the sampling is seeded per rank. k: the draft length of speculative decoding.
+    stats: an instrument.DecodeStats that counts this rank's decoding."""
     gen = torch.Generator(device=model.wte.weight.device).manual_seed(derive_seed(seed, rank, 0, Seed.EVAL))
     mine = list(range(rank, len(problems), world_size))
     outputs = [None] * len(problems)
@@ -35,7 +41,8 @@ def evaluate(model, task, problems, rank=0, world_size=1, drafter=None, temperat
         idx = mine[i:i + batch_size]
         prompts = [task.prompt_ids(problems[j]) for j in idx]
         max_new = task.response_len(max(problems[j].size for j in idx))
-        how = dict(temperature=temperature, eos_id=task.eos_id, generator=gen, sampler=sampler, observer=liveness_observer(beat),
+        how = dict(temperature=temperature, eos_id=task.eos_id, generator=gen, sampler=sampler,
+                   observer=observers(stats, liveness_observer(beat)),
                    keys=[derive_seed(seed, j, 0, Seed.EVAL_KEYS) for j in idx])
         if drafter is None:
             outs, _ = autoregressive_generate(model, prompts, max_new, **how)
@@ -88,3 +95,57 @@ def format_accuracy(acc):
 
 def format_lengths(length):
     return " | ".join(f"{k} {v:5.1f}" for k, v in length.items())
+
+
+# -----------------------------------------------------------------------------
+# the stale drafter: a drafter kept from early in RL, drafting for the target RL made since
+
+def early_step(args):
+    """The RL step whose target and drafter the stale-drafter figures keep: a tenth of the run in."""
+    return args.rl_steps // 10
+
+
+def snapshot(model, drafter, step):
+    """Host copies of the target's and the drafter's weights as they are at the start of `step`."""
+    def host(module):
+        return {name: t.detach().cpu().clone() for name, t in module.state_dict().items()}
+    return {"step": step, "model": host(model), "drafter": host(drafter)}
+
+
+def most_played_k(metrics_path):
+    """The k of most speculative steps over the run's records (metrics.jsonl), or None."""
+    with open(metrics_path) as f:
+        counts = [r.get("sd_steps_by_k", []) for r in map(json.loads, f)]
+    totals = [sum(c[k] for c in counts if k < len(c)) for k in range(max(map(len, counts), default=0))]
+    return max(range(1, len(totals)), key=totals.__getitem__) if sum(totals) else None
+
+
+def stale_drafter(model, drafter, early, problems, args, task, rank, world_size, metrics_path):
+    """What a drafter frozen early in RL would cost by the end: tokens per verify step at the k the
+    bandit played most, sampled on the held-out problems (the rollouts' temperature, exact-token
+    sampling, one sample each), for (1) the drafter of step early["step"] drafting for the target of
+    that step, (2) the same drafter drafting for the final target, (3) the final (adaptive) drafter
+    drafting for the final target. (1) -> (2) is the target's move alone, (2) -> (3) what idle-time
+    training won back. -> {"step", "k", "figures": [(1), (2), (3)]}, or None where there is nothing
+    to measure (no learned drafter, no snapshot, no held-out problems, no speculative step)."""
+    if not (args.tlt and args.drafter in LEARNED) or early is None or not problems:
+        return None
+    k = gather_ranks(most_played_k(metrics_path) if rank == 0 else None)[0]  # rank 0's file
+    if k is None:
+        return None
+    then = copy.deepcopy(model)
+    then.load_state_dict(early["model"])
+    pairs = []
+    for target in (then, model):
+        old = Drafter(target, drafter.n_layer).to(drafter.in_proj.weight.device)
+        old.load_state_dict(early["drafter"])
+        pairs.append((target, old))
+    figures = []
+    for target, d in pairs + [(model, drafter)]:
+        stats = DecodeStats()
+        evaluate(target, task, problems, rank, world_size, drafter=d, temperature=args.temperature,
+                 seed=args.seed + 2, k=k, stats=stats)
+        stats.settle()  # sync: its counts
+        total = all_sum({"tokens": stats.sd_tokens, "row_steps": stats.sd_row_steps}, target.wte.weight.device)
+        figures.append(total["tokens"] / max(total["row_steps"], 1))
+    return {"step": early["step"], "k": k, "figures": figures}

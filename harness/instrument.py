@@ -62,6 +62,7 @@ class DecodeStats:
     drafted_at: list = field(default_factory=list)  # per draft position: drafts decided there
     accepted_at: list = field(default_factory=list)  # per draft position: drafts accepted there
     by_row: dict = field(default_factory=dict)  # a row (its index in the prompts) -> [decided, accepted]
+    steps_by_k: list = field(default_factory=list)  # per k: the speculative steps that drafted k a row
 
     def __post_init__(self):
         self._pending = []  # the steps whose device counts are not read yet, each with its rows
@@ -73,6 +74,8 @@ class DecodeStats:
             if step.k:
                 self.sd_row_steps += step.batch_size
                 self.drafted += step.k * step.batch_size
+                self.steps_by_k += [0] * (step.k + 1 - len(self.steps_by_k))
+                self.steps_by_k[step.k] += 1
             self._pending.append((step, self._rows))
         # references only, read in `settle`: compact replaces `running` rather than changing it
         self._rows = None if batch is None else batch.ids

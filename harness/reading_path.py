@@ -91,14 +91,14 @@ ROWS = {
          "RunningBatch.batch_size", "TailPolicy.choose", "TailPolicy.update"],
         "the decoding loop; plain steps above `--sd-threshold`, the bandit's k at or below it"),
     "idle time": (
-        ["train.idle_phase", "Top1.mean", "scheduler.drafter_schedule", "scheduler.top1_pieces",
+        ["train.idle_phase", "RecentTop1.mean", "scheduler.drafter_schedule", "scheduler.top1_pieces",
          "drafter.top1_agreement"],
-        "the drafter's rate from its recent top-1; scoring this rank's fresh rows first"),
+        "one rule: the lower its recent top-1, the higher the rate and the fewer the passes; scoring this rank's fresh rows first"),
     "the idle loop": (
         ["scheduler.idle_train"],
         "the async barrier's loop, a piece of work a turn, until the last rank arrives"),
     "the sync": (
-        ["scheduler.start_drafter_sync", "Top1.add"],
+        ["scheduler.start_drafter_sync", "RecentTop1.add"],
         "the weighted average, overlapping the update; the top-1 counts summed in the same all-reduce"),
     "the observer (harness)": (
         ["instrument.observers", "RolloutStats.__call__", "DecodeStats.__call__",
@@ -157,7 +157,7 @@ ROWS = {
     "drafter training": (
         ["drafter.train_step", "drafter.drafter_loss", "drafter.chained_states",
          "drafter.chain_attention_mask", "drafter.chain_loss_masks"],
-        "one step, three chained passes deep, stoppable between them"),
+        "one step, as many chained passes deep as the rule says, stoppable between them"),
 }
 
 

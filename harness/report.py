@@ -126,6 +126,8 @@ def rank_record(step, local, total, all_rewards, responses, step_time, update_ti
         # per draft position: drafts decided there (the earlier ones accepted) and accepted
         "drafted_at": [int(v) for k, v in total.items() if k.startswith("drafted_at")],
         "accepted_at": [int(v) for k, v in total.items() if k.startswith("accepted_at")],
+        # the speculative steps that drafted k tokens a row, k = 0 .. max k (0: none), all ranks
+        "sd_steps_by_k": [int(v) for k, v in total.items() if k.startswith("steps_k")],
         # per problem-size bucket (the task's, up to max_n): drafts decided and accepted
         "drafted_by_size": [int(v) for k, v in total.items() if k.startswith("drafted_size")],
         "accepted_by_size": [int(v) for k, v in total.items() if k.startswith("accepted_size")],
@@ -154,11 +156,13 @@ def rank_record(step, local, total, all_rewards, responses, step_time, update_ti
 # acceptance by draft position, summed over ranks and over steps; the bandit's choices
 
 def position_counts(stats, k_max):
-    """A rollout's drafts decided and accepted at each draft position 1..k_max, as {name: count}
-    (distributed.all_sum's form; instrument.DecodeStats has the meaning)."""
-    pad = lambda v: v + [0] * (k_max - len(v))  # noqa: E731
+    """A rollout's drafts decided and accepted at each draft position 1..k_max, and its speculative
+    steps by k, as {name: count} (distributed.all_sum's form; instrument.DecodeStats has the
+    meaning)."""
+    pad = lambda v, n=k_max: v + [0] * (n - len(v))  # noqa: E731
     return {**{f"drafted_at{i}": v for i, v in enumerate(pad(stats.drafted_at))},
-            **{f"accepted_at{i}": v for i, v in enumerate(pad(stats.accepted_at))}}
+            **{f"accepted_at{i}": v for i, v in enumerate(pad(stats.accepted_at))},
+            **{f"steps_k{k}": v for k, v in enumerate(pad(stats.steps_by_k, k_max + 1))}}
 
 
 def size_counts(stats, sizes, task):

@@ -54,9 +54,10 @@ PICTURE_ROWS = (("response_len", "response length", "{:.1f}".format, "tokens", "
 # -----------------------------------------------------------------------------
 # the summary
 
-def summary(history, acc0, acc1, total_time, task):
+def summary(history, acc0, acc1, total_time, task, stale=None):
     """The end of a run: what its records show, the held-out accuracies before and after RL
-    (acc0, acc1: evaluate_both's; empty when not evaluated), the wall time, then the picture."""
+    (acc0, acc1: evaluate_both's; empty when not evaluated), the stale drafter (stale: evaluate's
+    stale_drafter, or None), the wall time, then the picture."""
     print0("\nsummary")
     for line in record_lines(history, task):
         print0(line)
@@ -68,10 +69,24 @@ def summary(history, acc0, acc1, total_time, task):
                 print0(f"  {kind:7s} {name:9s}     {format_accuracy(acc[kind])}")
         for name, acc in (("before RL", acc0), ("after RL", acc1)):
             print0(f"  length  {name:9s}     {format_lengths(acc['length'])} tokens (sampled)")
+    for line in stale_lines(stale):
+        print0(line)
     print0(skipped_line(history))
     print0(f"  wall time             {total_time:.0f}s")
-    for line in picture(history, task):
+    for line in picture(history, task) + stale_bars(stale):
         print0(line)
+
+
+def stale_lines(stale):
+    """A drafter kept from early in RL, for the target of its step and for the final target, and
+    the adaptive drafter for the final target: does a static drafter go stale?"""
+    if not stale:
+        return []
+    (then, now, adaptive), n = stale["figures"], stale["step"]
+    return [f"  stale drafter         {then:.2f} -> {now:.2f} ({now / then - 1:+.1%}) -> {adaptive:.2f} "
+            f"({adaptive / then - 1:+.1%}) tokens per verify step at k = {stale['k']}, held-out problems:",
+            f"                        step {n}'s drafter for step {n}'s target -> the same drafter for the "
+            f"final target -> the final, adaptive drafter for it"]
 
 
 def record_lines(history, task):
@@ -359,3 +374,14 @@ def accept_len_at(rates, k=4):
     return out
 
 
+
+
+def stale_bars(stale):
+    """The stale-drafter figures as bars, a full bar k + 1 tokens per verify step."""
+    if not stale:
+        return []
+    n, k = stale["step"], stale["k"]
+    names = (f"step {n}'s drafter, step {n}'s target", f"step {n}'s drafter, final target",
+             "final drafter, final target")
+    return [f"  stale drafter (tokens per verify step at k = {k}, held-out problems; a full bar: {k + 1})"] + [
+        f"    {name:36s}|{bar(v / (k + 1))}| {v:.2f}" for name, v in zip(names, stale["figures"])]

@@ -207,14 +207,12 @@ def test_dead_peer_fails_the_idle_barrier_in_bounded_time():
 
 
 def test_the_idle_ranks_train_the_drafter_as_hard_as_its_top1_asks():
-    """scheduler.Top1 keeps the last TOP1_STEPS steps' figures and skips a step nobody scored;
-    drafter_schedule: --drafter-online-lr at TOP1_GENTLE and above, --drafter-cold-lr at TOP1_HARDEST and below,
-    geometric in between, on --drafter-depth passes; a cold start follows a cosine from the cold rate
-    down to a twentieth of it, teacher-forced (depth 1), whatever the top-1."""
-    import math
-    from types import SimpleNamespace
-    from scheduler import TOP1_STEPS, TOP1_GENTLE, TOP1_HARDEST, Top1, drafter_schedule
-    top1 = Top1()
+    """scheduler.RecentTop1 keeps the last TOP1_STEPS steps' figures and skips a step nobody scored;
+    drafter_schedule, one rule for any drafter: the gentle rate and the full depth at TOP1_GENTLE
+    and above (and before any figure), the hard rate teacher-forced (one pass) at TOP1_HARDEST and
+    below, the rate geometric and the depth linear in between."""
+    from scheduler import TOP1_STEPS, TOP1_GENTLE, TOP1_HARDEST, RecentTop1, drafter_schedule
+    top1 = RecentTop1()
     assert top1.mean() is None
     for i in range(TOP1_STEPS + 2):
         top1.add(5 if i < 2 else 10, 10)  # the two weak steps fall out of the window
@@ -223,12 +221,11 @@ def test_the_idle_ranks_train_the_drafter_as_hard_as_its_top1_asks():
     top1.recent = [[5.0, 10]]
     top1.add(30, 30)
     assert top1.mean() == 35 / 40  # weighted by positions scored
-    warm = SimpleNamespace(drafter_warmup_steps=100, drafter_online_lr=1e-4, drafter_cold_lr=1e-2, drafter_depth=3, rl_steps=11)
-    assert drafter_schedule(warm, 5, None) == (1e-4, 3) and drafter_schedule(warm, 5, TOP1_GENTLE + 0.01) == (1e-4, 3)
-    assert drafter_schedule(warm, 5, TOP1_HARDEST - 0.1) == (pytest.approx(1e-2), 3)
-    assert drafter_schedule(warm, 5, (TOP1_GENTLE + TOP1_HARDEST) / 2) == (pytest.approx(1e-3), 3)  # the geometric mean
-    cold = SimpleNamespace(**{**vars(warm), "drafter_warmup_steps": 0, "rl_steps": 5})
-    assert drafter_schedule(cold, 0, 0.99) == (pytest.approx(1e-2), 1)
-    quarter = 1e-2 / 20 + (1e-2 - 1e-2 / 20) * (1 + math.cos(math.pi / 4)) / 2  # a quarter of the way: a cosine, not a line
-    assert drafter_schedule(cold, 1, None) == (pytest.approx(quarter), 1)
-    assert drafter_schedule(cold, 4, None) == (pytest.approx(1e-2 / 20), 1)
+    gentle, hard = 1e-4, 1e-2
+    assert drafter_schedule(None, gentle, hard, 3) == (gentle, 3)
+    assert drafter_schedule(TOP1_GENTLE + 0.01, gentle, hard, 3) == (gentle, 3)
+    assert drafter_schedule(TOP1_HARDEST - 0.1, gentle, hard, 3) == (pytest.approx(hard), 1)
+    assert drafter_schedule(TOP1_HARDEST, gentle, hard, 5) == (pytest.approx(hard), 1)
+    middle = (TOP1_GENTLE + TOP1_HARDEST) / 2
+    assert drafter_schedule(middle, gentle, hard, 3) == (pytest.approx(1e-3), 2)  # the geometric mean
+    assert drafter_schedule(middle, gentle, hard, 5) == (pytest.approx(1e-3), 3)

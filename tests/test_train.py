@@ -521,3 +521,38 @@ def test_every_registered_task_trains_and_speculates_without_changing_a_token(tm
     assert f"task {name};" in r.stdout
     with open(os.path.join(out, "task.json")) as f:
         assert tasks.from_meta(json.load(f)) == config.task_of(config.parse_args(TINY + ["--task", name]))
+
+
+def test_the_stale_drafter_figures_pair_each_drafter_with_its_own_target(tmp_path):
+    """evaluate.stale_drafter: (1) the early drafter for the early target, (2) the same drafter for
+    the final target, (3) the final drafter for the final target, at the k most speculative steps
+    drafted (from metrics.jsonl). Moving the target after the snapshot moves (2) and (3), never
+    (1); moving the drafter moves (3) alone. T = 3 flattens the tiny models' distributions, so the
+    shared noise makes drafts land often enough to tell the figures apart."""
+    from conftest import randomize
+    from harness.evaluate import most_played_k, snapshot, stale_drafter
+    args = config.parse_args(TINY + ["--temperature", "3"])
+    model, drafter = _tiny_models(args)
+    randomize(model, 1, 0.3)
+    task_cfg = config.task_of(args)
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("\n".join(json.dumps({"step": i, "sd_steps_by_k": c})
+                              for i, c in enumerate([[0, 5, 1], [0, 0, 9], [0, 2]])) + "\n")
+    assert most_played_k(str(path)) == 2  # 10 steps at k = 2 against 7 at k = 1
+    early = snapshot(model, drafter, 3)
+    problems = task_cfg.eval_set(4)
+
+    def figures():
+        out = stale_drafter(model, drafter, early, problems, args, task_cfg, 0, 1, str(path))
+        assert out["step"] == 3 and out["k"] == 2
+        return out["figures"]
+    same = figures()
+    assert same[0] == same[1] == same[2] and 1.0 < same[0] < 3.0
+    randomize(model, 2, 0.3)  # RL moved the target
+    moved = figures()
+    assert moved[0] == same[0] and moved[1] != same[1] and moved[2] == moved[1]
+    randomize(drafter, 3, 0.3)  # and the adaptive drafter followed it
+    followed = figures()
+    assert followed[:2] == moved[:2] and followed[2] != moved[2]
+    args.eval_per_bucket, args.tlt = 0, False
+    assert stale_drafter(model, drafter, early, problems, args, task_cfg, 0, 1, str(path)) is None
