@@ -120,8 +120,8 @@ def start_drafter_sync(drafter, local_steps, top1=(0, 0)):
 # -----------------------------------------------------------------------------
 # how hard the idle ranks train the drafter: one rule, read from its recent top-1
 
-TOP1_HARDEST = 0.85  # recent top-1 at or below which idle ranks train the drafter hardest
-TOP1_GENTLE = 0.98  # and at or above which they train it gentlest
+TOP1_HARDEST = 0.95  # recent top-1 at or below which idle ranks train the drafter hardest
+TOP1_GENTLE = 0.995  # and at or above which they train it gentlest
 TOP1_STEPS = 5  # RL steps whose figures make the recent top-1
 
 
