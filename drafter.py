@@ -12,8 +12,9 @@ whole vector of signal per position) plus a soft cross-entropy against the targe
 (0.1: the part that decides acceptance), on response positions only, one sequence per padded row.
 
 Teacher forcing alone shows the drafter only real states: it would be good for one token and guess
-after it. So a training step runs it as it drafts, DEPTH passes deep from every position at once
-(`chained_states`, EAGLE-3's training-time test). A *chain* is the drafts made one after another
+after it. So a training step runs it as it drafts, several passes deep from every position at once
+(`chained_states`, EAGLE-3's training-time test; on idle ranks the rule in scheduler.py sets how
+many). A *chain* is the drafts made one after another
 from one real pair; each pass attends to exactly what the drafter's cache holds there.
 
 Test: python -m pytest tests/test_drafter.py

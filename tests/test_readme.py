@@ -96,3 +96,19 @@ def test_every_function_that_real_steps_call_is_one_the_walk_reaches(tmp_path):
     assert {"scheduler.idle_train", "RolloutStats.__call__", "TimedDrafter.propose", "Watched.is_completed"} <= called
     missing = called - set(rp.reached(rp.read_code()))
     assert not missing, f"real steps called these, the walk does not reach them: {sorted(missing)}"
+
+
+def test_the_core_table_and_the_pitch_give_each_file_its_true_length():
+    """The README's table of the core (and train.py) gives each file its line count, and the pitch
+    the six core files' sum."""
+    import os
+    import re
+    readme = rp.read_readme()
+    rows = dict(re.findall(r"^\| `(\w+\.py)` \| (\d+) \|", readme, flags=re.M))
+    core = ("model.py", "speculative.py", "rollout.py", "drafter.py", "scheduler.py", "rl.py")
+    assert set(core + ("train.py",)) <= set(rows), sorted(rows)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    true = {name: sum(1 for _ in open(os.path.join(root, name))) for name in rows}
+    assert {n: int(c) for n, c in rows.items()} == true
+    stated = re.search(r"six core files\s+\(([\d,]+) lines\)", readme)
+    assert stated and int(stated.group(1).replace(",", "")) == sum(true[n] for n in core)
