@@ -93,7 +93,7 @@ ROWS = {
     "idle time": (
         ["train.idle_phase", "RecentTop1.mean", "scheduler.drafter_schedule", "scheduler.top1_pieces",
          "drafter.top1_agreement"],
-        "one rule: the lower its recent top-1, the higher the rate and the fewer the passes; scoring this rank's fresh rows first"),
+        "the rule: the lower its recent top-1, the harder it trains; scoring fresh rows first"),
     "the idle loop": (
         ["scheduler.idle_train"],
         "the async barrier's loop, a piece of work a turn, until the last rank arrives"),
@@ -157,7 +157,7 @@ ROWS = {
     "drafter training": (
         ["drafter.train_step", "drafter.drafter_loss", "drafter.chained_states",
          "drafter.chain_attention_mask", "drafter.chain_loss_masks"],
-        "one step, as many chained passes deep as the rule says, stoppable between them"),
+        "one step, as deep as the rule says, stoppable between passes"),
 }
 
 

@@ -83,10 +83,11 @@ def test_timeline_and_positions_keep_their_text():
         "rank  1 |##################SSSSSS| 1.20s rollout, 0.00s idle, 0 drafter steps\n"
         "        # plain  S spec  t train  . wait   (full width = 1.20s)")
     assert summary.format_positions([0.5, None, 1.0, 0.123]) == "50.0   -   100.0 12.3"
-    stats = types.SimpleNamespace(drafted_at=[5, 3], accepted_at=[4, 1])
+    stats = types.SimpleNamespace(drafted_at=[5, 3], accepted_at=[4, 1], steps_by_k=[0, 2, 7])
     assert report.position_counts(stats, 3) == {
         "drafted_at0": 5, "drafted_at1": 3, "drafted_at2": 0,
-        "accepted_at0": 4, "accepted_at1": 1, "accepted_at2": 0}
+        "accepted_at0": 4, "accepted_at1": 1, "accepted_at2": 0,
+        "steps_k0": 0, "steps_k1": 2, "steps_k2": 7, "steps_k3": 0}
 
 
 def test_step_line_keeps_its_text(capsys):

@@ -29,7 +29,7 @@ TINY = ["--max-n", "4", "--block-size", "56", "--n-layer", "1", "--n-head", "2",
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 STEP_KEYS = {"step", "step_time", "rollout_time", "update_time", "reward", "accept_len", "sd_token_frac",
              "drafter_checksum", "ranks", "response_lens", "response_median", "response_max", "rank_spread",
-             "rollout_by_batch", "timeline"}
+             "rollout_by_batch", "timeline", "sd_steps_by_k"}
 RANK_KEYS = {"rank", "rollout_time", "idle_time", "drafter_steps", "tokens", "drafter_checksum"}
 
 
@@ -72,15 +72,20 @@ def test_single_process_run_then_resume(tmp_path):
         by_batch = m["rollout_by_batch"]
         assert by_batch["buckets"] == ["1", "2", "3-4", "5-8"] and by_batch["plain"][3] > 0
         assert 0 < sum(by_batch["plain"]) + sum(by_batch["spec"]) <= m["rollout_time"]
+        # speculative steps by k: one count per k in 0..max k, none at k = 0 (a plain step)
+        assert len(m["sd_steps_by_k"]) == 9 and m["sd_steps_by_k"][0] == 0
+    assert sum(sum(m["sd_steps_by_k"]) for m in recs) > 0
     assert "held-out accuracy after RL" in r.stdout and "summary" in r.stdout
     assert "speculative vs plain decoding, greedy: 0 of 4 held-out responses differ" in r.stdout
     assert "speculative vs plain decoding, sampled at T=1: " in r.stdout
-    assert "tail share" in r.stdout
+    assert "tail share" in r.stdout and "  stale drafter         " in r.stdout
     # the same command again finds everything done; a longer run continues from the checkpoint
     r = run_train(TINY + ["--out-dir", out, "--rl-steps", "5"])
     assert r.returncode == 0, r.stderr[-2000:]
     assert "reusing the warmed-up target" in r.stdout and "resuming from" in r.stdout
     assert [m["step"] for m in metrics(out)] == [0, 1, 2, 3, 4]
+    # the stale drafter's step-0 models came back with the checkpoint
+    assert "stale drafter (tokens per verify step at k = " in r.stdout and "step 0's drafter, step 0's target" in r.stdout
 
 
 def test_exact_tokens_make_rewards_equal_across_resume_and_tlt(tmp_path):
