@@ -86,7 +86,7 @@ def stale_lines(stale):
     return [f"  stale drafter         {then:.2f} -> {now:.2f} ({now / then - 1:+.1%}) -> {adaptive:.2f} "
             f"({adaptive / then - 1:+.1%}) tokens per verify step at k = {stale['k']}, held-out problems:",
             f"                        step {n}'s drafter for step {n}'s target -> the same drafter for the "
-            f"final target -> the final, adaptive drafter for it"]
+            f"final target -> the run's final drafter for it"]
 
 
 def record_lines(history, task):

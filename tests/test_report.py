@@ -579,3 +579,16 @@ def test_a_run_ends_naming_its_baseline_and_its_stale_drafter_twins():
                for line in lines[6:8])
     for flags in (["--tlt", "off"], ["--drafter-updates", "off"]):
         assert report.next_lines(config.parse_args(flags)) == []
+
+
+def test_the_stale_drafter_line_and_bars():
+    """The summary's `stale drafter` line: the three figures, the first two's change and the
+    third's against the first; the picture's bars, a full bar k + 1; nothing without figures."""
+    stale = {"step": 80, "k": 3, "figures": [3.0, 2.7, 3.6]}
+    line = summary.stale_lines(stale)
+    assert line[0].startswith("  stale drafter         3.00 -> 2.70 (-10.0%) -> 3.60 (+20.0%) tokens per verify step at k = 3")
+    assert "step 80's drafter for step 80's target" in line[1]
+    bars = summary.stale_bars(stale)
+    assert len(bars) == 4 and "a full bar: 4" in bars[0]
+    assert bars[1].endswith("| 3.00") and bars[3].count("█") == 36  # 3.6 of 4 tokens: 36 of 40 cells
+    assert summary.stale_lines(None) == [] and summary.stale_bars(None) == []
