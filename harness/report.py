@@ -49,7 +49,7 @@ TIMELINE_CHARS = {"plain": "#", "spec": "S", "train": "t", "wait": "."}
 # what the summary and the picture read from each record (the CLI checks them before it draws)
 NEEDED = ("step", "step_time", "rollout_time", "update_time", "rollout_share", "slowest_wait",
           "tail_share", "reward", "accept_len", "accept_rate", "sd_token_frac", "drafter_top1",
-          "drafted_at", "accepted_at", "bandit_best", "response_len", "single_share",
+          "drafted_at", "accepted_at", "bandit_best", "response_len", "choice_share",
           "skipped_update", "drafter_skipped")
 # the SVG's panels, each a PICTURE_ROWS row by its key (or the rollout time's); a comparison's text
 # draws all but the response length (its ratio is no cost), and pairs steps on the times
@@ -86,7 +86,7 @@ def step_record(s, step, result, stats):
              "by_batch": stats.by_batch}
     counts = {"tokens": stats.tokens, "sd_tokens": stats.sd_tokens, "sd_row_steps": stats.sd_row_steps,
               "accepted": stats.accepted, "drafted": stats.drafted,
-              "single": sum(s.task.choice_share(p, r.response) for p, r in zip(problems, rows)),
+              "choice": sum(s.task.choice_share(p, r.response) for p, r in zip(problems, rows)),
               "response_tokens": sum(len(r.response) for r in rows),
               **position_counts(stats, max(s.args.draft_ks)), **size_counts(stats, [p.size for p in problems], s.task)}
     # the top-1 counts were summed over ranks by the drafter sync (scheduler.start_drafter_sync)
@@ -133,9 +133,9 @@ def rank_record(step, local, total, all_rewards, responses, step_time, update_ti
         "accepted_by_size": [int(v) for k, v in total.items() if k.startswith("accepted_size")],
         # scored on idle time; the slowest rank's rows on its next idle turn, so they count a step late
         "drafter_top1_positions": int(total["top1_positions"]),
-        # what the target writes: mean response length and the share of the task's choice (the
-        # running sum's single steps) among its choices
-        "response_len": total["response_tokens"] / n_rows, "single_share": total["single"] / n_rows,
+        # what the target writes: mean response length and the share of the task's choice
+        # (Task.choice_share) among its choices
+        "response_len": total["response_tokens"] / n_rows, "choice_share": total["choice"] / n_rows,
         # its long tail: every response's length (global row order), the step's median and longest
         "response_lens": lens, "response_median": statistics.median(lens), "response_max": max(lens),
         # how much earlier the fastest rank finished its rollout than the slowest: the idle time to train on
@@ -430,6 +430,8 @@ def load_records(path):
             return None, f"{path} line {i} is not JSON ({e.msg})"
         if not isinstance(rec, dict):
             return None, f"{path} line {i} is not a JSON object"
+        if "single_share" in rec:  # the choice share's name in records written before it had one
+            rec.setdefault("choice_share", rec.pop("single_share"))
         missing = [k for k in NEEDED if k not in rec]
         if missing:
             return None, f"{path} line {i} lacks {', '.join(missing)}"
@@ -466,13 +468,13 @@ def load_runs(paths, names):
 
 
 def run_task(path):
-    """The task a run trained on, from the task.json that train.py writes beside metrics.jsonl (the
-    default task for a run without one)."""
+    """The task a run trained on, from the task.json that train.py writes beside metrics.jsonl; None
+    for a run without one (the summary then leaves out the lines in the task's words)."""
     try:
         with open(os.path.join(run_folder(path), "task.json")) as f:
             return tasks.from_meta(json.load(f))
     except FileNotFoundError:
-        return tasks.from_meta({"name": "running_sum"})
+        return None
 
 
 def main(argv=None):

@@ -128,7 +128,7 @@ def record_lines(history, task):
             ks = ", ".join(f"{bucket_sizes(int(b))}: {k}" + (f" ({tokens[b]:.1f})" if b in tokens else "")
                            for b, k in rec["bandit_best"].items())
             lines.append(f"  bandit's k per batch  {ks} (rank 0, {when}{'; in brackets, tokens a step' if tokens else ''})")
-    return lines + trend_lines(history, task.choice) + length_lines(history)
+    return lines + trend_lines(history, task.choice if task else None) + length_lines(history)
 
 
 def trend_lines(history, choice):
@@ -140,8 +140,8 @@ def trend_lines(history, choice):
         return sum(h[key] for h in history[:n]) / n, sum(h[key] for h in history[-n:]) / n
     reward = "  reward                {:.3f} -> {:.3f}".format(*tenths("reward"))
     length = "  response length       {:.1f} -> {:.1f} tokens".format(*tenths("response_len"))
-    if choice and any(h["single_share"] for h in history):
-        length += f", {choice} " + "{:.0%} -> {:.0%}".format(*tenths("single_share"))
+    if choice and any(h["choice_share"] for h in history):
+        length += f", {choice} " + "{:.0%} -> {:.0%}".format(*tenths("choice_share"))
     return [reward + f" (means of the first and the last {n} steps)",
             length + f" (first and last {n} steps)"]
 
@@ -348,8 +348,8 @@ def position_bars(history, task):
 
 def size_line(first, last, task):
     """Drafts accepted by problem-size bucket, first records against last; none for records
-    written before the counts existed."""
-    if any("drafted_by_size" not in r for r in first + last):
+    written before the counts existed, or without the task (None) that names the buckets."""
+    if task is None or any("drafted_by_size" not in r for r in first + last):
         return []
     names = [f"{lo}-{hi}" for lo, hi in task.size_buckets]
     sums = [column_sums(part, key) for part in (first, last) for key in ("drafted_by_size", "accepted_by_size")]

@@ -49,7 +49,7 @@ def record(step, **over):
            "rollout_share": 0.85, "tail_share": 0.4, "slowest_wait": 0.002, "reward": 0.5,
            "accept_len": 2.5, "accept_rate": 0.6, "sd_token_frac": 0.3, "drafter_top1": 0.7,
            "drafted_at": [10, 6], "accepted_at": [8, 3], "bandit_best": {"0": 4, "2": 0},
-           "response_len": 40.0, "single_share": 0.0, "skipped_update": False,
+           "response_len": 40.0, "choice_share": 0.0, "skipped_update": False,
            "drafter_skipped": 0, "tok_s": 1234.5, "idle_time": 0.25, "drafter_steps": 7,
            "ranks": [{"rank": 0, "rollout_time": 1.7, "idle_time": 0.0, "drafter_steps": 7,
                       "tokens": 100, "drafter_checksum": "abc"}], **LONG_TAIL}
@@ -146,7 +146,7 @@ def test_the_bandits_line_gives_the_tokens_a_step_of_each_buckets_k():
 
 
 def test_summary_keeps_its_lines_then_draws_the_picture(capsys):
-    history = [record(s, reward=0.1 * s, response_len=40.0 + s, single_share=0.05 * s,
+    history = [record(s, reward=0.1 * s, response_len=40.0 + s, choice_share=0.05 * s,
                       drafter_skipped=s, drafter_top1=None if s == 0 else 0.6 + 0.1 * s)
                for s in range(3)]
     acc = {"greedy": {"overall": 0.5, "1-2": 0.75}, "sampled": {"overall": 0.25, "1-2": 0.5},
@@ -237,7 +237,7 @@ def rank_part(rank, rollout_time, segments, by_batch):
 
 
 TOTAL = {"tokens": 20, "sd_tokens": 6, "sd_row_steps": 3, "accepted": 2, "drafted": 4, "top1_agree": 0,
-         "top1_positions": 0, "single": 0, "response_tokens": 16}
+         "top1_positions": 0, "choice": 0, "response_tokens": 16}
 
 
 def test_the_record_holds_the_long_tail_and_the_slowest_ranks_time_by_batch_size(monkeypatch):
@@ -592,3 +592,18 @@ def test_the_stale_drafter_line_and_bars():
     assert len(bars) == 4 and "a full bar: 4" in bars[0]
     assert bars[1].endswith("| 3.00") and bars[3].count("█") == 36  # 3.6 of 4 tokens: 36 of 40 cells
     assert summary.stale_lines(None) == [] and summary.stale_bars(None) == []
+
+
+def test_an_older_records_choice_share_and_a_run_without_its_task(tmp_path, capsys):
+    """Records written before the choice share had a task-neutral name (`single_share`) still load;
+    a run without task.json is reported without the lines in a task's words, none assumed."""
+    recs = [{**{k: v for k, v in record(s).items() if k != "choice_share"}, "single_share": 0.5} for s in range(10)]
+    run = write_run(tmp_path / "old", recs)
+    report.main([run, "--svg", "none"])
+    out = capsys.readouterr().out
+    assert "  RL steps              10" in out and "response length" in out
+    assert "single steps" not in out and "accepted by size" not in out
+    with open(os.path.join(run, "task.json"), "w") as f:
+        json.dump(RunningSum().meta(), f)
+    report.main([run, "--svg", "none"])
+    assert ", single steps 50% -> 50%" in capsys.readouterr().out

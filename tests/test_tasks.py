@@ -104,7 +104,7 @@ def test_a_task_may_start_its_sizes_above_1_and_leave_out_the_choice():
     assert {p.size for p in task.eval_set(per_bucket=50)} == set(range(3, 8))
     with pytest.raises(ValueError, match="min_n"):
         base(min_n=5, max_n=4)
-    history = [{"reward": 0.5, "response_len": 10.0, "single_share": 0.5}]
+    history = [{"reward": 0.5, "response_len": 10.0, "choice_share": 0.5}]
     assert ", single steps 50% -> 50%" in trend_lines(history, "single steps")[1]
     assert trend_lines(history, tasks.Task.choice)[1] == "  response length       10.0 -> 10.0 tokens (first and last 1 steps)"
     assert tasks.Task.choice_share(task, None, [1, 2]) == 0.0
