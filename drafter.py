@@ -61,7 +61,7 @@ class Drafter(nn.Module):
         None. It reads the batch's tokens, hidden states and n_tokens, draws with choose_draft and
         keeps its KV cache in batch.draft_cache. Each row first catches up on the pairs (h_j,
         x_{j+1}) recorded since it last drafted, in one pass; then drafts from its own states."""
-        B, pending_at = batch.batch_size, batch.n_tokens - 1  # (B,): pairs 0..pending_at - 1 recorded
+        B, pending_at = batch.batch_size, batch.n_tokens - 1  # (B,): the pairs before it recorded
         if batch.draft_cache is None:  # the switch to speculation: no recorded state read yet
             batch.draft_cache = self.new_cache(B, batch.cache.max_len, dtype=batch.cache.kv.dtype)
         cache, rows = batch.draft_cache, torch.arange(B, device=pending_at.device)[:, None]

@@ -45,8 +45,8 @@ class KVCache:
         self.max_len = max_len
 
     def compact(self, source):
-        """Row i becomes old row source[i]. Only the rows that change place are copied, in the cache's
-        own storage: a fresh copy of every kept row cost the --tlt on step 3-8% (RESULTS.md)."""
+        """Row i becomes old row source[i]. Only rows that change place are copied, in the cache's
+        own storage (a fresh copy of every kept row cost the --tlt on step 3-8%)."""
         moved = [i for i, b in enumerate(source) if i != b]
         self.kv[:, :, moved] = self.kv[:, :, [source[i] for i in moved]]  # the right side: a copy
         self.kv, self.lengths = self.kv[:, :, :len(source)], self.lengths[source]

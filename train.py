@@ -63,6 +63,7 @@ class RunState:
     barrier: object  # makes the idle loop's async barrier
     top1: RecentTop1  # the drafter's top-1 agreement on fresh rows, lately
     ref_model: torch.nn.Module = None  # the frozen warm-up target, for --kl-coef
+    early: dict = None  # the models at evaluate.early_step, for the stale drafter
 
 
 def main(argv=None):
@@ -91,16 +92,13 @@ def run(args, rank, world_size, device):
     meta = rl_meta(args, model_config(args, task), task)
     ckpt_path, metrics_path = (os.path.join(args.out_dir, f) for f in ("ckpt.pt", "metrics.jsonl"))
     ck = load_on_rank0(ckpt_path, meta)  # refused: the run stops before it writes anything
+    problems = task.eval_set(args.eval_per_bucket) if args.eval_per_bucket else []
     with autocast(args, device):  # the warm-ups' forwards too: a bf16 run is bf16 end to end
         model, drafter = prepare_models(args, task, task_of(args, warmup=True),
                                         dist.is_initialized(), rank, world_size, device)
-    problems = task.eval_set(args.eval_per_bucket) if args.eval_per_bucket else []
-    with autocast(args, device):
-        acc0 = evaluate_both(model, drafter, problems, args, task, rank, world_size,
-                             "before RL")
+        acc0 = evaluate_both(model, drafter, problems, args, task, rank, world_size, "before RL")
     s = new_state(args, task, model, drafter, rank, world_size, device)
     start = resume(ckpt_path, ck, s)
-    early = ck.get("early") if ck else None  # the models at early_step, for the stale drafter
     if rank == 0:  # every step appears once: drop records past the checkpoint
         keep_records(metrics_path, start)
         with open(os.path.join(args.out_dir, "task.json"), "w") as f:  # harness.report reads it
@@ -108,7 +106,7 @@ def run(args, rank, world_size, device):
     print0(plan_line(args, world_size))
     for step in range(start, args.rl_steps):
         if step == early_step(args):
-            early = snapshot(model, drafter, step)
+            s.early = snapshot(model, drafter, step)
         stats = RolloutStats()  # counts and times the rollout from outside; its clock starts here
         with autocast(args, device):  # rollout, drafter training, GRPO update
             result = rl_step(step, s, observers(stats, liveness_observer(beat)))
@@ -119,18 +117,16 @@ def run(args, rank, world_size, device):
                 f.write(json.dumps(rec) + "\n")
         log_step(rec, ranks, args)
         if (step + 1) % args.ckpt_every == 0 or step == args.rl_steps - 1:
-            save(ckpt_path, meta, step, s, early)
+            save(ckpt_path, meta, step, s)
     with autocast(args, device):
         acc1 = evaluate_both(model, drafter, problems, args, task, rank, world_size, "after RL",
                              check=True)
-        stale = stale_drafter(model, drafter, early, problems, args, task, rank, world_size,
-                              metrics_path)
+        stale = stale_drafter(s, problems, metrics_path)
     if rank == 0 and start < args.rl_steps:  # the records read back: none is held while it runs
         with open(metrics_path) as f:
             records = [r for r in map(json.loads, f) if r["step"] >= start]
         summary(records, acc0, acc1, time.time() - t_run, task, stale)
-        for line in next_lines(args, world_size):
-            print0(line)
+        print0("\n".join(next_lines(args, world_size)))
 
 
 def new_state(args, task, model, drafter, rank, world_size, device):
@@ -159,12 +155,12 @@ def rl_meta(args, config, task):
     return {**warm, **{k: getattr(args, k) for k in keys}, "draft_ks": list(args.draft_ks)}
 
 
-def save(path, meta, step, s, early):
+def save(path, meta, step, s):
     bandits = gather_ranks(bandit_state(s.bandit))
     save_on_rank0({"meta": meta, "step": step, "model": s.model.state_dict(),
                    "drafter": s.drafter.state_dict(), "opt": s.opt.state_dict(),
                    "d_opt": s.d_opt.state_dict(), "bandits": bandits,
-                   "recent_top1": s.top1.recent, "early": early},
+                   "recent_top1": s.top1.recent, "early": s.early},
                   path)
 
 
@@ -182,6 +178,7 @@ def resume(path, ck, s):
             load_bandit(s.bandit, ck["bandits"][s.rank])
         key = "recent_top1" if "recent_top1" in ck else "drafter_health"  # its older name
         s.top1.recent = ck[key]
+        s.early = ck.get("early")  # none in a checkpoint from before it was kept
     except (KeyError, TypeError, ValueError, RuntimeError) as e:  # an older layout of the state
         raise SystemExit(f"error: checkpoint {path} does not fit this version of the code "
                          f"({type(e).__name__}: {e}); delete it or use another --out-dir")
@@ -254,7 +251,8 @@ def idle_phase(s, step, rows):
     if train_drafter:
         s.buffer.add_rows(step, rows)
     recent, counts = s.top1.mean(), [0, 0]  # this rank's top-1 counts: agreeing, positions
-    lr, depth = drafter_schedule(recent, args.drafter_online_lr, args.drafter_cold_lr, args.drafter_depth)
+    lr, depth = drafter_schedule(recent, args.drafter_online_lr, args.drafter_cold_lr,
+                                 args.drafter_depth)
     for g in s.d_opt.param_groups:
         g["lr"] = lr
     scoring = top1_pieces(s.drafter, rows, counts, args.drafter_idle_tokens) if learned else deque()

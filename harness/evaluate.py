@@ -101,7 +101,7 @@ def format_lengths(length):
 # the stale drafter: a drafter kept from early in RL, drafting for the target RL made since
 
 def early_step(args):
-    """The RL step whose target and drafter the stale-drafter figures keep: a tenth of the run in."""
+    """The RL step whose target and drafter the stale-drafter figures keep: a tenth into RL."""
     return args.rl_steps // 10
 
 
@@ -113,39 +113,48 @@ def snapshot(model, drafter, step):
 
 
 def most_played_k(metrics_path):
-    """The k of most speculative steps over the run's records (metrics.jsonl), or None."""
+    """The k of most speculative steps over the run's records (metrics.jsonl), or None. Each record
+    counts the steps of every k up to max(--draft-ks), which a resumed run cannot change."""
     with open(metrics_path) as f:
-        counts = [r.get("sd_steps_by_k", []) for r in map(json.loads, f)]
-    totals = [sum(c[k] for c in counts if k < len(c)) for k in range(max(map(len, counts), default=0))]
+        counts = [r["sd_steps_by_k"] for r in map(json.loads, f) if "sd_steps_by_k" in r]
+    totals = [sum(column) for column in zip(*counts)]  # per k
     return max(range(1, len(totals)), key=totals.__getitem__) if sum(totals) else None
 
 
-def stale_drafter(model, drafter, early, problems, args, task, rank, world_size, metrics_path):
-    """What a drafter frozen early in RL would cost by the end: tokens per verify step at the k the
-    bandit played most, sampled on the held-out problems (the rollouts' temperature, exact-token
-    sampling, one sample each), for (1) the drafter of step early["step"] drafting for the target of
-    that step, (2) the same drafter drafting for the final target, (3) the final (adaptive) drafter
-    drafting for the final target. (1) -> (2) is the target's move alone, (2) -> (3) what idle-time
-    training won back. -> {"step", "k", "figures": [(1), (2), (3)]}, or None where there is nothing
-    to measure (no learned drafter, no snapshot, no held-out problems, no speculative step)."""
+def stale_drafter(s, problems, metrics_path):
+    """What a drafter frozen early in RL would cost by the end, for the run of train.RunState `s`:
+    tokens per verify step at the k the bandit played most, sampled on the held-out problems (the
+    rollouts' temperature, exact-token sampling, one sample each), for (1) the drafter of
+    s.early["step"] drafting for the target of that step, (2) the same drafter drafting for the
+    final target, (3) the run's final drafter drafting for the final target. (1) -> (2) is the
+    target's move alone, (2) -> (3) what idle-time training won back. -> {"step", "k", "figures":
+    [(1), (2), (3)]}, or None where there is nothing to measure (no learned drafter, no snapshot,
+    no held-out problems, no speculative step)."""
+    args, early = s.args, s.early
     if not (args.tlt and args.drafter in LEARNED) or early is None or not problems:
         return None
-    k = gather_ranks(most_played_k(metrics_path) if rank == 0 else None)[0]  # rank 0's file
+    k = gather_ranks(most_played_k(metrics_path) if s.rank == 0 else None)[0]  # rank 0's file
     if k is None:
         return None
-    then = copy.deepcopy(model)
+
+    def kept_drafter(target):  # the drafter of early["step"], on `target`'s embedding and head
+        d = Drafter(target, s.drafter.n_layer).to(s.drafter.in_proj.weight.device)
+        d.load_state_dict(early["drafter"])
+        return d
+    then = copy.deepcopy(s.model)
     then.load_state_dict(early["model"])
-    pairs = []
-    for target in (then, model):
-        old = Drafter(target, drafter.n_layer).to(drafter.in_proj.weight.device)
-        old.load_state_dict(early["drafter"])
-        pairs.append((target, old))
-    figures = []
-    for target, d in pairs + [(model, drafter)]:
-        stats = DecodeStats()
-        evaluate(target, task, problems, rank, world_size, drafter=d, temperature=args.temperature,
-                 seed=args.seed + 2, k=k, stats=stats)
-        stats.settle()  # sync: its counts
-        total = all_sum({"tokens": stats.sd_tokens, "row_steps": stats.sd_row_steps}, target.wte.weight.device)
-        figures.append(total["tokens"] / max(total["row_steps"], 1))
-    return {"step": early["step"], "k": k, "figures": figures}
+    pairs = ((then, kept_drafter(then)), (s.model, kept_drafter(s.model)), (s.model, s.drafter))
+    return {"step": early["step"], "k": k,
+            "figures": [tokens_per_verify(s, target, d, problems, k) for target, d in pairs]}
+
+
+def tokens_per_verify(s, target, drafter, problems, k):
+    """Tokens per verify step of `drafter` drafting k for `target` on the held-out problems, sampled
+    as the rollouts are (one sample each), all ranks together."""
+    stats = DecodeStats()
+    evaluate(target, s.task, problems, s.rank, s.world_size, drafter=drafter, k=k,
+             temperature=s.args.temperature, seed=s.args.seed + 2, stats=stats)
+    stats.settle()  # sync: its counts
+    total = all_sum({"tokens": stats.sd_tokens, "steps": stats.sd_row_steps},
+                    target.wte.weight.device)
+    return total["tokens"] / max(total["steps"], 1)

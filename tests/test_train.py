@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import time
+import types
 
 import pytest
 import torch
@@ -542,13 +543,16 @@ def test_the_stale_drafter_figures_pair_each_drafter_with_its_own_target(tmp_pat
     task_cfg = config.task_of(args)
     path = tmp_path / "metrics.jsonl"
     path.write_text("\n".join(json.dumps({"step": i, "sd_steps_by_k": c})
-                              for i, c in enumerate([[0, 5, 1], [0, 0, 9], [0, 2]])) + "\n")
+                              for i, c in enumerate([[0, 5, 1], [0, 0, 9], [0, 2, 0]])) + "\n")
     assert most_played_k(str(path)) == 2  # 10 steps at k = 2 against 7 at k = 1
     early = snapshot(model, drafter, 3)
     problems = task_cfg.eval_set(4)
 
+    run = types.SimpleNamespace(args=args, task=task_cfg, model=model, drafter=drafter, early=early,
+                                rank=0, world_size=1)  # a train.RunState's fields that it reads
+
     def figures():
-        out = stale_drafter(model, drafter, early, problems, args, task_cfg, 0, 1, str(path))
+        out = stale_drafter(run, problems, str(path))
         assert out["step"] == 3 and out["k"] == 2
         return out["figures"]
     same = figures()
@@ -560,4 +564,4 @@ def test_the_stale_drafter_figures_pair_each_drafter_with_its_own_target(tmp_pat
     followed = figures()
     assert followed[:2] == moved[:2] and followed[2] != moved[2]
     args.eval_per_bucket, args.tlt = 0, False
-    assert stale_drafter(model, drafter, early, problems, args, task_cfg, 0, 1, str(path)) is None
+    assert stale_drafter(run, problems, str(path)) is None
