@@ -30,7 +30,7 @@ import rl
 from harness.checkpoint import bandit_state, load_bandit, load_on_rank0, save_on_rank0
 from harness.common import check_out_dir, machine
 from harness.config import autocast, model_config, parse_args, task_of
-from harness.distributed import COLLECTIVE_TIMEOUT_S, compute_init, gather_ranks, print0
+from harness.distributed import COLLECTIVE_TIMEOUT_S, compute_init, gather_ranks, print0, stop
 from drafter import DrafterBuffer, make_optimizer
 from harness.evaluate import early_step, evaluate_both, snapshot, stale_drafter
 from harness.instrument import RolloutStats, TimedDrafter, observers, liveness_observer
@@ -68,8 +68,7 @@ class RunState:
 
 def main(argv=None):
     args = parse_args(argv, __doc__)
-    check_out_dir(args.out_dir)
-    check_out_dir(args.warmup_dir)
+    check_out_dir(args.out_dir, args.warmup_dir)
     ddp, rank, _, world_size, device, store = compute_init(args.device)
     if ddp:
         Liveness(store, rank, world_size, COLLECTIVE_TIMEOUT_S, io_deadline_s=args.io_deadline)
@@ -169,6 +168,7 @@ def resume(path, ck, s):
     from fewer ranks did not have start their bandits fresh."""
     if not ck:
         return 0
+    refused = None
     try:
         s.model.load_state_dict(ck["model"])
         s.drafter.load_state_dict(ck["drafter"])
@@ -180,17 +180,21 @@ def resume(path, ck, s):
         s.top1.recent = ck[key]
         s.early = ck.get("early")  # none in a checkpoint from before it was kept
     except (KeyError, TypeError, ValueError, RuntimeError) as e:  # an older layout of the state
-        raise SystemExit(f"error: checkpoint {path} does not fit this version of the code "
-                         f"({type(e).__name__}: {e}); delete it or use another --out-dir")
+        refused = (f"error: checkpoint {path} does not fit this version of the code "
+                   f"({type(e).__name__}: {e}); delete it or use another --out-dir")
+    refused = [r for r in gather_ranks(refused) if r]  # one rank's bandit may not fit: all stop
+    if refused:
+        stop(refused[0])
     print0(f"resuming from {path} at RL step {ck['step'] + 1}")
     return ck["step"] + 1
 
 
 def keep_records(path, start):
+    """Keep the records of the steps before `start`; a line that a kill cut short has no newline."""
     lines = []
     if os.path.exists(path):
         with open(path) as f:
-            lines = [ln for ln in f if ln.strip() and json.loads(ln)["step"] < start]
+            lines = [ln for ln in f if ln.endswith("\n") and json.loads(ln)["step"] < start]
     with open(path, "w") as f:
         f.writelines(lines)
 

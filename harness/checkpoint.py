@@ -1,10 +1,11 @@
-"""Checkpoints: written atomically and only when finite, read back with their settings checked, and
-rank 0's reads and writes waited for by liveness.
+"""Checkpoints: written atomically and only when finite, read back with their contents and settings
+checked, and rank 0's reads and writes waited for by liveness.
 
 A reader learning TLT may skip this file: it is plumbing, nothing in it knows about the technique.
 
-    save_atomic, load_checked       one process: a kill mid-write leaves the previous file; a file made
-                                    with other settings is refused with one line naming the differences
+    save_atomic, load_checked       one process: a kill mid-write leaves the previous file; a file that is
+                                    torn, damaged (its contents' digest, written with it, does not match)
+                                    or made with other settings is refused with one line
     save_on_rank0, load_on_rank0    several ranks: only rank 0 touches the file; the others wait for it
                                     by liveness (rank 0 beats meanwhile, up to --io-deadline) and follow
                                     its answer
@@ -22,18 +23,42 @@ from collections import deque
 import torch
 import torch.distributed as dist
 
-from harness.distributed import print0
+from harness.distributed import print0, stop
 from harness.liveness import beating, from_rank0, wait_for_all
 
 
 def save_atomic(obj, path):
-    """torch.save to a temporary file, then rename: the previous file stays until the new one is whole."""
+    """torch.save to a temporary file, on disk (fsync), then rename: the previous file stays until the
+    new one is whole. The file holds a digest of its contents: a block zeroed by a crash or a disk
+    still loads with torch.load, as zero weights, and only the digest tells (`load_checked`)."""
     for name, t in _tensors(obj):
         if t.is_floating_point() and not torch.isfinite(t).all():  # never let NaN weights replace good ones
             raise RuntimeError(f"refusing to write {path}: {name} is not finite")
     tmp = f"{path}.tmp"
-    torch.save(obj, tmp)
+    with open(tmp, "wb") as f:
+        torch.save({**obj, "digest": contents_digest(obj)}, f)
+        f.flush()
+        os.fsync(f.fileno())  # the bytes on disk before the name points at them
     os.replace(tmp, path)  # a kill before this line leaves the previous file intact
+    directory = os.open(os.path.dirname(path) or ".", os.O_RDONLY)
+    try:
+        os.fsync(directory)  # and the rename itself
+    finally:
+        os.close(directory)
+
+
+def contents_digest(obj):
+    """sha256 of every tensor's bytes and every other value of a checkpoint, in order, by name."""
+    h = hashlib.sha256()
+    for name, v in _leaves(obj):
+        h.update(name.encode())
+        if isinstance(v, torch.Tensor):
+            t = v.detach().cpu().contiguous()
+            h.update(f"{t.dtype}{tuple(t.shape)}".encode())
+            h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+        else:
+            h.update(repr(v).encode())
+    return h.hexdigest()
 
 
 def save_on_rank0(obj, path):
@@ -45,15 +70,20 @@ def save_on_rank0(obj, path):
     wait_for_all()
 
 
-def _tensors(obj, prefix=""):
-    if isinstance(obj, torch.Tensor):
-        yield prefix, obj
-    elif isinstance(obj, dict):
+def _leaves(obj, prefix=""):
+    """(name, value) of every tensor and every other value that is no dict, list or tuple."""
+    if isinstance(obj, dict):
         for k, v in obj.items():
-            yield from _tensors(v, f"{prefix}.{k}" if prefix else str(k))
+            yield from _leaves(v, f"{prefix}.{k}" if prefix else str(k))
     elif isinstance(obj, (list, tuple)):
         for i, v in enumerate(obj):
-            yield from _tensors(v, f"{prefix}[{i}]")
+            yield from _leaves(v, f"{prefix}[{i}]")
+    else:
+        yield prefix, obj
+
+
+def _tensors(obj):
+    return ((name, v) for name, v in _leaves(obj) if isinstance(v, torch.Tensor))
 
 
 def _flatten(d, prefix=""):
@@ -68,16 +98,23 @@ class Mismatch(SystemExit):
 
     def __init__(self, path, diff, meta):
         super().__init__(f"error: checkpoint {path} was made with a different config ({diff}); "
-                         f"delete it or use another --out-dir")
+                         f"delete it or use another --out-dir")  # a cache's is kept aside instead
         self.diff, self.meta = diff, meta  # meta: what made the file
 
 
-def load_checked(path, expected_meta):
-    """Load a checkpoint saved with meta=expected_meta; exit with one clear line otherwise."""
+def load_checked(path, expected_meta, folder="--out-dir"):
+    """Load a checkpoint saved with meta=expected_meta; exit with one clear line otherwise: a file
+    that cannot be read (torn, zeroed, not a checkpoint), whose contents are not what was written
+    (its digest), or that was made with other settings (`Mismatch`)."""
+    what = f"delete it or use another {folder}"
     try:
         ckpt = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:  # truncated, corrupt, or not a checkpoint
-        raise SystemExit(f"error: cannot read checkpoint {path} ({type(e).__name__}); delete it or use another --out-dir")
+    except Exception as e:  # truncated, zeroed, or not a checkpoint
+        raise SystemExit(f"error: cannot read checkpoint {path} ({type(e).__name__}); {what}")
+    digest = ckpt.pop("digest", None) if isinstance(ckpt, dict) else None
+    if digest != contents_digest(ckpt):
+        raise SystemExit(f"error: checkpoint {path} is damaged or from an older version of the code "
+                         f"(its contents do not match the digest written with them); {what}")
     got = ckpt.get("meta") if isinstance(ckpt, dict) else None
     if got != expected_meta:
         want, have = _flatten(expected_meta), _flatten(got if isinstance(got, dict) else {})
@@ -100,7 +137,7 @@ def kept_name(path, meta):
 def load_on_rank0(path, expected_meta, stale="error"):
     """`load_checked` on rank 0, its answer on every rank: the checkpoint, or None when there is none.
     Whether to load or to warm up (or resume) is one decision for all ranks (`from_rank0`),
-    so only rank 0 needs to see the file. A refused file stops every rank with rank 0's message.
+    so only rank 0 needs to see the file. A refused file stops every rank, and rank 0 says why (`stop`).
     With stale="keep" (a cache: the warm-ups) a file made with other settings is kept under its own
     key (`kept_name`) instead; one kept earlier under this call's key takes the name back and is
     loaded, else None: the caller makes it afresh. Each case says so in one line."""
@@ -108,14 +145,14 @@ def load_on_rank0(path, expected_meta, stale="error"):
     if (dist.get_rank() if dist.is_initialized() else 0) == 0 and os.path.exists(path):
         try:
             with beating(f"reading {path}"):  # the others wait for it by liveness, in from_rank0
-                found = load_checked(path, expected_meta)
+                found = load_checked(path, expected_meta, "--warmup-dir" if stale == "keep" else "--out-dir")
         except Mismatch as e:
             found = str(e) if stale != "keep" else swap_kept(path, expected_meta, e)
         except SystemExit as e:
             found = str(e)
     found = from_rank0(found)
     if isinstance(found, str):
-        raise SystemExit(found)
+        stop(found)
     return found
 
 

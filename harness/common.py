@@ -43,10 +43,11 @@ def on_off(v):
 
 
 class OneLineParser(argparse.ArgumentParser):
-    """Bad input: one clear line on stderr and exit code 2 (argparse's default prints the usage too)."""
+    """Bad input: one clear line on stderr and exit code 2 (argparse's default prints the usage too),
+    from rank 0 only under torchrun: every rank parses the same flags."""
 
     def error(self, message):
-        self.exit(2, f"error: {message} (see --help)\n")
+        self.exit(2, f"error: {message} (see --help)\n" if int(os.environ.get("RANK", 0)) == 0 else None)
 
 
 def wants_cuda(device_arg):
@@ -54,12 +55,16 @@ def wants_cuda(device_arg):
     return torch.cuda.is_available() if device_arg == "auto" else device_arg == "cuda"
 
 
-def check_out_dir(out_dir):
-    try:
-        os.makedirs(out_dir, exist_ok=True)
-        probe = os.path.join(out_dir, f".write_test.{os.getpid()}")
-        with open(probe, "w") as f:
-            f.write("ok")
-        os.remove(probe)
-    except OSError as e:
-        raise SystemExit(f"error: cannot write to --out-dir {out_dir!r}: {e.strerror}")
+def check_out_dir(*folders):
+    """Each folder (e.g. args.out_dir) made if missing and written to; else one error line naming
+    its flag, from rank 0 only (every rank sees the same folders), and exit code 1."""
+    for folder, flag in zip(folders, ("--out-dir", "--warmup-dir")):
+        try:
+            os.makedirs(folder, exist_ok=True)
+            probe = os.path.join(folder, f".write_test.{os.getpid()}")
+            with open(probe, "w") as f:
+                f.write("ok")
+            os.remove(probe)
+        except OSError as e:
+            from harness.distributed import stop  # here: it imports this file
+            stop(f"error: cannot write to {flag} {folder!r}: {e.strerror}")

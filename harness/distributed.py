@@ -7,7 +7,7 @@ A reader learning TLT may skip this file: it is plumbing, nothing in it knows ab
     agree_prefix           a restarted group never reads a dead group's keys in the rendezvous store
     multi_rank, all_sum    more than one rank?; per-step figures summed over ranks
     gather_ranks           every rank's record, on every rank
-    print0                 print on rank 0 only
+    print0, stop           print on rank 0 only; end every rank, with one error line from rank 0
 
 Waits where ranks arrive far apart (slow is not dead) are liveness.py's; checkpoints are checkpoint.py's.
 
@@ -137,3 +137,9 @@ def print0(*a, **kw):
     if int(os.environ.get("RANK", 0)) == 0:
         print(*a, **kw, flush=True)
 
+
+
+def stop(message):
+    """End this rank with exit code 1 when every rank stops for the same reason (a refused flag or
+    file): rank 0 prints `message`, the others nothing, so the job says it once, without a traceback."""
+    raise SystemExit(message if int(os.environ.get("RANK", 0)) == 0 else 1)

@@ -10,8 +10,8 @@ The drafter's warm-up ends at its plateau on held-out samples, not at a step cou
 schedule happened to stop on their machine.
 
 Each is saved in --warmup-dir (target_warmup.pt, drafter_warmup.pt) with what made it (its "meta":
-the task's name, settings and a digest of its code, the model's and the drafter's shapes, the
-recipe and seeds) and reused by any later run whose meta matches, so that runs which differ only in
+the task's name, settings and a digest of the traces and prompts it writes (`Task.meta`), the
+model's and the drafter's shapes, the recipe and seeds) and reused by any later run whose meta matches, so that runs which differ only in
 their RL settings (the --tlt off / on comparison, other RL seeds) start from the same models. A
 warm-up made by anything else is never reused and never lost: one line names the difference, the old
 file is kept under a name of its own key (checkpoint.kept_name), and a fresh warm-up takes the plain

@@ -41,7 +41,6 @@ Test: python -m pytest tests/test_tasks.py
 """
 import hashlib
 import importlib
-import inspect
 import pkgutil
 import random
 from dataclasses import asdict, dataclass, field, fields
@@ -157,12 +156,26 @@ class Task:
         return {k: sum(v) / max(len(v), 1) for k, v in table.items()}
 
     def meta(self):
-        """What this task's tokens depend on: its name, its settings and a digest of its code (its
-        module's source and this class's). A warm-up cached by other code is not reused
-        (harness.warmup), and `from_meta` makes the task again (harness.report)."""
-        code = inspect.getsource(inspect.getmodule(type(self))) + inspect.getsource(Task)
-        digest = hashlib.sha256(code.encode()).hexdigest()[:16]
-        return {"name": self.name, **asdict(self), "code": digest}
+        """What this task's warm-ups read, as the warm-up cache's key (harness.warmup): its name, its
+        settings and `traces`, a digest of the warm-up traces and RL prompts it writes. An edit of
+        the reward, a docstring or a comment leaves the key as it is, and the cached warm-ups are
+        reused; an edit that changes a trace, a prompt or a token is a fresh warm-up. `from_meta`
+        makes the task again from it (harness.report)."""
+        return {"name": self.name, **asdict(self), "traces": self.traces}
+
+    @cached_property
+    def traces(self):
+        """sha256 of what the warm-ups read, drawn with a fixed seed: 8 problems of every size, each
+        one's prompt and a warm-up trace; 256 sizes as `sample` draws them; the merges, the special
+        tokens and the longest response."""
+        rng, h = random.Random(0), hashlib.sha256()
+        for size in range(self.min_n, self.max_n + 1):
+            for _ in range(8):
+                problem = self.problem(rng, size)
+                h.update(repr((self.prompt_ids(problem), self.warmup_example(problem, rng))).encode())
+        h.update(repr([self.sample(rng).size for _ in range(256)]).encode())
+        h.update(repr((self.merges(), self.eos_id, self.pad_id, self.vocab_size, self.max_response_len)).encode())
+        return h.hexdigest()[:16]
 
 
 # the registry: every module in this folder, imported; each Task subclass with a name registers itself
@@ -171,7 +184,7 @@ for module in pkgutil.iter_modules(__path__):
 
 
 def from_meta(meta):
-    """The task that `Task.meta` describes (its settings; not its code, which is today's)."""
+    """The task that `Task.meta` describes (its settings; its traces are today's code's)."""
     if meta["name"] not in TASKS:
         raise ValueError(f"unknown task {meta['name']!r}; registered: {', '.join(TASKS)}")
     cls = TASKS[meta["name"]]

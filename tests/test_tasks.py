@@ -68,23 +68,34 @@ def test_merges_start_from_parts_that_spell_them(task):
 
 
 @pytest.mark.parametrize("task", ALL, ids=IDS)
-def test_meta_makes_the_task_again_and_names_its_code(task):
+def test_meta_makes_the_task_again_and_digests_its_traces(task):
     other = dataclasses.replace(task, alpha=task.alpha + 0.25)
     assert tasks.from_meta(task.meta()) == task and tasks.from_meta(other.meta()) == other
-    assert task.meta()["name"] == task.name and len(task.meta()["code"]) == 16
+    assert task.meta()["name"] == task.name and len(task.meta()["traces"]) == 16
     assert task.meta() != other.meta()
 
 
-def test_the_code_digest_follows_the_source(monkeypatch):
-    """A task's meta holds a digest of its module's source: the same source, the same digest; an
-    edited source (planted: the source read back with a comment added), another."""
-    import inspect
-    task = ALL[0]
-    before = task.meta()["code"]
-    assert type(task)().meta()["code"] == before
-    real = inspect.getsource
-    monkeypatch.setattr(inspect, "getsource", lambda obj: real(obj) + "# an edit\n")
-    assert task.meta()["code"] != before
+def test_the_warmup_key_follows_what_the_warmups_read_not_the_rest_of_the_code(monkeypatch):
+    """Task.meta keys the cached warm-ups: an edit of the reward or a docstring (planted on the class)
+    keeps it; an edit of the warm-up traces, of the prompts or of the merges changes it."""
+    cls = type(ALL[0])
+    before = cls().meta()
+    assert cls().meta() == before  # drawn with a fixed seed
+    monkeypatch.setattr(cls, "reward", lambda self, problem, ids: 0.0)
+    monkeypatch.setattr(cls, "__doc__", "an edited docstring")
+    assert cls().meta() == before
+    edits = {"warmup_example": lambda self, problem, rng: ([1, 2, 3], 1),
+             "prompt_ids": lambda self, problem: [0],
+             "merges": lambda self: []}
+    for name, edit in edits.items():
+        with monkeypatch.context() as m:
+            m.setattr(cls, name, edit)
+            assert cls().meta()["traces"] != before["traces"], name
+    real = cls.warmup_example  # a trace edited only on the largest problems still shows
+    with monkeypatch.context() as m:
+        m.setattr(cls, "warmup_example", lambda self, problem, rng: (
+            real(self, problem, rng) if problem.size < self.max_n else ([7], 0)))
+        assert cls().meta()["traces"] != before["traces"]
 
 
 def test_an_unknown_task_is_named_with_the_registered_ones():

@@ -197,7 +197,8 @@ def test_mismatched_or_corrupt_checkpoint_is_refused_and_left_alone(tmp_path):
     ck = torch.load(ckpt, map_location="cpu", weights_only=True)  # same config, but the bandit state of an older version
     ck["bandits"][0]["plays"] = [[b, a, [float(n) for n, _ in r]] for b, a, r in ck["bandits"][0]["plays"]]
     assert any(r for _, _, r in ck["bandits"][0]["plays"]), "the 1-step run must have scored some bandit plays"
-    torch.save(ck, ckpt)
+    ck.pop("digest")
+    checkpoint.save_atomic(ck, ckpt)
     old = digest(ckpt)
     r = run_train(TINY + ["--out-dir", out, "--rl-steps", "2"])
     assert r.returncode != 0 and "does not fit this version" in r.stderr
@@ -209,6 +210,63 @@ def test_mismatched_or_corrupt_checkpoint_is_refused_and_left_alone(tmp_path):
     r = run_train(TINY + ["--out-dir", out, "--rl-steps", "2"])
     assert r.returncode != 0 and "cannot read checkpoint" in r.stderr
     assert digest(ckpt) == cut
+
+
+def test_a_block_zeroed_inside_a_checkpoint_is_refused_by_its_digest(tmp_path):
+    """torch.load reads a file whose tensor bytes a crash zeroed as zero weights; the digest that
+    save_atomic writes with the file refuses it."""
+    path = str(tmp_path / "ckpt.pt")
+    meta = {"seed": 1}
+    checkpoint.save_atomic({"meta": meta, "w": torch.randn(100_000)}, path)
+    assert torch.equal(checkpoint.load_checked(path, meta)["w"], torch.load(path, weights_only=True)["w"])
+    with open(path, "r+b") as f:
+        f.seek(os.path.getsize(path) // 2)
+        f.write(bytes(4096))
+    assert (torch.load(path, weights_only=True)["w"] == 0).sum() > 1000  # it loads, wrong
+    with pytest.raises(SystemExit, match="is damaged"):
+        checkpoint.load_checked(path, meta)
+
+
+def _damage(path, how):
+    if how == "truncated":
+        os.truncate(path, os.path.getsize(path) // 2)
+    elif how == "zeroed":  # a block of the second half that is not zero already (AdamW's moments of unused tokens are)
+        data = open(path, "rb").read()
+        at = next(i for i in range(len(data) // 2, len(data), 1024) if data[i:i + 4096].count(0) < 1000)
+        with open(path, "r+b") as f:
+            f.seek(at)
+            f.write(bytes(4096))
+    else:  # written whole, by a version of the code whose bandit state had another layout
+        ck = torch.load(path, map_location="cpu", weights_only=True)
+        ck.pop("digest")
+        ck["bandits"][0]["plays"] = [[b, a, [float(n) for n, _ in r]] for b, a, r in ck["bandits"][0]["plays"]]
+        checkpoint.save_atomic(ck, path)
+
+
+@pytest.mark.parametrize("name,how", [("ckpt.pt", "truncated"), ("ckpt.pt", "zeroed"), ("ckpt.pt", "foreign"),
+                                      ("target_warmup.pt", "zeroed"), ("an out-dir under a file", None)])
+def test_a_refused_file_or_folder_stops_two_ranks_with_one_line_from_rank_0(tmp_path, name, how):
+    """On two ranks a torn, zeroed or foreign checkpoint or warm-up cache, or an --out-dir that cannot
+    be written, stops the job: a non-zero exit, one `error:` line naming it and what to do, no
+    traceback from a rank (torchrun's own report of the failed job follows), the file left as it was."""
+    out = str(tmp_path / "run")
+    assert run_train(TINY + ["--out-dir", out, "--rl-steps", "1"]).returncode == 0
+    if how is None:
+        open(tmp_path / "a-file", "w").close()
+        out, path = str(tmp_path / "a-file" / "run"), None
+    else:
+        path = os.path.join(out, name)
+        _damage(path, how)
+        before = digest(path)
+    proc = torchrun(TINY + ["--out-dir", out, "--rl-steps", "2"])
+    stdout, _ = proc.communicate(timeout=120)
+    assert proc.returncode != 0
+    errors = [line for line in stdout.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1, stdout[-3000:]
+    assert (path or out) in errors[0] and ("delete it" in errors[0] or "cannot write to --out-dir" in errors[0])
+    assert ("--warmup-dir" in errors[0]) == (name == "target_warmup.pt")
+    assert "train.py\", line" not in stdout and "/harness/" not in stdout, stdout[-3000:]  # no rank's traceback
+    assert path is None or digest(path) == before
 
 
 def test_bf16_warmups_and_rl_steps_on_one_and_two_ranks(tmp_path):
@@ -453,6 +511,7 @@ def test_one_process_holds_at_most_keep_tokens_in_every_configuration(flags, tmp
 
 PLANTED = '''from dataclasses import dataclass
 
+from tasks import running_sum
 from tasks.running_sum import RunningSum
 
 
@@ -480,10 +539,11 @@ def _prepare(argv):
                                  torch.device("cpu"))
 
 
-def test_a_warmup_made_by_other_task_code_or_another_drafter_shape_is_made_afresh(tmp_path, monkeypatch, capsys):
-    """The cache is keyed on what made it: the same flags after the task's code changed (a planted
-    edit of its module) get a fresh warm-up and one line naming the difference, not the old one;
-    a drafter of another depth gets a fresh drafter warm-up, not a missing-keys crash."""
+def test_a_warmup_made_from_other_traces_or_another_drafter_shape_is_made_afresh(tmp_path, monkeypatch, capsys):
+    """The cache is keyed on what the warm-ups read: after a planted edit of the task's module that
+    they do not read (a comment, the reward) both are reused; after one that changes the warm-up
+    traces the target is warmed up afresh, with one line naming the difference; a drafter of
+    another depth gets a fresh drafter warm-up, not a missing-keys crash."""
     module = tmp_path / "code" / "planted.py"
     module.parent.mkdir()
     _planted_task(module, PLANTED, monkeypatch)
@@ -492,12 +552,16 @@ def test_a_warmup_made_by_other_task_code_or_another_drafter_shape_is_made_afres
     _prepare(flags)
     first = capsys.readouterr().out
     assert "target warmup" in first and "reusing" not in first
-    _prepare(flags)  # the same code and flags: reused
-    assert "reusing the warmed-up target" in capsys.readouterr().out
-    _planted_task(module, PLANTED + "    # an edit: the task's code is not what made the warm-up\n", monkeypatch)
+    for edit in ("    # a comment\n", "    def reward(self, problem, ids):\n        return 0.0\n"):
+        _planted_task(module, PLANTED + edit, monkeypatch)
+        _prepare(flags)
+        out = capsys.readouterr().out
+        assert "reusing the warmed-up target" in out and "reusing the warmed-up drafter" in out, edit
+    _planted_task(module, PLANTED + "    def warmup_example(self, problem, rng):  # single steps only\n"
+                  "        return running_sum.training_example(problem)\n", monkeypatch)
     _prepare(flags)
     out = capsys.readouterr().out
-    assert "not reusing" in out and "task.code" in out and "target warmup" in out
+    assert "not reusing" in out and "task.traces" in out and "target warmup" in out
     assert "reusing the warmed-up target" not in out
     _, drafter = _prepare(flags + ["--drafter-layers", "2"])
     out = capsys.readouterr().out
@@ -505,7 +569,7 @@ def test_a_warmup_made_by_other_task_code_or_another_drafter_shape_is_made_afres
     assert len(drafter.stack.blocks) == 2 and "drafter warmup" in out
     # nothing was replaced: each settings' warm-ups are kept, and the one-layer drafter comes back
     names = sorted(os.listdir(tmp_path / "warm"))
-    assert len([n for n in names if n.startswith("target_warmup")]) == 2, names  # old code, new code
+    assert len([n for n in names if n.startswith("target_warmup")]) == 2, names  # old traces, new traces
     assert len([n for n in names if n.startswith("drafter_warmup")]) == 3, names
     _, drafter = _prepare(flags)
     out = capsys.readouterr().out

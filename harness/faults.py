@@ -1,0 +1,300 @@
+"""Kill a rank anywhere, and check that the resumed run is the run it would have been.
+
+    python -m harness.faults                                  # 24 trials on 2 ranks, each phase 3 times
+    python -m harness.faults --nproc 4 --trials 2             # on 4 ranks
+    python -m harness.faults --phases update,checkpoint-write --trials 4 -- --rl-steps 10 ...
+
+With exact-token sampling a rollout's tokens depend only on the target's weights and the seeds. So a
+run that dies and is restarted by `torchrun --max-restarts` from its last checkpoint must write the
+same responses at every step, and end with the same target bit for bit, as a run that never died.
+The drafter may differ (idle training follows the clock), and it never changes a token.
+
+The command runs train.py once without a fault: the reference. The flags are the smoke run's sizes,
+or those given after `--`. Then each trial runs the same flags under `torchrun --max-restarts=1`,
+and one rank SIGKILLs itself at a random moment inside one phase. That moment is a random call of
+the phase's function, after a random part of that call's length in the reference run (up to 80%
+of it; if this call is quicker still, at its last instant). The phases and their functions:
+
+    target-warmup     harness.warmup.warmup_target
+    drafter-warmup    harness.warmup.warmup_drafter
+    evaluation        train.evaluate_both (before or after RL)
+    rollout           train.roll_out
+    idle-loop         train.idle_train (a rank that finishes last passes through in a moment)
+    drafter-sync      from train.start_drafter_sync to the return of the finish it hands back (the
+                      sync overlaps the update)
+    update            train.update_target
+    checkpoint-write  harness.checkpoint.save_atomic on rank 0 (the warm-up caches and ckpt.pt)
+
+Checks, per trial: the job finished (exit 0); metrics.jsonl holds every RL step exactly once; the
+responses at every step are the reference's (`responses_digest`); the final target in ckpt.pt is
+the reference's, bit for bit; the warm-up caches load (`checkpoint.load_checked`) and are the
+reference's, bit for bit. A trial that is not about a warm-up starts from copies of the
+reference's warm-up caches. The table goes to stdout and to <out-dir>/trials.jsonl; the exit code
+is 1 if any check failed.
+
+How a rank kills itself: torchrun runs this module (`-m harness.faults`) on every rank, with the
+trial's plan in the environment (TLT_FAULT). It wraps the phases' functions, records each call's
+length, and runs train.main. Only the first attempt (TORCHELASTIC_RESTART_COUNT 0) is killed; the
+group that torchrun restarts runs plainly.
+
+Test: python -m pytest tests/test_faults.py
+"""
+import argparse
+import importlib
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import torch
+
+from harness.checkpoint import load_checked
+from harness.common import OneLineParser
+
+PLAN = "TLT_FAULT"  # the environment variable that holds a rank's plan
+PHASES = {  # phase -> (module, function)
+    "target-warmup": ("harness.warmup", "warmup_target"),
+    "drafter-warmup": ("harness.warmup", "warmup_drafter"),
+    "evaluation": ("train", "evaluate_both"),
+    "rollout": ("train", "roll_out"),
+    "idle-loop": ("train", "idle_train"),
+    "drafter-sync": ("train", "start_drafter_sync"),
+    "update": ("train", "update_target"),
+    "checkpoint-write": ("harness.checkpoint", "save_atomic"),
+}
+WARMUPS = ("target_warmup.pt", "drafter_warmup.pt")
+RUN = ["--rl-steps", "20", "--max-n", "4", "--block-size", "64", "--n-layer", "2", "--n-embd", "32",
+       "--warmup-steps", "300", "--drafter-warmup-steps", "300", "--eval-per-bucket", "5",
+       "--ckpt-every", "5"]  # the README's smoke run, with more checkpoints
+
+
+# -----------------------------------------------------------------------------
+# in each rank: the phases' functions wrapped, the plan carried out
+
+class Phases:
+    """Wraps every phase's function. Each call is named by (phase, where, n): where the run is
+    ("before RL", "step 7", "after RL") and the how-manieth such call this is. A call's length is
+    appended to <out-dir>/phases.rank<r>.jsonl; the call the plan names arms a SIGKILL."""
+
+    def __init__(self, plan, rank, first_attempt):
+        self.plan = plan if first_attempt and plan.get("rank") == rank else None
+        self.log = os.path.join(plan["out_dir"], f"phases.rank{rank}.jsonl")
+        self.rank, self.rollouts, self.seen, self.lock = rank, 0, {}, threading.Lock()
+
+    def install(self):
+        for phase, (module, name) in PHASES.items():
+            mod = importlib.import_module(module)
+            setattr(mod, name, self.wrap(phase, getattr(mod, name)))
+
+    def wrap(self, phase, fn):
+        def wrapped(*args, **kwargs):
+            call = self.enter(phase)
+            if phase != "drafter-sync":
+                try:
+                    return fn(*args, **kwargs)
+                finally:
+                    self.leave(call)
+            finish = fn(*args, **kwargs)
+
+            def finish_and_leave():  # the sync ends when its finish returns
+                try:
+                    return finish()
+                finally:
+                    self.leave(call)
+            return finish_and_leave
+        return wrapped
+
+    def enter(self, phase):
+        if phase == "rollout":
+            self.rollouts += 1
+        where = "before RL" if not self.rollouts else (
+            "after RL" if phase == "evaluation" else f"step {self.rollouts - 1}")
+        n = self.seen[(phase, where)] = self.seen.get((phase, where), -1) + 1
+        call = {"phase": phase, "where": where, "n": n, "t0": time.perf_counter(), "timer": None}
+        p = self.plan
+        if p and (p["phase"], p["where"], p["n"]) == (phase, where, n):
+            call["timer"] = threading.Timer(p["after_s"], self.kill, (call, "inside"))
+            call["timer"].start()
+        return call
+
+    def leave(self, call):
+        seconds = time.perf_counter() - call["t0"]
+        if call["timer"] is not None:
+            call["timer"].cancel()
+            self.kill(call, "at its end")  # this call was quicker than the reference's moment
+        with open(self.log, "a") as f:
+            f.write(json.dumps({k: call[k] for k in ("phase", "where", "n")} | {"seconds": seconds}) + "\n")
+
+    def kill(self, call, when):
+        with self.lock:  # the timer and the call's end may both get here: only one writes and kills
+            with open(os.path.join(self.plan["out_dir"], "killed.json"), "w") as f:
+                json.dump({**self.plan, "when": when}, f)
+                f.flush()
+                os.fsync(f.fileno())
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+def rank_main():
+    """A rank of a run under this module: the phases wrapped, then train.py's main."""
+    plan = json.loads(os.environ[PLAN])
+    sys.setswitchinterval(1e-4)  # the timer thread gets the interpreter within 0.1 ms, not 5: phases are short
+    Phases(plan, int(os.environ.get("RANK", 0)),
+           os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0").install()
+    import train
+    train.main(sys.argv[1:])
+
+
+# -----------------------------------------------------------------------------
+# the command: the reference run, the trials, the checks
+
+def launch(flags, out_dir, nproc, plan, log):
+    """train.py under torchrun --max-restarts=1, every rank running `rank_main` with `plan` -> exit code."""
+    os.makedirs(out_dir, exist_ok=True)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+           "--max-restarts=1", "-m", "harness.faults", *flags, "--out-dir", out_dir]
+    env = {**os.environ, PLAN: json.dumps({**plan, "out_dir": out_dir}), "OMP_NUM_THREADS": "1"}
+    with open(log, "w") as f:
+        try:
+            return subprocess.run(cmd, env=env, stdout=f, stderr=subprocess.STDOUT, timeout=1800).returncode
+        except subprocess.TimeoutExpired:
+            return "hung"
+
+
+def calls(out_dir, nproc):
+    """The reference run's calls: [(rank, phase, where, n, seconds)]."""
+    found = []
+    for rank in range(nproc):
+        with open(os.path.join(out_dir, f"phases.rank{rank}.jsonl")) as f:
+            found += [(rank, c["phase"], c["where"], c["n"], c["seconds"]) for c in map(json.loads, f)]
+    return found
+
+
+def plans(reference_calls, phases, trials, rng):
+    """Each trial's plan: the phases in turn (shuffled), a random call of it on any rank, a random
+    moment inside the first 80% of that call's length in the reference run."""
+    order = [phases[i % len(phases)] for i in range(trials)]
+    rng.shuffle(order)
+    out = []
+    for phase in order:
+        choices = [c for c in reference_calls if c[1] == phase]
+        if not choices:
+            raise SystemExit(f"error: the reference run never entered phase {phase}")
+        rank, _, where, n, seconds = rng.choice(choices)
+        out.append({"phase": phase, "rank": rank, "where": where, "n": n,  # 0.8: the same call may be quicker
+                    "after_s": round(rng.uniform(0, 0.8 * seconds), 6)})
+    return out
+
+
+def records(out_dir):
+    with open(os.path.join(out_dir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def same_tensors(a, b):
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def compare(reference, run, rl_steps):
+    """The checks of a run against the reference run -> {check: True/False, "responses": "k/n"}."""
+    out = {}
+    steps = [r["step"] for r in records(run)] if os.path.exists(os.path.join(run, "metrics.jsonl")) else []
+    out["steps once"] = steps == list(range(rl_steps))
+    want = {r["step"]: r["responses_digest"] for r in records(reference)}
+    got = {r["step"]: r["responses_digest"] for r in records(run)} if steps else {}
+    equal = sum(got.get(s) == d for s, d in want.items())
+    out["responses"] = f"{equal}/{len(want)}"
+    load = lambda d, name: torch.load(os.path.join(d, name), map_location="cpu", weights_only=True)  # noqa: E731
+    out["target"] = (os.path.exists(os.path.join(run, "ckpt.pt"))
+                     and same_tensors(load(reference, "ckpt.pt")["model"], load(run, "ckpt.pt")["model"]))
+    out["caches"] = True
+    for name in WARMUPS:
+        if os.path.exists(os.path.join(reference, name)):
+            ref = load(reference, name)
+            try:
+                mine = load_checked(os.path.join(run, name), ref["meta"])
+            except SystemExit:
+                out["caches"] = False
+                continue
+            key = "model" if "model" in ref else "drafter"
+            out["caches"] &= same_tensors(ref[key], mine[key])
+    return out
+
+
+def passed(checks):
+    k, n = checks["responses"].split("/")
+    return checks["finished"] and k == n and all(v for v in checks.values() if isinstance(v, bool))
+
+
+def rl_steps_of(flags):
+    from harness.config import parse_args
+    return parse_args(flags).rl_steps
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    ours, flags = (argv[:argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else (argv, RUN)
+    p = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--trials", type=int, default=3 * len(PHASES))
+    p.add_argument("--nproc", type=int, default=2, help="ranks of each run")
+    p.add_argument("--phases", default="all", help=f"comma-separated, of: {', '.join(PHASES)}")
+    p.add_argument("--seed", type=int, default=0, help="of the trials' phases, ranks, calls and moments")
+    p.add_argument("--out-dir", default="faults", help="the reference run and each trial, a folder each")
+    args = p.parse_args(ours)
+    phases = list(PHASES) if args.phases == "all" else args.phases.split(",")
+    if unknown := [ph for ph in phases if ph not in PHASES]:
+        p.error(f"unknown phase(s) {', '.join(unknown)}; the phases: {', '.join(PHASES)}")
+    if args.trials < 1 or args.nproc < 1:
+        p.error("--trials and --nproc must be at least 1")
+    rl_steps = rl_steps_of(flags)
+    if os.path.exists(args.out_dir):
+        shutil.rmtree(args.out_dir)  # every trial starts from nothing but the reference's warm-ups
+    reference = os.path.join(args.out_dir, "reference")
+    print(f"the reference run, {args.nproc} rank(s): {' '.join(flags)}", flush=True)
+    t0 = time.time()
+    rc = launch(flags, reference, args.nproc, {}, os.path.join(args.out_dir, "reference.log"))
+    if rc != 0:
+        raise SystemExit(f"error: the reference run failed (exit {rc}); see {args.out_dir}/reference.log")
+    print(f"  done in {time.time() - t0:.0f}s", flush=True)
+    rows = []
+    print(f"{'trial':>5}  {'phase':<16} {'rank':>4}  {'where':<10} {'killed':<11} {'finished':<8} "
+          f"{'steps once':<10} {'responses':<9} {'target':<6} {'caches':<6} {'time':>5}")
+    for i, plan in enumerate(plans(calls(reference, args.nproc), phases, args.trials, random.Random(args.seed))):
+        run = os.path.join(args.out_dir, f"trial{i:02d}")
+        os.makedirs(run)
+        fresh = plan["phase"].endswith("warmup") or (plan["phase"], plan["where"]) == ("checkpoint-write", "before RL")
+        if not fresh:
+            for name in WARMUPS:  # a trial about the RL loop starts from the reference's warm-ups
+                if os.path.exists(os.path.join(reference, name)):
+                    shutil.copy(os.path.join(reference, name), run)
+        t0 = time.time()
+        rc = launch(flags, run, args.nproc, plan, os.path.join(run, "torchrun.log"))
+        killed = os.path.join(run, "killed.json")
+        checks = {"finished": rc == 0, **compare(reference, run, rl_steps)}
+        row = {**plan, "killed": json.load(open(killed))["when"] if os.path.exists(killed) else "no",
+               **checks, "seconds": round(time.time() - t0, 1)}
+        rows.append(row)
+        yn = lambda v: "yes" if v else "NO"  # noqa: E731
+        print(f"{i:>5}  {plan['phase']:<16} {plan['rank']:>4}  {plan['where']:<10} {row['killed']:<11} "
+              f"{yn(checks['finished']):<8} {yn(checks['steps once']):<10} {checks['responses']:<9} "
+              f"{yn(checks['target']):<6} {yn(checks['caches']):<6} {row['seconds']:>4.0f}s", flush=True)
+    with open(os.path.join(args.out_dir, "trials.jsonl"), "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in rows)
+    good = [r for r in rows if r["killed"] != "no" and passed(r)]
+    hit = {ph: sum(r["phase"] == ph and r["killed"] != "no" for r in rows) for ph in phases}
+    print(f"{len(good)} of {len(rows)} trials killed a rank and ended as the reference did (finished, every "
+          f"step once, the same responses, the same target bit for bit, caches that load); kills by phase: "
+          + ", ".join(f"{ph} {n}" for ph, n in hit.items()))
+    if len(good) < len(rows):
+        raise SystemExit(1)
+
+
+if __name__ == "__main__":
+    if PLAN in os.environ:
+        rank_main()  # a rank, started by torchrun
+    else:
+        main()

@@ -1,0 +1,89 @@
+"""A killed rank's run, restarted by torchrun, is the run it would have been: every step logged once,
+the same responses at every step, the same target bit for bit, warm-up caches that load
+(harness/faults.py). Real torchrun jobs on tiny configs, so each test takes seconds."""
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+from harness import faults  # noqa: E402
+from harness.checkpoint import save_atomic  # noqa: E402
+from test_train import TINY  # noqa: E402
+
+# long enough that a stop after the checkpoint of step 1 has records past it: rewards vary, the target moves
+FLAGS = TINY + ["--max-n", "2", "--n-embd", "32", "--warmup-steps", "150", "--warmup-tokens", "512",
+                "--warmup-lr", "1e-2", "--group-size", "4", "--eval-per-bucket", "0", "--rl-steps", "6",
+                "--rl-lr", "3e-3", "--ckpt-every", "2"]
+
+
+def launch(out, nproc, plan):
+    rc = faults.launch(FLAGS, str(out), nproc, plan, str(out) + ".log")
+    assert rc == 0, open(str(out) + ".log").read()[-3000:]
+    return str(out)
+
+
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_a_rank_killed_after_a_checkpoint_resumes_into_the_run_it_would_have_been(tmp_path, nproc):
+    """The last rank dies in step 3's rollout: steps 0-2 are logged, the checkpoint is step 1's. The
+    restarted group resumes at step 2 and must log it again once, sample the same responses and
+    make the same updates (AdamW's moments restored, no seed that knows about the restart)."""
+    reference = launch(tmp_path / "reference", nproc, {})
+    run = tmp_path / "killed"
+    run.mkdir()
+    for name in faults.WARMUPS:
+        shutil.copy(os.path.join(reference, name), run)
+    plan = {"phase": "rollout", "rank": nproc - 1, "where": "step 3", "n": 0, "after_s": 0.0}
+    launch(run, nproc, plan)
+    assert json.load(open(run / "killed.json"))["phase"] == "rollout"
+    log = open(str(run) + ".log").read()
+    assert "resuming from" in log and "at RL step 2" in log
+    records = faults.records(reference)
+    assert len({r["reward"] for r in records}) > 1  # the target really moves
+    assert faults.compare(reference, str(run), 6) == {"steps once": True, "responses": "6/6", "target": True,
+                                                      "caches": True}
+
+
+def test_the_fault_command_kills_in_the_phases_asked_and_checks_each_trial(tmp_path):
+    out = tmp_path / "faults"
+    r = subprocess.run([sys.executable, "-m", "harness.faults", "--trials", "2", "--phases",
+                        "checkpoint-write,idle-loop", "--out-dir", str(out), "--", *FLAGS],
+                       cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    rows = [json.loads(line) for line in open(out / "trials.jsonl")]
+    assert sorted(row["phase"] for row in rows) == ["checkpoint-write", "idle-loop"]
+    for row in rows:
+        assert row["killed"] in ("inside", "at its end") and faults.passed(row)
+        assert row["phase"] != "checkpoint-write" or row["rank"] == 0  # only rank 0 writes
+    assert "2 of 2 trials killed a rank and ended as the reference did" in r.stdout
+
+    # each check fails on a run that differs from the reference in what it checks
+    reference = str(out / "reference")
+    assert faults.passed({"finished": True, **faults.compare(reference, reference, 6)})
+    for defect in ("a step logged twice", "a response changed", "a weight changed", "a torn cache"):
+        bad = str(tmp_path / "bad")
+        shutil.rmtree(bad, ignore_errors=True)
+        shutil.copytree(reference, bad)
+        lines = open(os.path.join(bad, "metrics.jsonl")).readlines()
+        if defect == "a step logged twice":
+            lines.insert(3, lines[2])
+        if defect == "a response changed":
+            rec = json.loads(lines[4])
+            lines[4] = json.dumps({**rec, "responses_digest": "0" * len(rec["responses_digest"])}) + "\n"
+        open(os.path.join(bad, "metrics.jsonl"), "w").writelines(lines)
+        if defect == "a weight changed":
+            ck = torch.load(os.path.join(bad, "ckpt.pt"), weights_only=True)
+            ck.pop("digest")
+            w = next(iter(ck["model"].values()))
+            w.view(-1)[0] = torch.nextafter(w.view(-1)[0], torch.tensor(1e9))  # one ulp
+            save_atomic(ck, os.path.join(bad, "ckpt.pt"))
+        if defect == "a torn cache":
+            path = os.path.join(bad, "target_warmup.pt")
+            os.truncate(path, os.path.getsize(path) // 2)
+        checks = {"finished": True, **faults.compare(reference, bad, 6)}
+        assert not faults.passed(checks), defect
