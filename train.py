@@ -24,13 +24,12 @@ from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
-from torch.nn.parallel import DistributedDataParallel
 
 import rl
 from harness.checkpoint import bandit_state, load_bandit, load_on_rank0, save_on_rank0
 from harness.common import check_out_dir, machine
 from harness.config import autocast, model_config, parse_args, task_of
-from harness.distributed import COLLECTIVE_TIMEOUT_S, compute_init, gather_ranks, print0, stop
+from harness.distributed import COLLECTIVE_TIMEOUT_S, compute_init, gather_ranks, print0, stop, wrap_ddp
 from drafter import DrafterBuffer, make_optimizer
 from harness.evaluate import early_step, evaluate_both, snapshot, stale_drafter
 from harness.instrument import RolloutStats, TimedDrafter, observers, liveness_observer
@@ -132,7 +131,7 @@ def new_state(args, task, model, drafter, rank, world_size, device):
     ddp = dist.is_initialized()
     return RunState(
         args, task, model,
-        DistributedDataParallel(model, forward_sync_buffers=False) if ddp else model,
+        wrap_ddp(model) if ddp else model,
         torch.optim.AdamW(model.parameters(), lr=args.rl_lr, betas=(0.9, 0.95), weight_decay=0.0),
         drafter, make_optimizer(drafter, args.drafter_online_lr),
         Bandit(args.draft_ks, seed=rl.derive_seed(args.rl_seed, rank, 0, rl.Seed.BANDIT)),

@@ -7,6 +7,7 @@ A reader learning TLT may skip this file: it is plumbing, nothing in it knows ab
     agree_prefix           a restarted group never reads a dead group's keys in the rendezvous store
     multi_rank, all_sum    more than one rank?; per-step figures summed over ranks
     gather_ranks           every rank's record, on every rank
+    wrap_ddp               the target under DDP, its gradient buckets in their final order at once
     print0, stop           print on rank 0 only; end every rank, with one error line from rank 0
 
 Waits where ranks arrive far apart (slow is not dead) are liveness.py's; checkpoints are checkpoint.py's.
@@ -143,3 +144,18 @@ def stop(message):
     """End this rank with exit code 1 when every rank stops for the same reason (a refused flag or
     file): rank 0 prints `message`, the others nothing, so the job says it once, without a traceback."""
     raise SystemExit(message if int(os.environ.get("RANK", 0)) == 0 else 1)
+
+
+def wrap_ddp(model):
+    """`model` under DistributedDataParallel, its gradient buckets already rebuilt.
+
+    DDP lays a bucket's gradients out in parameter order, then, after the first backward, in the
+    order that backward made them; and on more than two ranks the layout decides the order in which
+    each element is summed over ranks. A resumed run's DDP is new at its first update where the
+    uninterrupted run's is not: on 4 ranks the two targets then differed in the last bit. One
+    backward of a zero loss here (its gradients dropped) rebuilds the buckets before any update."""
+    net = torch.nn.parallel.DistributedDataParallel(model, forward_sync_buffers=False)  # the rotary tables never change
+    device = next(model.parameters()).device
+    (net(torch.zeros(1, 1, dtype=torch.long, device=device))[0].sum() * 0).backward()
+    model.zero_grad(set_to_none=True)
+    return net

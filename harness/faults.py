@@ -191,8 +191,12 @@ def plans(reference_calls, phases, trials, rng):
 
 
 def records(out_dir):
-    with open(os.path.join(out_dir, "metrics.jsonl")) as f:
-        return [json.loads(line) for line in f]
+    """A run's records; none if it wrote none, and not a last line that a kill cut short."""
+    path = os.path.join(out_dir, "metrics.jsonl")
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.endswith("\n")]
 
 
 def same_tensors(a, b):
@@ -201,11 +205,10 @@ def same_tensors(a, b):
 
 def compare(reference, run, rl_steps):
     """The checks of a run against the reference run -> {check: True/False, "responses": "k/n"}."""
-    out = {}
-    steps = [r["step"] for r in records(run)] if os.path.exists(os.path.join(run, "metrics.jsonl")) else []
-    out["steps once"] = steps == list(range(rl_steps))
+    out, mine = {}, records(run)
+    out["steps once"] = [r["step"] for r in mine] == list(range(rl_steps))
     want = {r["step"]: r["responses_digest"] for r in records(reference)}
-    got = {r["step"]: r["responses_digest"] for r in records(run)} if steps else {}
+    got = {r["step"]: r["responses_digest"] for r in mine}
     equal = sum(got.get(s) == d for s, d in want.items())
     out["responses"] = f"{equal}/{len(want)}"
     load = lambda d, name: torch.load(os.path.join(d, name), map_location="cpu", weights_only=True)  # noqa: E731

@@ -35,7 +35,23 @@ gives the tokenizer: `make_encoding(name, merges, pat_str)` (byte-level ranks, t
 strings, `<|eos|>` and `<|pad|>`) and `encode(enc, text)`.
 
 Adding a task: one file in this folder with a `Task` subclass that has a `name`. The package
-imports every module in this folder, and each such subclass registers itself in `TASKS`.
+imports every module in this folder, and each such subclass registers itself in `TASKS`. The
+rules a task meets (tests/test_tasks.py and the tiny run of every task in tests/test_train.py
+check them):
+
+    merged tokens   `pat_str` cuts text into pieces, and no merge crosses a piece. A piece that is a
+                    merged string is that one token; inside a longer piece, BPE builds a merged
+                    string only from merged parts of it listed before it ("=12" within "=123"
+                    needs "=1" or "12").
+    merges()        (merged id, [part ids]) pairs, any number of parts, whose texts spell the merged
+                    token's; its embedding starts as their sum over sqrt(len(parts)).
+    the long tail   over sampled sizes, the 90th percentile of `response_len` at least twice the
+                    median: the rollout's tail comes from the problems.
+    the block       prompt + longest response + the longest draft (8 tokens) within --block-size:
+                    at --max-n 4, 56 for the tests' tiny run, 64 for the README's quick try.
+    the warm-up key `meta()`'s `traces`: a digest of prompts and warm-up traces drawn with a fixed
+                    seed. Edit the reward or the words and the cached warm-ups are reused; edit a
+                    trace and they are made afresh, the old kept under their own key.
 
 Test: python -m pytest tests/test_tasks.py
 """

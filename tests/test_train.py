@@ -3,6 +3,7 @@ torchrun, bad input, non-finite updates. Runs real processes, so each test takes
 import hashlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -243,14 +244,31 @@ def _damage(path, how):
         checkpoint.save_atomic(ck, path)
 
 
+def test_a_record_a_kill_cut_short_is_dropped_on_resume(tmp_path):
+    """A rank killed while rank 0 appends a record leaves a last line without its newline; the
+    resumed run drops it with the records past its checkpoint (and does not fail parsing it)."""
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 0}\n{"step": 1}\n{"step": 2}\n{"step": 3, "rew')
+    train.keep_records(str(path), 2)
+    assert path.read_text() == '{"step": 0}\n{"step": 1}\n'
+
+
+@pytest.fixture(scope="module")
+def one_step_run(tmp_path_factory):
+    """A one-step run's folder: its warm-ups, ckpt.pt and records."""
+    out = str(tmp_path_factory.mktemp("one_step") / "run")
+    assert run_train(TINY + ["--out-dir", out, "--rl-steps", "1"]).returncode == 0
+    return out
+
+
 @pytest.mark.parametrize("name,how", [("ckpt.pt", "truncated"), ("ckpt.pt", "zeroed"), ("ckpt.pt", "foreign"),
                                       ("target_warmup.pt", "zeroed"), ("an out-dir under a file", None)])
-def test_a_refused_file_or_folder_stops_two_ranks_with_one_line_from_rank_0(tmp_path, name, how):
+def test_a_refused_file_or_folder_stops_two_ranks_with_one_line_from_rank_0(tmp_path, name, how, one_step_run):
     """On two ranks a torn, zeroed or foreign checkpoint or warm-up cache, or an --out-dir that cannot
     be written, stops the job: a non-zero exit, one `error:` line naming it and what to do, no
     traceback from a rank (torchrun's own report of the failed job follows), the file left as it was."""
     out = str(tmp_path / "run")
-    assert run_train(TINY + ["--out-dir", out, "--rl-steps", "1"]).returncode == 0
+    shutil.copytree(one_step_run, out)
     if how is None:
         open(tmp_path / "a-file", "w").close()
         out, path = str(tmp_path / "a-file" / "run"), None
