@@ -29,7 +29,8 @@ import rl
 from harness.checkpoint import bandit_state, load_bandit, load_on_rank0, save_on_rank0
 from harness.common import check_out_dir, machine
 from harness.config import autocast, model_config, parse_args, task_of
-from harness.distributed import COLLECTIVE_TIMEOUT_S, compute_init, gather_ranks, print0, stop, wrap_ddp
+from harness.distributed import (COLLECTIVE_TIMEOUT_S, compute_init, gather_ranks, print0, stop,
+                                 wrap_ddp)
 from drafter import DrafterBuffer, make_optimizer
 from harness.evaluate import early_step, evaluate_both, snapshot, stale_drafter
 from harness.instrument import RolloutStats, TimedDrafter, observers, liveness_observer

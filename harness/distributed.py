@@ -154,7 +154,7 @@ def wrap_ddp(model):
     each element is summed over ranks. A resumed run's DDP is new at its first update where the
     uninterrupted run's is not: on 4 ranks the two targets then differed in the last bit. One
     backward of a zero loss here (its gradients dropped) rebuilds the buckets before any update."""
-    net = torch.nn.parallel.DistributedDataParallel(model, forward_sync_buffers=False)  # the rotary tables never change
+    net = torch.nn.parallel.DistributedDataParallel(model, forward_sync_buffers=False)  # rotary tables: fixed
     device = next(model.parameters()).device
     (net(torch.zeros(1, 1, dtype=torch.long, device=device))[0].sum() * 0).backward()
     model.zero_grad(set_to_none=True)
