@@ -84,7 +84,7 @@ class Phases:
     def __init__(self, plan, rank, first_attempt):
         self.plan = plan if first_attempt and plan.get("rank") == rank else None
         self.log = os.path.join(plan["out_dir"], f"phases.rank{rank}.jsonl")
-        self.rank, self.rollouts, self.seen, self.lock = rank, 0, {}, threading.Lock()
+        self.rollouts, self.seen, self.lock = 0, {}, threading.Lock()
 
     def install(self):
         for phase, (module, name) in PHASES.items():
@@ -118,7 +118,7 @@ class Phases:
         call = {"phase": phase, "where": where, "n": n, "t0": time.perf_counter(), "timer": None}
         p = self.plan
         if p and (p["phase"], p["where"], p["n"]) == (phase, where, n):
-            call["timer"] = threading.Timer(p["after_s"], self.kill, (call, "inside"))
+            call["timer"] = threading.Timer(p["after_s"], self.kill, ("inside",))
             call["timer"].start()
         return call
 
@@ -126,11 +126,11 @@ class Phases:
         seconds = time.perf_counter() - call["t0"]
         if call["timer"] is not None:
             call["timer"].cancel()
-            self.kill(call, "at its end")  # this call was quicker than the reference's moment
+            self.kill("at its end")  # this call was quicker than the reference's moment
         with open(self.log, "a") as f:
             f.write(json.dumps({k: call[k] for k in ("phase", "where", "n")} | {"seconds": seconds}) + "\n")
 
-    def kill(self, call, when):
+    def kill(self, when):
         with self.lock:  # the timer and the call's end may both get here: only one writes and kills
             with open(os.path.join(self.plan["out_dir"], "killed.json"), "w") as f:
                 json.dump({**self.plan, "when": when}, f)
@@ -241,7 +241,8 @@ def rl_steps_of(flags):
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     ours, flags = (argv[:argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else (argv, RUN)
-    p = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = OneLineParser(prog="python -m harness.faults", description=__doc__,
+                      formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--trials", type=int, default=3 * len(PHASES))
     p.add_argument("--nproc", type=int, default=2, help="ranks of each run")
     p.add_argument("--phases", default="all", help=f"comma-separated, of: {', '.join(PHASES)}")
@@ -254,8 +255,10 @@ def main(argv=None):
     if args.trials < 1 or args.nproc < 1:
         p.error("--trials and --nproc must be at least 1")
     rl_steps = rl_steps_of(flags)
-    if os.path.exists(args.out_dir):
-        shutil.rmtree(args.out_dir)  # every trial starts from nothing but the reference's warm-ups
+    if os.path.exists(args.out_dir):  # every trial starts from nothing but the reference's warm-ups
+        if os.listdir(args.out_dir) and not os.path.exists(os.path.join(args.out_dir, "reference.log")):
+            p.error(f"--out-dir {args.out_dir} holds files this command did not write; choose another")
+        shutil.rmtree(args.out_dir)
     reference = os.path.join(args.out_dir, "reference")
     print(f"the reference run, {args.nproc} rank(s): {' '.join(flags)}", flush=True)
     t0 = time.time()

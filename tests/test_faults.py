@@ -89,6 +89,14 @@ def test_the_fault_command_kills_in_the_phases_asked_and_checks_each_trial(tmp_p
         assert not faults.passed(checks), defect
 
 
+def test_the_fault_command_never_deletes_a_folder_it_did_not_write(tmp_path):
+    (tmp_path / "a run of mine.txt").write_text("keep")
+    r = subprocess.run([sys.executable, "-m", "harness.faults", "--out-dir", str(tmp_path)], cwd=ROOT,
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and r.stderr.startswith("error: --out-dir") and len(r.stderr.splitlines()) == 1
+    assert (tmp_path / "a run of mine.txt").read_text() == "keep"
+
+
 def _first_update_after_a_resume(rank, out):
     """Three updates under DDP, then the fourth twice: by the same DDP, and by a new one built from
     a copy of the model and the optimizer's state, as a resumed run builds it. Writes both."""
