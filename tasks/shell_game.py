@@ -2,13 +2,14 @@
 prompt lists swaps of two cups; where is the ball at the end?
 
     prompt:    aAB bBC cAC dAB eBC?
-    response:  aAB:A=B bBC:B=C dAB=B eBC:B=C >C<|eos|>
+    response:  aAB=B bBC=C dAB=B eBC=C >C<|eos|>
 
-A single swap ("bBC:B=C") writes the swap's label, copies its two cups from the prompt, copies
-where the ball was and writes where it is now: one attention look-up (the label "b" finds the
-prompt's merged token "bBC") and a three-way rule (the ball under one of the two cups moves to the
-other; elsewhere it stays). A jump ("dAB=B") follows several swaps at once (here c and d) and
-writes only where the ball is after the last of them; the answer outright (">C") skips the rest.
+Every step writes a swap's label, copies the swap's two cups from the prompt and writes where the
+ball is after it. A single swap ("bBC=C", the label after the one before) is one attention look-up
+(the label "b" finds the prompt's merged token "bBC"), then a three-way rule on the ball's cup
+written just before (under one of the two cups, it moves to the other; elsewhere it stays). A jump
+("dAB=B", after "bBC=C") skips labels: it follows several swaps at once (here c and d) and writes
+where the ball is after the last of them; the answer outright (">C") skips the rest.
 A jump must compose several swaps in one forward pass, and with swaps drawn at random the ball is
 under each cup with probability 1/3 after any one of them, so a jump that is not computed is a
 guess, right one time in three. The warm-up traces choose at every step, mostly jumps of three
@@ -42,11 +43,11 @@ LABELS = "abcdefghijklmnopqrstuvwxyz"
 CUPS = "ABC"
 PAIRS = ("AB", "AC", "BC")  # a swap of two cups, written in alphabetical order
 START = "A"  # the ball's cup before the first swap
-SIZE_BUCKETS = ((1, 2), (3, 5), (6, 10), (11, 16), (17, 26))  # inclusive ranges of n
+SIZE_BUCKETS = ((1, 2), (3, 5), (6, 8), (9, 12), (13, 26))  # inclusive ranges of n
 
 MERGED = [label + pair for label in LABELS for pair in PAIRS]  # "bBC": one token each
 # the pattern merges "bBC" only in the prompt, where a space or "?" follows it; the response's
-# "bBC:" stays three tokens, so that it copies the swap's cups one at a time
+# "bBC=" stays three tokens, so that it copies the swap's cups one at a time
 ENC = tasks.make_encoding("shell_game", MERGED, pat_str=r"[a-z][A-C]{2}(?=[ ?])|\S|\s+")
 EOS_ID = ENC.encode_single_token(EOS)
 
@@ -88,27 +89,26 @@ class Problem:
         """The swaps followed in steps whose size is drawn at every step from `strides`: P(single
         swap), P(jump of 2), P(jump of 3), ..., and last P(the answer outright). No rng: single
         swaps only."""
-        steps, before, i = [], START, 0
+        steps, i = [], 0
         while i < self.size:
             k = rng.choices(range(len(strides)), weights=strides)[0] if rng else 0
             if k == len(strides) - 1 and k > 0:  # the answer outright
                 break
             j = min(i + k, self.size - 1)  # the last swap this step follows
-            label, pair, after = LABELS[j], self.swaps[j], self.balls[j]
-            steps.append(f"{label}{pair}:{before}={after}" if j == i else f"{label}{pair}={after}")
-            before, i = after, j + 1
+            steps.append(f"{LABELS[j]}{self.swaps[j]}={self.balls[j]}")
+            i = j + 1
         return " ".join(steps + [f">{self.answer}"])
 
 
 @dataclass(frozen=True)
 class ShellGame(Task):
     """The shell game as a `Task` (tasks/__init__.py): its settings, each a train.py flag."""
-    max_n: int = field(default=20, metadata={"help": f"largest problem (swaps), at most {len(LABELS)}"})
-    alpha: float = field(default=1.5, metadata={
+    max_n: int = field(default=12, metadata={"help": f"largest problem (swaps), at most {len(LABELS)}"})
+    alpha: float = field(default=1.0, metadata={
         "help": "tail exponent of the problem sizes, P(n) ~ n^-alpha (smaller: a heavier tail)"})
     # warm-up traces: P(single swap), P(jump of 2), P(jump of 3), P(the answer outright)
-    strides: tuple = field(default=(0.40, 0.0, 0.55, 0.05), metadata={
-        "help": "warm-up traces: the probability, at every step, of a single swap (bBC:B=C), a jump "
+    strides: tuple = field(default=(0.60, 0.0, 0.35, 0.05), metadata={
+        "help": "warm-up traces: the probability, at every step, of a single swap (bBC=C), a jump "
                 "over 2 swaps (cAC=A), over 3 (dAB=B), ..., and last of the answer outright (>C)"})
 
     name = "shell_game"
@@ -145,7 +145,7 @@ class ShellGame(Task):
 
     @staticmethod
     def response_len(n):  # the longest response (single swaps only), <|eos|> included
-        return 8 * n + 3  # "bBC:B=C " is 8 tokens, ">C" 2, then <|eos|>
+        return 6 * n + 3  # "bBC=C " is 6 tokens, ">C" 2, then <|eos|>
 
     @property
     def max_prompt_len(self):
@@ -164,10 +164,11 @@ class ShellGame(Task):
 
 
 def single_share(response):
-    """The share of a response's steps written as single swaps ("bBC:B=C", not "dAB=B" or ">C")."""
-    singles = len(re.findall(r"[a-z][A-C]{2}:", response))
-    steps = singles + len(re.findall(r"[a-z][A-C]{2}=", response))
-    return singles / steps if steps else 0.0
+    """The share of a response's steps that are single swaps: a step whose label follows the one
+    before ("aAB=B bBC=C", not "dAB=B" after "bBC=C", nor a first step other than "a")."""
+    labels = [LABELS.index(x) for x in re.findall(r"([a-z])[A-C]{2}=", response)]
+    singles = sum(now == before + 1 for before, now in zip([-1] + labels, labels))
+    return singles / len(labels) if labels else 0.0
 
 
 def parse_prompt(prompt):
