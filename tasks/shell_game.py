@@ -1,35 +1,37 @@
 """The second task: the shell game. A ball starts under cup A of three cups, A, B and C; the
-prompt lists swaps of two cups; where is the ball at the end?
+prompt lists swaps of two cups; under which cup is the ball at the end?
 
     prompt:    aAB bBC cAC dAB eBC?
-    response:  aAB=B bBC=C dAB=B eBC=C >C<|eos|>
+    response:  aAB=B bBC=C cAC=A >C<|eos|>
 
-Every step writes a swap's label, copies the swap's two cups from the prompt and writes where the
-ball is after it. A single swap ("bBC=C", the label after the one before) is one attention look-up
-(the label "b" finds the prompt's merged token "bBC"), then a three-way rule on the ball's cup
-written just before (under one of the two cups, it moves to the other; elsewhere it stays). A jump
-("dAB=B", after "bBC=C") skips labels: it follows several swaps at once (here c and d) and writes
-where the ball is after the last of them; the answer outright (">C") skips the rest.
-A jump must compose several swaps in one forward pass, and with swaps drawn at random the ball is
-under each cup with probability 1/3 after any one of them, so a jump that is not computed is a
-guess, right one time in three. The warm-up traces choose at every step, mostly jumps of three
-swaps (as base models answer quickly), with single swaps common enough for RL to find them.
-Rewarded only for the final answer, RL should shift the choice toward single swaps, so that the
-responses lengthen, most on the longest problems. The choice is one token (the next label, a
-label further on, or ">"), so RL moves the target at that token while the swaps written after it
-stay what they were.
+A step follows one swap: it writes the swap's label, copies the swap's two cups from the prompt and
+writes where the ball is after it ("bBC=C": the ball was under B, cups B and C swap, now it is
+under C). That is one attention look-up (the label "b" finds the prompt's merged token "bBC") and a
+three-way rule on the ball's cup written just before (under one of the two cups, it moves to the
+other; elsewhere it stays). The answer outright (">C", here after three of the five swaps) must
+compose the swaps left in one forward pass: the order of the swaps matters (they are permutations,
+and AB then BC is not BC then AB), and with swaps drawn at random the ball is under each cup with
+probability 1/3 after any one of them, so an answer not computed is right one time in three.
+
+The warm-up traces choose before every swap: the swap, or the answer outright (probability
+`outright`), so that a trace of many swaps usually stops early, as base models answer quickly.
+Rewarded only for the final answer, RL should shift the choice toward following every swap, so
+that the responses lengthen, most on the longest problems. The choice is one token (the next label,
+or ">"), so RL moves the target at that token while the steps after it stay what they were.
 
 Beside the running sum (tasks/running_sum.py), the same lesson in another dress: state tracking
-rather than arithmetic (the ball's cup is a permutation of three cups applied one swap at a time,
-which a transformer cannot compose over many swaps in one forward pass), letters rather than digits,
-three characters merged per prompt item rather than two, and a question mark that ends the prompt.
+rather than arithmetic, letters rather than digits, three characters merged per prompt item rather
+than two, a flag of its own (--outright) for the warm-up's choice, and no jumps. (The running sum's
+warm-up traces also jump over several items at once. Here a jump, "dAB=B" right after "bBC=C",
+would be written as a step is, and RL's updates on its guessed cup spoiled the steps written the
+same way: RESULTS.md.)
 
-The long tail: n follows a power law P(n) ~ n^-alpha on 1..20, so most problems are a few swaps
-and a few are long: a step's longest response is several times its median, and one prompt's
-samples differ in length by their choices. Simplified on purpose: three cups (so that a guess is
-right a third of the time at any length), swaps drawn uniformly from the three pairs, at most 26
-swaps (a label a lower-case letter), a tiktoken Encoding built in-process (no download) with one
-merged token per labelled swap ("bBC"), so that finding swap b is a single attention look-up.
+The long tail: n follows a power law P(n) ~ n^-1 on 1..12, so most problems are a few swaps and a
+few are many: a step's longest response is several times its median, and one prompt's samples
+differ in length by their choices. Simplified on purpose: three cups (a guess is right a third of
+the time at any length), swaps drawn uniformly from the three pairs, at most 26 swaps (a label a
+lower-case letter), and a tiktoken Encoding built in-process (no download) with one merged token
+per labelled swap ("bBC"), so that finding swap b is a single attention look-up.
 
 Test: python -m pytest tests/test_shell_game.py
 """
@@ -85,18 +87,14 @@ class Problem:
     def prompt(self):
         return " ".join(LABELS[i] + pair for i, pair in enumerate(self.swaps)) + "?"
 
-    def response(self, rng=None, strides=(1.0,)):
-        """The swaps followed in steps whose size is drawn at every step from `strides`: P(single
-        swap), P(jump of 2), P(jump of 3), ..., and last P(the answer outright). No rng: single
-        swaps only."""
-        steps, i = [], 0
-        while i < self.size:
-            k = rng.choices(range(len(strides)), weights=strides)[0] if rng else 0
-            if k == len(strides) - 1 and k > 0:  # the answer outright
+    def response(self, rng=None, outright=0.0):
+        """The swaps followed one at a time, then the answer. Given an rng, a warm-up trace: before
+        each swap, the answer outright instead with probability `outright`."""
+        steps = []
+        for label, pair, ball in zip(LABELS, self.swaps, self.balls):
+            if rng and rng.random() < outright:
                 break
-            j = min(i + k, self.size - 1)  # the last swap this step follows
-            steps.append(f"{LABELS[j]}{self.swaps[j]}={self.balls[j]}")
-            i = j + 1
+            steps.append(f"{label}{pair}={ball}")
         return " ".join(steps + [f">{self.answer}"])
 
 
@@ -106,21 +104,19 @@ class ShellGame(Task):
     max_n: int = field(default=12, metadata={"help": f"largest problem (swaps), at most {len(LABELS)}"})
     alpha: float = field(default=1.0, metadata={
         "help": "tail exponent of the problem sizes, P(n) ~ n^-alpha (smaller: a heavier tail)"})
-    # warm-up traces: P(single swap), P(jump of 2), P(jump of 3), P(the answer outright)
-    strides: tuple = field(default=(0.60, 0.0, 0.35, 0.05), metadata={
-        "help": "warm-up traces: the probability, at every step, of a single swap (bBC=C), a jump "
-                "over 2 swaps (cAC=A), over 3 (dAB=B), ..., and last of the answer outright (>C)"})
+    outright: float = field(default=0.15, metadata={
+        "help": "warm-up traces: the probability, before every swap, of the answer outright (>C) "
+                "instead of the swap (bBC=C)"})
 
     name = "shell_game"
-    choice = "single swaps"
+    choice = "swaps written"
     size_buckets = SIZE_BUCKETS
     encoding = ENC
 
     def __post_init__(self):  # NaN fails every rule
         super().__post_init__()
         for name, ok, rule in (("max_n", 1 <= self.max_n <= len(LABELS), f"in 1..{len(LABELS)}"),
-                               ("strides", bool(self.strides) and self.strides[0] > 0
-                                and all(p >= 0 for p in self.strides), "P(single) > 0, rest >= 0")):
+                               ("outright", 0 <= self.outright < 1, "in [0, 1)")):
             if not ok:
                 raise ValueError(f"{name} must be {rule}, got {getattr(self, name)}")
 
@@ -140,19 +136,20 @@ class ShellGame(Task):
             return 0.0
 
     def warmup_example(self, problem, rng):
-        p, r = encode(problem.prompt()), encode(problem.response(rng, self.strides)) + [EOS_ID]
+        p, r = encode(problem.prompt()), encode(problem.response(rng, self.outright)) + [EOS_ID]
         return p + r, len(p)
 
     @staticmethod
     def response_len(n):  # the longest response (single swaps only), <|eos|> included
-        return 6 * n + 3  # "bBC=C " is 6 tokens, ">C" 2, then <|eos|>
+        return 6 * n + 3  # every swap: "bBC=C " is 6 tokens, ">C" 2, then <|eos|>
 
     @property
     def max_prompt_len(self):
         return 2 * self.max_n  # a merged swap and a space (the last: "?") each
 
     def choice_share(self, problem, response_ids):
-        return single_share(self.decode(response_ids))
+        """The share of the problem's swaps that the response followed before its answer."""
+        return min(1.0, len(re.findall(r"[a-z][A-C]{2}=", self.decode(response_ids))) / problem.size)
 
     def parse(self, text):
         return parse_prompt(text)
@@ -161,14 +158,6 @@ class ShellGame(Task):
         """Each labelled swap "bBC" and its parts "b", "B" and "C": see harness.warmup's --merge-init."""
         one = ENC.encode_single_token
         return [(one(m), tuple(one(c) for c in m)) for m in MERGED]
-
-
-def single_share(response):
-    """The share of a response's steps that are single swaps: a step whose label follows the one
-    before ("aAB=B bBC=C", not "dAB=B" after "bBC=C", nor a first step other than "a")."""
-    labels = [LABELS.index(x) for x in re.findall(r"([a-z])[A-C]{2}=", response)]
-    singles = sum(now == before + 1 for before, now in zip([-1] + labels, labels))
-    return singles / len(labels) if labels else 0.0
 
 
 def parse_prompt(prompt):
