@@ -27,11 +27,20 @@ would be written as a step is, and RL's updates on its guessed cup spoiled the s
 same way: RESULTS.md.)
 
 The long tail: n follows a power law P(n) ~ n^-1 on 1..12, so most problems are a few swaps and a
-few are many: a step's longest response is several times its median, and one prompt's samples
-differ in length by their choices. Simplified on purpose: three cups (a guess is right a third of
+few are many: a step's longest response is about three times its median (2.9, the median over the
+default run's steps), and one prompt's samples differ in length by their choices. Simplified on purpose: three cups (a guess is right a third of
 the time at any length), swaps drawn uniformly from the three pairs, at most 26 swaps (a label a
 lower-case letter), and a tiktoken Encoding built in-process (no download) with one merged token
 per labelled swap ("bBC"), so that finding swap b is a single attention look-up.
+
+Measured (the 2-core AMD EPYC VM; `OMP_NUM_THREADS=1 torchrun --standalone --nproc_per_node=2
+train.py --task shell_game`, 800 RL steps, then `--rl-seed 2`): the warm-up target writes the ball's
+cup right at every size (teacher-forced) and answers outright about as well as a guess beyond a few
+swaps; RL moves the choice as designed (swaps written 85% -> 97% and 84% -> 99% of those needed),
+held-out responses grow from 22.0 to 33.4 and 36.4 tokens sampled, and held-out accuracy sampled at
+T=1 rises from 60.4% to 76.3% and 79.2% (3-5 swaps: 64.7% -> 98.8% and 97.2%). It gains least on
+9-12 swaps (31.9% -> 37.2% and 46.9%), where the look-up of a swap's cups still slips. The designs
+tried before this one, and why they failed, are in RESULTS.md.
 
 Test: python -m pytest tests/test_shell_game.py
 """
