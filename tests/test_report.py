@@ -570,12 +570,12 @@ def test_a_run_ends_naming_its_baseline_and_its_stale_drafter_twins():
     assert len(warm) == 8 and "--drafter-warmup-steps 3000 --out-dir out-frozen" in warm[6]
     assert warm[7].strip() == "python -m harness.report out out-frozen"
     # every other flag the run was given, whole: the task and its settings are the workload
-    given = ["--task", "sort", "--max-n=6", "--out-dir", "b", "--rl-steps", "50", "--eval-per-bucket", "3",
+    given = ["--task", "shell_game", "--max-n=6", "--out-dir", "b", "--rl-steps", "50", "--eval-per-bucket", "3",
              "--tlt", "on"]
     lines = report.next_lines(config.parse_args(given), world_size=4)
-    assert lines[2] == ("  torchrun --standalone --nproc_per_node=4 train.py --task sort --max-n=6 "
+    assert lines[2] == ("  torchrun --standalone --nproc_per_node=4 train.py --task shell_game --max-n=6 "
                         "--warmup-dir b --rl-steps 50 --eval-per-bucket 0 --out-dir b-off --tlt off")
-    assert all(line.startswith("  torchrun --standalone --nproc_per_node=4 train.py --task sort --max-n=6 ")
+    assert all(line.startswith("  torchrun --standalone --nproc_per_node=4 train.py --task shell_game --max-n=6 ")
                for line in lines[6:8])
     for flags in (["--tlt", "off"], ["--drafter-updates", "off"]):
         assert report.next_lines(config.parse_args(flags)) == []

@@ -1,0 +1,179 @@
+"""The second task: the shell game. A ball starts under cup A of three cups, A, B and C; the
+prompt lists swaps of two cups; under which cup is the ball at the end?
+
+    prompt:    aAB bBC cAC dAB eBC?
+    response:  aAB=B bBC=C cAC=A >C<|eos|>
+
+A step follows one swap: it writes the swap's label, copies the swap's two cups from the prompt and
+writes where the ball is after it ("bBC=C": the ball was under B, cups B and C swap, now it is
+under C). That is one attention look-up (the label "b" finds the prompt's merged token "bBC") and a
+three-way rule on the ball's cup written just before (under one of the two cups, it moves to the
+other; elsewhere it stays). The answer outright (">C", here after three of the five swaps) must
+compose the swaps left in one forward pass: the order of the swaps matters (they are permutations,
+and AB then BC is not BC then AB), and with swaps drawn at random the ball is under each cup with
+probability 1/3 after any one of them, so an answer not computed is right one time in three.
+
+The warm-up traces choose before every swap: the swap, or the answer outright (probability
+`outright`), so that a trace of many swaps usually stops early, as base models answer quickly.
+Rewarded only for the final answer, RL should shift the choice toward following every swap, so
+that the responses lengthen, most on the longest problems. The choice is one token (the next label,
+or ">"), so RL moves the target at that token while the steps after it stay what they were.
+
+Beside the running sum (tasks/running_sum.py), the same lesson in another dress: state tracking
+rather than arithmetic, letters rather than digits, three characters merged per prompt item rather
+than two, a flag of its own (--outright) for the warm-up's choice, and no jumps. (The running sum's
+warm-up traces also jump over several items at once. Here a jump, "dAB=B" right after "bBC=C",
+would be written as a step is, and RL's updates on its guessed cup spoiled the steps written the
+same way: RESULTS.md.)
+
+The long tail: n follows a power law P(n) ~ n^-1 on 1..12, so most problems are a few swaps and a
+few are many: a step's longest response is about three times its median (2.9, the median over the
+default run's steps), and one prompt's samples differ in length by their choices. Simplified on purpose: three cups (a guess is right a third of
+the time at any length), swaps drawn uniformly from the three pairs, at most 26 swaps (a label a
+lower-case letter), and a tiktoken Encoding built in-process (no download) with one merged token
+per labelled swap ("bBC"), so that finding swap b is a single attention look-up.
+
+Measured (the 2-core AMD EPYC VM; `OMP_NUM_THREADS=1 torchrun --standalone --nproc_per_node=2
+train.py --task shell_game`, 800 RL steps, then `--rl-seed 2`): the warm-up target writes the ball's
+cup right at every size (teacher-forced) and answers outright about as well as a guess beyond a few
+swaps; RL moves the choice as designed (swaps written 85% -> 97% and 84% -> 99% of those needed),
+held-out responses grow from 22.0 to 33.4 and 36.4 tokens sampled, and held-out accuracy sampled at
+T=1 rises from 60.4% to 76.3% and 79.2% (3-5 swaps: 64.7% -> 98.8% and 97.2%). It gains least on
+9-12 swaps (31.9% -> 37.2% and 46.9%), where the look-up of a swap's cups still slips. The designs
+tried before this one, and why they failed, are in RESULTS.md.
+
+Test: python -m pytest tests/test_shell_game.py
+"""
+import re
+from dataclasses import dataclass, field
+
+import tasks
+from tasks import EOS, Task
+
+LABELS = "abcdefghijklmnopqrstuvwxyz"
+CUPS = "ABC"
+PAIRS = ("AB", "AC", "BC")  # a swap of two cups, written in alphabetical order
+START = "A"  # the ball's cup before the first swap
+SIZE_BUCKETS = ((1, 2), (3, 5), (6, 8), (9, 12), (13, 26))  # inclusive ranges of n
+
+MERGED = [label + pair for label in LABELS for pair in PAIRS]  # "bBC": one token each
+# the pattern merges "bBC" only in the prompt, where a space or "?" follows it; the response's
+# "bBC=" stays three tokens, so that it copies the swap's cups one at a time
+ENC = tasks.make_encoding("shell_game", MERGED, pat_str=r"[a-z][A-C]{2}(?=[ ?])|\S|\s+")
+EOS_ID = ENC.encode_single_token(EOS)
+
+
+def encode(text):
+    return tasks.encode(ENC, text)
+
+
+def swap(ball, pair):
+    """Where the ball is after swapping the two cups of `pair`."""
+    return pair[1] if ball == pair[0] else pair[0] if ball == pair[1] else ball
+
+
+@dataclass(frozen=True)
+class Problem:
+    swaps: tuple  # e.g. ("AB", "BC"): the cups each swap exchanges
+
+    @property
+    def size(self):
+        return len(self.swaps)
+
+    @property
+    def balls(self):
+        """Where the ball is after each swap."""
+        out, ball = [], START
+        for pair in self.swaps:
+            ball = swap(ball, pair)
+            out.append(ball)
+        return out
+
+    @property
+    def answer(self):
+        return self.balls[-1] if self.swaps else START
+
+    def prompt(self):
+        return " ".join(LABELS[i] + pair for i, pair in enumerate(self.swaps)) + "?"
+
+    def response(self, rng=None, outright=0.0):
+        """The swaps followed one at a time, then the answer. Given an rng, a warm-up trace: before
+        each swap, the answer outright instead with probability `outright`."""
+        steps = []
+        for label, pair, ball in zip(LABELS, self.swaps, self.balls):
+            if rng and rng.random() < outright:
+                break
+            steps.append(f"{label}{pair}={ball}")
+        return " ".join(steps + [f">{self.answer}"])
+
+
+@dataclass(frozen=True)
+class ShellGame(Task):
+    """The shell game as a `Task` (tasks/__init__.py): its settings, each a train.py flag."""
+    max_n: int = field(default=12, metadata={"help": f"largest problem (swaps), at most {len(LABELS)}"})
+    alpha: float = field(default=1.0, metadata={
+        "help": "tail exponent of the problem sizes, P(n) ~ n^-alpha (smaller: a heavier tail)"})
+    outright: float = field(default=0.15, metadata={
+        "help": "warm-up traces: the probability, before every swap, of the answer outright (>C) "
+                "instead of the swap (bBC=C)"})
+
+    name = "shell_game"
+    choice = "swaps written"
+    size_buckets = SIZE_BUCKETS
+    encoding = ENC
+
+    def __post_init__(self):  # NaN fails every rule
+        super().__post_init__()
+        for name, ok, rule in (("max_n", 1 <= self.max_n <= len(LABELS), f"in 1..{len(LABELS)}"),
+                               ("outright", 0 <= self.outright < 1, "in [0, 1)")):
+            if not ok:
+                raise ValueError(f"{name} must be {rule}, got {getattr(self, name)}")
+
+    def problem(self, rng, size):
+        return Problem(tuple(rng.choice(PAIRS) for _ in range(size)))
+
+    def prompt_ids(self, problem):
+        return encode(problem.prompt())
+
+    def reward(self, problem, response_ids):
+        """1.0 when the cup after the last '>' is the ball's, even after wrong steps (as with
+        verifiable rewards), else 0.0. Never raises."""
+        try:
+            m = re.search(r">([A-C])\s*$", self.decode(response_ids))
+            return float(m is not None and m.group(1) == problem.answer)
+        except Exception:  # the contract is "never raises"; a broken input is simply wrong
+            return 0.0
+
+    def warmup_example(self, problem, rng):
+        p, r = encode(problem.prompt()), encode(problem.response(rng, self.outright)) + [EOS_ID]
+        return p + r, len(p)
+
+    @staticmethod
+    def response_len(n):  # the longest response (single swaps only), <|eos|> included
+        return 6 * n + 3  # every swap: "bBC=C " is 6 tokens, ">C" 2, then <|eos|>
+
+    @property
+    def max_prompt_len(self):
+        return 2 * self.max_n  # a merged swap and a space (the last: "?") each
+
+    def choice_share(self, problem, response_ids):
+        """The share of the problem's swaps that the response followed before its answer."""
+        return min(1.0, len(re.findall(r"[a-z][A-C]{2}=", self.decode(response_ids))) / problem.size)
+
+    def parse(self, text):
+        return parse_prompt(text)
+
+    def merges(self):
+        """Each labelled swap "bBC" and its parts "b", "B" and "C": see harness.warmup's --merge-init."""
+        one = ENC.encode_single_token
+        return [(one(m), tuple(one(c) for c in m)) for m in MERGED]
+
+
+def parse_prompt(prompt):
+    """Prompt text ("aAB bBC?", labels a, b, c, ... in order) -> Problem, or None. Never raises."""
+    m = isinstance(prompt, str) and re.fullmatch(r"[a-z](AB|AC|BC)(?: [a-z](?:AB|AC|BC))*\?", prompt)
+    if not m:
+        return None
+    pairs = tuple(re.findall(r"[a-z](AB|AC|BC)", prompt))
+    problem = Problem(pairs) if len(pairs) <= len(LABELS) else None
+    return problem if problem is not None and problem.prompt() == prompt else None

@@ -1,0 +1,190 @@
+"""Tests for tasks/shell_game.py: the format and its merged tokens, the swaps, the reward, parse, the
+bound on the response length, the warm-up traces' choices and the settings' validation."""
+import random
+from collections import Counter
+
+import numpy as np
+import pytest
+
+import tasks
+from tasks import TASKS
+from tasks import shell_game as task
+from tasks.shell_game import Problem, ShellGame
+
+DEFAULT = ShellGame()
+ALL_SIZES = ShellGame(max_n=len(task.LABELS))
+
+
+def by_size(cfg, per_size, seed):
+    rng = random.Random(seed)
+    return [cfg.sample(rng, n) for n in range(cfg.min_n, cfg.max_n + 1) for _ in range(per_size)]
+
+
+def ids_of(text):
+    return task.encode(text)
+
+
+# ----------------------------------------------------------------------------- format, tokens
+
+
+def test_the_format_on_an_example():
+    p = Problem(("AB", "BC", "AC", "AB", "BC"))  # the ball: A -> B -> C -> A -> B -> C
+    assert p.prompt() == "aAB bBC cAC dAB eBC?" and p.answer == "C"
+    assert p.balls == ["B", "C", "A", "B", "C"]
+    assert p.response() == "aAB=B bBC=C cAC=A dAB=B eBC=C >C"
+    assert p.response(random.Random(0), outright=1.0) == ">C"  # a warm-up trace that answers outright at once
+    assert Problem(("BC",)).response() == "aBC=A >A"  # a swap without the ball leaves it
+    assert TASKS["shell_game"] is ShellGame and DEFAULT.choice == "swaps written"
+
+
+def test_the_encoding_is_in_process_and_merges_every_labelled_swap_of_the_prompt(no_network):
+    for p in by_size(ALL_SIZES, per_size=3, seed=1):
+        prompt, response = p.prompt(), p.response()
+        assert len(ids_of(prompt)) == 2 * p.size  # a merged swap, then " " (the last: "?")
+        assert len(ids_of(response)) == 6 * p.size + 2  # nothing merged in the response: "bBC=C " is 6
+        assert DEFAULT.decode(ids_of(prompt + response)) == prompt + response
+    assert task.EOS_ID not in ids_of("<|eos|>") and DEFAULT.decode(ids_of("é ✓ <|pad|>")) == "é ✓ <|pad|>"
+
+
+def test_the_tokens_do_not_depend_on_a_seed():
+    """The same problem, prompt and trace give the same ids, whatever rng drew the problem: the
+    encoding is fixed, made once in-process."""
+    a = task.ENC
+    b = tasks.make_encoding("shell_game", [c + pair for c in task.LABELS for pair in task.PAIRS],
+                            pat_str=r"[a-z][A-C]{2}(?=[ ?])|\S|\s+")
+    for p in by_size(DEFAULT, per_size=5, seed=2):
+        text = p.prompt() + p.response()
+        assert a.encode(text) == b.encode(text)
+    assert DEFAULT.prompt_ids(Problem(("AB", "BC"))) == [task.ENC.encode_single_token("aAB"), ord(" "),
+                                                        task.ENC.encode_single_token("bBC"), ord("?")]
+
+
+def test_merges_start_from_their_parts():
+    merges = DEFAULT.merges()
+    assert len(merges) == len(task.LABELS) * len(task.PAIRS)
+    for merged, parts in merges:
+        assert len(parts) == 3
+        assert DEFAULT.decode([merged]) == "".join(DEFAULT.decode([i]) for i in parts)
+
+
+# ----------------------------------------------------------------------------- swaps
+
+
+def test_each_step_follows_one_swap_and_the_last_is_the_answer():
+    assert task.swap("A", "AB") == "B" and task.swap("B", "AB") == "A" and task.swap("C", "AB") == "C"
+    for p in by_size(ALL_SIZES, per_size=10, seed=3):
+        ball = task.START
+        steps = p.response().split(" ")
+        assert len(steps) == p.size + 1 and steps[-1] == ">" + p.answer
+        for i, (pair, step) in enumerate(zip(p.swaps, steps)):
+            ball = pair[1] if ball == pair[0] else pair[0] if ball == pair[1] else ball
+            assert step == f"{task.LABELS[i]}{pair}={ball}"
+        assert ball == p.answer
+
+
+def test_after_any_swap_the_ball_is_under_each_cup_a_third_of_the_time():
+    """Why a guess is right one time in three at every size, and so why a jump not computed is a
+    guess: 30,000 problems, about 3 sigma."""
+    rng = random.Random(4)
+    for n in (1, 2, 7):
+        seen = Counter(ShellGame().problem(rng, n).answer for _ in range(30_000))
+        assert all(abs(seen[c] / 30_000 - 1 / 3) < 0.01 for c in task.CUPS), (n, seen)
+
+
+# ----------------------------------------------------------------------------- reward
+
+
+def test_reward_is_right_on_the_examples():
+    p = Problem(("AB", "BC", "AC", "AB", "BC"))  # answer C
+    assert DEFAULT.reward(p, ids_of(p.response())) == 1.0
+    assert DEFAULT.reward(p, ids_of(">C")) == 1.0  # the answer outright counts
+    assert DEFAULT.reward(p, ids_of("aAB=A >C")) == 1.0  # only the final answer counts
+    assert DEFAULT.reward(p, ids_of(">C") + [task.EOS_ID] + ids_of("junk")) == 1.0
+    for wrong in (">A", ">B", ">c", ">CC", "C", ">C>A", "", ">", "eBC:B=C", ">C=C", ">3", "eBC=C"):
+        assert DEFAULT.reward(p, ids_of(wrong)) == 0.0, wrong
+    for q in by_size(ALL_SIZES, per_size=5, seed=5):
+        ids, plen = DEFAULT.warmup_example(q, random.Random(5))
+        assert DEFAULT.reward(q, ids[plen:]) == 1.0  # a trace is never wrong: every error is the model's
+
+
+def test_reward_never_raises():
+    rng = random.Random(6)
+    p = Problem(("AB", "BC"))  # answer C
+    for _ in range(500):
+        ids = [rng.randrange(-3, DEFAULT.vocab_size + 3) for _ in range(rng.randrange(0, 60))]
+        assert DEFAULT.reward(p, ids) in (0.0, 1.0)
+        assert 0.0 <= DEFAULT.choice_share(p, ids) <= 1.0
+    for bad in (None, 1, "x", [None]):
+        assert DEFAULT.reward(p, bad) == 0.0
+    assert DEFAULT.reward(p, ids_of(">\uff23")) == 0.0  # a fullwidth C is no cup
+    assert DEFAULT.reward(p, ids_of(">C")) == 1.0
+
+
+def test_choice_share_is_the_share_of_the_swaps_followed():
+    p = Problem(("AB", "BC", "AC", "AB", "BC"))
+    share = lambda text: DEFAULT.choice_share(p, ids_of(text))  # noqa: E731
+    assert share(p.response()) == 1.0 and share(">C") == 0.0 and share("") == 0.0
+    assert share("aAB=B bBC=C >C") == pytest.approx(2 / 5)
+    assert share(p.response().split(">")[0] + "fAB=A >C") == 1.0  # never above 1
+
+
+# ----------------------------------------------------------------------------- parse
+
+
+def test_parse_round_trips_and_rejects_what_is_no_problem():
+    for p in by_size(ALL_SIZES, per_size=5, seed=7):
+        assert DEFAULT.parse(p.prompt()) == p
+    for text in ("", "?", "aAB", "aAB bBC", "aAB bBC??", "bAB aBC?", "aAB cBC?", "aAB  bBC?", "aBA?", "aAA?",
+                 "aAD?", "AAB?", "aAB bBC?\n", " aAB?", "aAB\uff1f", None, 1, b"aAB?",
+                 " ".join(f"{c}AB" for c in task.LABELS) + " aAB?"):
+        assert DEFAULT.parse(text) is None, repr(text)
+    assert DEFAULT.parse("aAB bBC cAC?") == Problem(("AB", "BC", "AC"))
+
+
+# ----------------------------------------------------------------------------- lengths
+
+
+def test_response_len_bounds_every_trace_and_following_every_swap_reaches_it():
+    rng = random.Random(8)
+    for p in by_size(ALL_SIZES, per_size=10, seed=8):
+        assert len(ids_of(p.response())) + 1 == ALL_SIZES.response_len(p.size)
+        assert len(ids_of(p.response(rng, ALL_SIZES.outright))) + 1 <= ALL_SIZES.response_len(p.size)
+    assert len(ids_of(Problem(("AB",) * DEFAULT.max_n).prompt())) == DEFAULT.max_prompt_len
+    assert DEFAULT.max_seq_len + 8 <= 256  # the default --block-size, with the longest draft
+
+
+def test_default_warm_up_traces_are_long_tailed():
+    rng = random.Random(9)
+    lengths = np.array([len(ids_of(DEFAULT.sample(rng).response(rng, DEFAULT.outright))) + 1 for _ in range(20_000)])
+    med, p90, p99 = np.percentile(lengths, [50, 90, 99])
+    assert p90 >= 2 * med and p99 >= 3 * med, (med, p90, p99)  # measured: 9, 39, 63
+
+
+# ----------------------------------------------------------------------------- warm-up traces, settings
+
+
+def test_warm_up_traces_follow_the_first_swaps_then_answer():
+    """Each trace is the first swaps of the full response, then the answer; before each swap it
+    answers outright with probability `outright` (a geometric number of swaps followed)."""
+    cfg = ShellGame(outright=0.3)
+    rng = random.Random(10)
+    seen = Counter()
+    for _ in range(3000):
+        p = cfg.sample(rng)
+        r = p.response(rng, cfg.outright)
+        full = p.response().split(" ")
+        steps = r.split(" ")[:-1]
+        assert steps == full[:len(steps)] and r.split(" ")[-1] == ">" + p.answer
+        seen["swap"] += len(steps)
+        seen["outright"] += len(steps) < p.size
+    share = seen["outright"] / (seen["swap"] + seen["outright"])
+    assert abs(share - 0.3) < 0.02, seen  # thousands of choices: about 3 sigma
+    ids, plen = cfg.warmup_example(Problem(("AB", "BC")), random.Random(11))
+    assert ids[:plen] == DEFAULT.prompt_ids(Problem(("AB", "BC"))) and ids[-1] == task.EOS_ID
+
+
+@pytest.mark.parametrize("kwargs", [dict(max_n=0), dict(max_n=27), dict(outright=1.0), dict(outright=-0.1),
+                                    dict(outright=float("nan")), dict(min_n=13)])
+def test_bad_settings_are_refused(kwargs):
+    with pytest.raises(ValueError):
+        ShellGame(**kwargs)
