@@ -104,7 +104,7 @@ def test_an_unknown_task_is_named_with_the_registered_ones():
 
 
 def test_a_task_may_start_its_sizes_above_1_and_leave_out_the_choice():
-    """What a task of one's own needs no more than its interface: sizes from min_n (a sort needs two
+    """What a task of one's own needs no more than its interface: sizes from min_n (a pairwise task needs two
     items), and no `choice` (the summary then prints no choice share)."""
     from harness.summary import trend_lines
     base = tasks.TASKS["running_sum"]
