@@ -145,13 +145,14 @@ def new_state(args, task, model, drafter, rank, world_size, device):
 
 
 def rl_meta(args, config, task):
-    """What an RL checkpoint depends on: the warm-ups it started from and every RL setting."""
-    keys = ("rl_seed", "drafter", "drafter_cold_lr", "drafter_online_lr",
-            "prompts_per_step", "group_size", "rl_lr", "rl_epochs", "clip_eps", "kl_coef", "tlt",
-            "drafter_updates", "sd_threshold", "drafter_keep", "drafter_keep_tokens",
-            "drafter_idle_tokens", "update_tokens", "sampler")
+    """What an RL checkpoint depends on: its warm-ups, every RL setting, the task's code."""
+    keys = ("rl_seed", "drafter", "drafter_cold_lr", "drafter_online_lr", "prompts_per_step",
+            "group_size", "rl_lr", "rl_epochs", "clip_eps", "kl_coef", "tlt", "drafter_updates",
+            "sd_threshold", "drafter_keep", "drafter_keep_tokens", "drafter_idle_tokens",
+            "update_tokens", "sampler")
     warm = drafter_meta(args, config, task, task_of(args, warmup=True))
-    return {**warm, **{k: getattr(args, k) for k in keys}, "draft_ks": list(args.draft_ks)}
+    return {**warm, **{k: getattr(args, k) for k in keys}, "draft_ks": list(args.draft_ks),
+            "task_code": task.code}
 
 
 def save(path, meta, step, s):
@@ -191,10 +192,9 @@ def resume(path, ck, s):
 
 def keep_records(path, start):
     """Keep the records of the steps before `start`; a line that a kill cut short has no newline."""
-    lines = []
-    if os.path.exists(path):
-        with open(path) as f:
-            lines = [ln for ln in f if ln.endswith("\n") and json.loads(ln)["step"] < start]
+    with open(path, "a+") as f:  # made if missing
+        f.seek(0)
+        lines = [ln for ln in f if ln.endswith("\n") and json.loads(ln)["step"] < start]
     with open(path, "w") as f:
         f.writelines(lines)
 

@@ -112,9 +112,12 @@ def load_checked(path, expected_meta, folder="--out-dir"):
     except Exception as e:  # truncated, zeroed, or not a checkpoint
         raise SystemExit(f"error: cannot read checkpoint {path} ({type(e).__name__}); {what}")
     digest = ckpt.pop("digest", None) if isinstance(ckpt, dict) else None
+    if digest is None and isinstance(ckpt, dict) and isinstance(ckpt.get("meta"), dict):
+        # an older version's file: refused, or, a cache, kept aside under a key of its own
+        raise Mismatch(path, "written before checkpoints held a digest", {**ckpt["meta"], "digest": None})
     if digest != contents_digest(ckpt):
-        raise SystemExit(f"error: checkpoint {path} is damaged or from an older version of the code "
-                         f"(its contents do not match the digest written with them); {what}")
+        raise SystemExit(f"error: checkpoint {path} is damaged (its contents do not match the digest "
+                         f"written with them); {what}")
     got = ckpt.get("meta") if isinstance(ckpt, dict) else None
     if got != expected_meta:
         want, have = _flatten(expected_meta), _flatten(got if isinstance(got, dict) else {})
@@ -162,11 +165,11 @@ def swap_kept(path, expected_meta, mismatch):
     kept, wanted = kept_name(path, mismatch.meta), kept_name(path, expected_meta)
     os.replace(path, kept)
     if not os.path.exists(wanted):
-        print0(f"not reusing {path}: it was made by other code or settings ({mismatch.diff}); kept it as "
+        print0(f"not reusing {path}: it was made from other traces or settings ({mismatch.diff}); kept it as "
                f"{kept}; making it afresh")
         return None
     os.replace(wanted, path)
-    print0(f"{path} was made by other code or settings ({mismatch.diff}); kept it as {kept} and reusing "
+    print0(f"{path} was made from other traces or settings ({mismatch.diff}); kept it as {kept} and reusing "
            f"{path}, kept from an earlier run of these settings")
     return load_checked(path, expected_meta)
 

@@ -56,8 +56,8 @@ def wants_cuda(device_arg):
 
 
 def check_out_dir(*folders):
-    """Each folder (e.g. args.out_dir) made if missing and written to; else one error line naming
-    its flag, from rank 0 only (every rank sees the same folders), and exit code 1."""
+    """Each folder (--out-dir, then --warmup-dir) made if missing and written to; else one error
+    line naming its flag, from each machine's first rank only, and exit code 1."""
     for folder, flag in zip(folders, ("--out-dir", "--warmup-dir")):
         try:
             os.makedirs(folder, exist_ok=True)
@@ -66,5 +66,6 @@ def check_out_dir(*folders):
                 f.write("ok")
             os.remove(probe)
         except OSError as e:
-            from harness.distributed import stop  # here: it imports this file
-            stop(f"error: cannot write to {flag} {folder!r}: {e.strerror}")
+            # once a machine: its ranks see the same folder (another machine's may differ)
+            raise SystemExit(f"error: cannot write to {flag} {folder!r}: {e.strerror}"
+                             if int(os.environ.get("LOCAL_RANK", 0)) == 0 else 1)

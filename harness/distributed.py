@@ -153,7 +153,8 @@ def wrap_ddp(model):
     order that backward made them; and on more than two ranks the layout decides the order in which
     each element is summed over ranks. A resumed run's DDP is new at its first update where the
     uninterrupted run's is not: on 4 ranks the two targets then differed in the last bit. One
-    backward of a zero loss here (its gradients dropped) rebuilds the buckets before any update."""
+    backward of a zero loss here (its gradients dropped) records that order, and DDP's next forward,
+    the first update's, rebuilds the buckets by it, in every run."""
     net = torch.nn.parallel.DistributedDataParallel(model, forward_sync_buffers=False)  # rotary tables: fixed
     device = next(model.parameters()).device
     (net(torch.zeros(1, 1, dtype=torch.long, device=device))[0].sum() * 0).backward()

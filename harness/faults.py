@@ -1,7 +1,7 @@
 """Kill a rank anywhere, and check that the resumed run is the run it would have been.
 
     python -m harness.faults                                  # 24 trials on 2 ranks, each phase 3 times
-    python -m harness.faults --nproc 4 --trials 2             # on 4 ranks
+    python -m harness.faults --nproc 4 --trials 8             # on 4 ranks, each phase once
     python -m harness.faults --phases update,checkpoint-write --trials 4 -- --rl-steps 10 ...
 
 With exact-token sampling a rollout's tokens depend only on the target's weights and the seeds. So a
@@ -28,8 +28,8 @@ of it; if this call is quicker still, at its last instant). The phases and their
 Checks, per trial: the job finished (exit 0); metrics.jsonl holds every RL step exactly once; the
 responses at every step are the reference's (`responses_digest`); the final target in ckpt.pt is
 the reference's, bit for bit; the warm-up caches load (`checkpoint.load_checked`) and are the
-reference's, bit for bit. A trial that is not about a warm-up starts from copies of the
-reference's warm-up caches. The table goes to stdout and to <out-dir>/trials.jsonl; the exit code
+reference's, bit for bit. A trial that is not about a warm-up (a kill in one, or in the writing of
+its cache) starts from copies of the reference's warm-up caches. The table goes to stdout and to <out-dir>/trials.jsonl; the exit code
 is 1 if any check failed.
 
 How a rank kills itself: torchrun runs this module (`-m harness.faults`) on every rank, with the
@@ -78,7 +78,8 @@ RUN = ["--rl-steps", "20", "--max-n", "4", "--block-size", "64", "--n-layer", "2
 
 class Phases:
     """Wraps every phase's function. Each call is named by (phase, where, n): where the run is
-    ("before RL", "step 7", "after RL") and the how-manieth such call this is. A call's length is
+    ("before RL", "step 7": after this process's 8th rollout, "after RL") and n, its count there
+    from 0. A call's length is
     appended to <out-dir>/phases.rank<r>.jsonl; the call the plan names arms a SIGKILL."""
 
     def __init__(self, plan, rank, first_attempt):
@@ -156,12 +157,15 @@ def launch(flags, out_dir, nproc, plan, log):
     """train.py under torchrun --max-restarts=1, every rank running `rank_main` with `plan` -> exit code."""
     os.makedirs(out_dir, exist_ok=True)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           "--max-restarts=1", "-m", "harness.faults", *flags, "--out-dir", out_dir]
+           "--max-restarts=1", "-m", "harness.faults", *flags, "--out-dir", out_dir, "--warmup-dir", out_dir]
     env = {**os.environ, PLAN: json.dumps({**plan, "out_dir": out_dir}), "OMP_NUM_THREADS": "1"}
     with open(log, "w") as f:
+        proc = subprocess.Popen(cmd, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
         try:
-            return subprocess.run(cmd, env=env, stdout=f, stderr=subprocess.STDOUT, timeout=1800).returncode
+            return proc.wait(timeout=1800)
         except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)  # torchrun and every rank it started
+            proc.wait()
             return "hung"
 
 
@@ -205,26 +209,23 @@ def same_tensors(a, b):
 
 def compare(reference, run, rl_steps):
     """The checks of a run against the reference run -> {check: True/False, "responses": "k/n"}."""
-    out, mine = {}, records(run)
-    out["steps once"] = [r["step"] for r in mine] == list(range(rl_steps))
+    out, logged = {}, records(run)
+    out["steps once"] = [r["step"] for r in logged] == list(range(rl_steps))
     want = {r["step"]: r["responses_digest"] for r in records(reference)}
-    got = {r["step"]: r["responses_digest"] for r in mine}
+    got = {r["step"]: r["responses_digest"] for r in logged}
     equal = sum(got.get(s) == d for s, d in want.items())
     out["responses"] = f"{equal}/{len(want)}"
-    load = lambda d, name: torch.load(os.path.join(d, name), map_location="cpu", weights_only=True)  # noqa: E731
-    out["target"] = (os.path.exists(os.path.join(run, "ckpt.pt"))
-                     and same_tensors(load(reference, "ckpt.pt")["model"], load(run, "ckpt.pt")["model"]))
-    out["caches"] = True
-    for name in WARMUPS:
-        if os.path.exists(os.path.join(reference, name)):
-            ref = load(reference, name)
-            try:
-                mine = load_checked(os.path.join(run, name), ref["meta"])
-            except SystemExit:
-                out["caches"] = False
-                continue
-            key = "model" if "model" in ref else "drafter"
-            out["caches"] &= same_tensors(ref[key], mine[key])
+    def same(name, key):  # the run's file loads with the reference's settings and holds its weights
+        ref = torch.load(os.path.join(reference, name), map_location="cpu", weights_only=True)
+        try:
+            theirs = load_checked(os.path.join(run, name), ref["meta"])
+        except SystemExit:  # missing, torn, damaged or made otherwise
+            return False
+        return same_tensors(ref[key], theirs[key])
+
+    out["target"] = same("ckpt.pt", "model")
+    out["caches"] = all(same(name, "model" if name.startswith("target") else "drafter")
+                        for name in WARMUPS if os.path.exists(os.path.join(reference, name)))
     return out
 
 
@@ -243,11 +244,12 @@ def main(argv=None):
     ours, flags = (argv[:argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else (argv, RUN)
     p = OneLineParser(prog="python -m harness.faults", description=__doc__,
                       formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--trials", type=int, default=3 * len(PHASES))
+    p.add_argument("--trials", type=int, default=3 * len(PHASES), help="the phases take turns")
     p.add_argument("--nproc", type=int, default=2, help="ranks of each run")
     p.add_argument("--phases", default="all", help=f"comma-separated, of: {', '.join(PHASES)}")
     p.add_argument("--seed", type=int, default=0, help="of the trials' phases, ranks, calls and moments")
-    p.add_argument("--out-dir", default="faults", help="the reference run and each trial, a folder each")
+    p.add_argument("--out-dir", default="faults", help="the reference run and each trial, a folder each "
+                   "(an earlier run of this command there is replaced)")
     args = p.parse_args(ours)
     phases = list(PHASES) if args.phases == "all" else args.phases.split(",")
     if unknown := [ph for ph in phases if ph not in PHASES]:

@@ -48,15 +48,17 @@ check them):
     the long tail   over sampled sizes, the 90th percentile of `response_len` at least twice the
                     median: the rollout's tail comes from the problems.
     the block       prompt + longest response + the longest draft (8 tokens) within --block-size:
-                    at --max-n 4, 56 for the tests' tiny run, 64 for the README's quick try.
+                    at --max-n 4, a block of 56 for the tests' tiny run, 64 for the README's quick try.
     the warm-up key `meta()`'s `traces`: a digest of prompts and warm-up traces drawn with a fixed
-                    seed. Edit the reward or the words and the cached warm-ups are reused; edit a
-                    trace and they are made afresh, the old kept under their own key.
+                    seed (8 problems of every size). Edit the reward, a docstring or a comment and
+                    the cached warm-ups are reused (an RL checkpoint is not: `code`); edit what a
+                    trace is and they are made afresh, the old kept under their own key.
 
 Test: python -m pytest tests/test_tasks.py
 """
 import hashlib
 import importlib
+import inspect
 import pkgutil
 import random
 from dataclasses import asdict, dataclass, field, fields
@@ -179,6 +181,13 @@ class Task:
         makes the task again from it (harness.report)."""
         return {"name": self.name, **asdict(self), "traces": self.traces}
 
+    @property
+    def code(self):
+        """sha256 of this task's module and of `Task`: what an RL run depends on beyond its traces
+        (the reward), so that train.py never resumes a run after the task's code changed."""
+        code = inspect.getsource(inspect.getmodule(type(self))) + inspect.getsource(Task)
+        return hashlib.sha256(code.encode()).hexdigest()[:16]
+
     @cached_property
     def traces(self):
         """sha256 of what the warm-ups read, drawn with a fixed seed: 8 problems of every size, each
@@ -200,7 +209,7 @@ for module in pkgutil.iter_modules(__path__):
 
 
 def from_meta(meta):
-    """The task that `Task.meta` describes (its settings; its traces are today's code's)."""
+    """The task that `Task.meta` describes: its settings (its code is today's)."""
     if meta["name"] not in TASKS:
         raise ValueError(f"unknown task {meta['name']!r}; registered: {', '.join(TASKS)}")
     cls = TASKS[meta["name"]]

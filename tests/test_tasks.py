@@ -98,6 +98,22 @@ def test_the_warmup_key_follows_what_the_warmups_read_not_the_rest_of_the_code(m
         assert cls().meta()["traces"] != before["traces"]
 
 
+def test_an_rl_checkpoint_is_keyed_on_the_task_code_the_warmups_are_not(monkeypatch):
+    """`code` digests the task's source (planted: the source read back with a reward edited): what an
+    RL checkpoint depends on (train.rl_meta) beyond the traces that key the warm-ups."""
+    import inspect
+    import train
+    from harness import config
+    args = config.parse_args(["--max-n", "4", "--block-size", "64"])
+    task = config.task_of(args)
+    before, meta = task.code, train.rl_meta(args, config.model_config(args, task), task)
+    assert len(before) == 16 and meta["task_code"] == before
+    real = inspect.getsource
+    monkeypatch.setattr(inspect, "getsource", lambda obj: real(obj).replace("def reward", "def reward "))
+    assert task.code != before and task.meta() == meta["rl_task"]
+    assert train.rl_meta(args, config.model_config(args, task), task) != meta
+
+
 def test_an_unknown_task_is_named_with_the_registered_ones():
     with pytest.raises(ValueError, match="registered: " + ", ".join(tasks.TASKS)):
         tasks.from_meta({"name": "no_such_task"})
