@@ -7,15 +7,16 @@ for x_{t+2}. To draft several tokens it feeds its predicted state back in place 
     (h_t, x_{t+1}) -> in_proj -> 1 block -> norm -> h~_{t+1} -> lm_head -> x_{t+2}
 
 The embedding and LM head are the target's, read through a plain attribute and detached: this
-module neither trains nor saves them. The loss is EAGLE's: smooth-L1 on h_{t+1} (weight 1.0: a
-whole vector of signal per position) plus a soft cross-entropy against the target's distribution
-(0.1: the part that decides acceptance), on response positions only, one sequence per padded row.
+module neither trains nor saves them (GRPO trains them; the drafter reads the target's latest).
+The loss is EAGLE's: smooth-L1 on h_{t+1} (weight 1.0: a whole vector of signal per position)
+plus a soft cross-entropy against the target's distribution (0.1: the part that decides
+acceptance), on response positions only, one sequence per padded row.
 
 Teacher forcing alone shows the drafter only real states: it would be good for one token and guess
 after it. So a training step runs it as it drafts, several passes deep from every position at once
 (`chained_states`, EAGLE-3's training-time test; on idle ranks the rule in scheduler.py sets how
-many). A *chain* is the drafts made one after another
-from one real pair; each pass attends to exactly what the drafter's cache holds there.
+many). A *chain* is the drafts made one after another from one real pair; each pass attends to
+exactly what the drafter's cache holds there.
 
 Test: python -m pytest tests/test_drafter.py
 """
@@ -38,7 +39,7 @@ class Drafter(nn.Module):
         super().__init__()
         self.config, self.n_layer = target.config, n_layer
         C = self.config.n_embd
-        self.__dict__["target"] = target  # shared, frozen, out of state_dict() and parameters()
+        self.__dict__["target"] = target  # shared, out of parameters() and state_dict()
         self.in_proj = nn.Linear(2 * C, C, bias=False)
         self.stack = Blocks(self.config, n_layer)
         self.norm = nn.LayerNorm(C, bias=False)
@@ -56,27 +57,29 @@ class Drafter(nn.Module):
         """The residual stream's start, in the weights' dtype (float32 under bf16 autocast)."""
         return self.in_proj(torch.cat([hidden, emb], dim=-1)).to(self.in_proj.weight.dtype)
 
-    def propose(self, batch, k):
+    def propose(self, batch, k, noise=None):
         """Draft k tokens per row of a speculative.RunningBatch -> drafts (B, k), q (B, k, V) or
-        None. It reads the batch's tokens, hidden states and n_tokens, draws with choose_draft and
-        keeps its KV cache in batch.draft_cache. Each row first catches up on the pairs (h_j,
-        x_{j+1}) recorded since it last drafted, in one pass; then drafts from its own states."""
+        None. noise (B, k+1, V) or None: the step's, which draft i reads at column i. It reads the
+        batch's tokens, hidden states and n_tokens, draws with the batch's sampler and keeps its KV
+        cache in batch.draft_cache. Each row first catches up on the pairs (h_j, x_{j+1}) recorded
+        since it last drafted, in one pass; then drafts from its own states."""
         B, pending_at = batch.batch_size, batch.n_tokens - 1  # (B,): the pairs before it recorded
         if batch.draft_cache is None:  # the switch to speculation: no recorded state read yet
             batch.draft_cache = self.new_cache(B, batch.cache.max_len, dtype=batch.cache.kv.dtype)
-        cache, rows = batch.draft_cache, torch.arange(B, device=pending_at.device)[:, None]
+        cache, b = batch.draft_cache, torch.arange(B, device=pending_at.device)[:, None]  # (B, 1)
         start = cache.lengths  # (B,) the first pair each row has not read
         unread = int((pending_at - start).max())  # sync: the longest run of unread pairs
         j = start[:, None] + torch.arange(unread, device=pending_at.device)  # (B, unread)
         # a shorter run reads junk past its row's end (dropped below), still inside the tensors:
         # the first catch-up starts every row at 0, later runs differ by at most the last k
-        logits, h = self(batch.hidden[rows, j], batch.tokens[rows, j + 1], cache)
+        logits, h = self(batch.hidden[b, j], batch.tokens[b, j + 1], cache)
         latest = (pending_at - 1 - start)[:, None]  # (B, 1): the column of the latest pair
-        logits, h = logits[rows, latest], h[rows, latest]  # (B, 1, V), (B, 1, C)
+        logits, h = logits[b, latest], h[b, latest]  # (B, 1, V), (B, 1, C)
         cache.lengths = pending_at  # drops the junk
         drafts, qs = [], []
         for i in range(k):  # draft k tokens, feeding back its own state
-            d, q = batch.choose_draft(logits, i)  # (B, 1), q (B, 1, V) or None
+            noise_i = None if noise is None else noise[:, i:i + 1]  # (B, 1, V)
+            d, q = batch.sampler.choose(logits, noise_i)  # (B, 1), q (B, 1, V) or None
             drafts.append(d)
             qs.append(q)
             if i + 1 < k:

@@ -61,9 +61,9 @@ def step_rows(args, task, step, rank, world_size):
     problems = rl_problems(args, task, step)
     n_rows = len(problems) * args.group_size
     mine = range(rank * n_rows // world_size, (rank + 1) * n_rows // world_size)
-    rows = [problems[i // args.group_size] for i in mine]
+    my_problems = [problems[i // args.group_size] for i in mine]  # a problem per row
     keys = [derive_seed(args.rl_seed, step, i, Seed.ROLLOUT_KEYS) for i in mine]
-    return rows, keys, n_rows
+    return my_problems, keys, n_rows
 
 
 def group_advantages(rewards, group_size, eps=1e-6):

@@ -2,7 +2,7 @@
 
 One rollout generates every row of a rank's shard in one running batch:
 
-    prefill all rows -> while rows remain:
+    prefill each distinct prompt once, copy it to its rows -> while rows remain:
         running batch > threshold  -> plain step (one token per row)
         running batch <= threshold -> the bandit picks k for this batch size;
                                       k = 0 is a plain step, k > 0 a speculative one

@@ -5,13 +5,14 @@ finish far apart. A rank that is done enters an asynchronous barrier. Until the 
 it works for the drafter, one short piece at a time:
 
     arrived = dist.barrier(async_op=True)   # completes when the LAST rank arrives
-    wait for it a moment (grace_s)          # so the last rank finds it complete, starts nothing
+    wait for it a moment (grace_s)          # so the last rank mostly finds it complete
     while not arrived.is_completed():       # preemption: the last rank's arrival
         one piece of drafter work
 
 That is how idle time becomes drafter training, with torch.distributed alone. A piece is short
 (scoring a few fresh rows, or one drafter step that can stop between its passes), because the last
-rank waits for the piece in flight. The last rank itself does none.
+rank waits for the piece in flight. The last rank itself mostly does none: it finds the barrier
+complete within the grace; when the round trip takes longer, it may run a piece before it leaves.
 
 Then every rank holds the same drafter again. The weights are averaged, weighted by each rank's
 local drafter steps, in one all-reduce that overlaps the target's update. Each rank's AdamW moments
@@ -43,7 +44,7 @@ class IdleWork:
     train: bool = True  # train it (--drafter-updates); else only the scoring
     batch_size: int = 8  # sequences per drafter step
     depth: int = 3  # chained passes per drafter step
-    piece_tokens: int = 128  # padded positions in one drafter step, at most
+    idle_tokens: int = 128  # padded positions in one drafter step, at most
 
 
 def idle_train(drafter, optimizer, buffer, rng, work, scoring=(), barrier=None, grace_s=0.005):
@@ -61,14 +62,14 @@ def idle_train(drafter, optimizer, buffer, rng, work, scoring=(), barrier=None, 
     steps, skipped, busy = 0, 0, None
     arrived = barrier() if barrier else dist.barrier(async_op=True)
     while not arrived.is_completed() and time.perf_counter() - t0 < grace_s:
-        time.sleep(0.0005)  # the last rank sees it complete at once: it starts nothing
+        time.sleep(0.0005)  # the last rank mostly sees it complete here, before any piece
     while not arrived.is_completed():
         start = time.perf_counter() - t0
         if scoring:
             scoring.popleft()()
         elif work.train and buffer.items:
             batch = buffer.sample(work.batch_size, rng, drafter.in_proj.weight.device,
-                                  work.piece_tokens)  # at most piece_tokens padded positions
+                                  work.idle_tokens)  # at most idle_tokens padded positions
             loss, applied = train_step(drafter, optimizer, batch, work.depth,
                                        preempted=arrived.is_completed)
             steps += applied
@@ -81,16 +82,16 @@ def idle_train(drafter, optimizer, buffer, rng, work, scoring=(), barrier=None, 
     return steps, skipped, time.perf_counter() - t0, busy
 
 
-def top1_pieces(drafter, rows, into, piece_tokens):
+def top1_pieces(drafter, rows, into, idle_tokens):
     """Idle pieces that add the drafter's top-1 counts on a rollout's FinishedRows to `into`: rows
-    of similar lengths at a time, about piece_tokens padded positions (one row, if longer)."""
+    of similar lengths at a time, about idle_tokens padded positions (one row, if longer)."""
     def score(piece):
         batch = pair_batch([(r.tokens, r.hidden, r.prompt_len) for r in piece],
                            drafter.in_proj.weight.device)
         agree, n = top1_agreement(drafter, *batch)
         into[0] += agree
         into[1] += n
-    pieces = group_by_length(rows, lambda r: r.tokens.shape[0], piece_tokens)
+    pieces = group_by_length(rows, lambda r: r.tokens.shape[0], idle_tokens)
     return deque(lambda piece=piece: score(piece) for piece in pieces if piece)
 
 
@@ -143,13 +144,13 @@ class RecentTop1:
         return sum(a for a, _ in self.recent) / n if n else None
 
 
-def drafter_schedule(top1, gentle_lr, hard_lr, max_depth):
+def drafter_schedule(top1, online_lr, cold_lr, max_depth):
     """The rule: the further the drafter's recent top-1 falls below TOP1_GENTLE, the harder the idle
     ranks train it -> (learning rate, chained passes). At TOP1_GENTLE and above (or not yet scored):
-    gentle_lr, max_depth passes; at TOP1_HARDEST and below: hard_lr, teacher-forced (a drafter that
+    online_lr, max_depth passes; at TOP1_HARDEST and below: cold_lr, teacher-forced (a drafter that
     misses the first token learns that before its own chains); geometric and linear in between. A
     drafter built from nothing sits at the hard end until it drafts well, one warmed up near the
     gentle end; a top-1 that falls pushes either harder."""
     hard = 0.0 if top1 is None else (TOP1_GENTLE - top1) / (TOP1_GENTLE - TOP1_HARDEST)
     hard = min(1.0, max(0.0, hard))
-    return gentle_lr * (hard_lr / gentle_lr) ** hard, 1 + round((max_depth - 1) * (1 - hard))
+    return online_lr * (cold_lr / online_lr) ** hard, 1 + round((max_depth - 1) * (1 - hard))

@@ -2,8 +2,8 @@
 
 One speculative step, for every running row at once:
 
-1. draft: the drafter proposes k tokens (`drafter.propose(batch, k)`, the one method every drafter
-   offers) and, for rejection sampling, their distributions q;
+1. draft: the drafter proposes k tokens (`drafter.propose(batch, k, noise)`, the one method every
+   drafter offers) and, for rejection sampling, their distributions q;
 2. verify: the target reads [pending token, d_1 .. d_k] in one forward pass (k + 1 positions);
 3. accept: each row keeps its own number of drafts (ragged acceptance) and one target token after
    them. Rolling the rejected drafts back is assigning the cache lengths.
@@ -52,11 +52,11 @@ class RunningBatch:
     goes to results[ids[b]].
 
     A drafter's contract with the batch: `propose` reads tokens, hidden, n_tokens (and ids, prompts
-    and results), draws its drafts with `choose_draft`, and writes only `draft_cache`, its own
-    per-row state, which `compact` keeps in step with the rows."""
+    and results), draws its drafts with the batch's `sampler` and the step's noise, and writes only
+    `draft_cache`, its own per-row state, which `compact` keeps in step with the rows."""
 
     def __init__(self, target, prompts, max_new_tokens, *, max_draft=0, **sampling):
-        s = Sampling(**sampling)
+        sampling = Sampling(**sampling)
         if not prompts or any(len(p) == 0 for p in prompts):
             raise ValueError("prompts must be a non-empty list of non-empty token lists")
         if max_new_tokens <= 0:
@@ -68,16 +68,16 @@ class RunningBatch:
                              f"draft ({max_draft}) = {need} exceeds block_size "
                              f"{target.config.block_size}")
         dev, B = target.wte.weight.device, len(prompts)
-        self.target, self.eos_id, self.prompts = target, s.eos_id, prompts
+        self.target, self.eos_id, self.prompts = target, sampling.eos_id, prompts
         self.ids, self.results = list(range(B)), [None] * B
         self.tokens = torch.tensor([p + [0] * (need + 1 - len(p)) for p in prompts], device=dev)
         self.hidden = torch.zeros(B, need + 1, target.config.n_embd, device=dev,
                                   dtype=target.wte.weight.dtype)  # (B, need + 1, C)
-        self.sampler = s.new_sampler(B, target.config.vocab_size, need + 1, dev)
+        self.sampler = sampling.new_sampler(B, target.config.vocab_size, need + 1, dev)
         self.cache = target.new_cache(B, max_len=need)
-        self.draft_cache = self.step_noise = None  # the drafter's; see speculative_step
+        self.draft_cache = None  # the drafter's, made at its first proposal
         # prefill: each distinct prompt once (a GRPO group repeats it) in one padded pass, copied to
-        # the rows that share it (saves 9% of a --tlt off step)
+        # the rows that share it (for speed)
         distinct = {}  # a prompt -> its place among the distinct ones
         distinct_id = [distinct.setdefault(tuple(p), len(distinct)) for p in prompts]  # per row
         first = [distinct_id.index(u) for u in range(len(distinct))]  # a row of each
@@ -129,26 +129,20 @@ class RunningBatch:
         """Draft k a row, verify in one target pass, keep a ragged number -> (emitted, accepted)."""
         pending_at = self.n_tokens - 1  # (B,) the pending token's position: the cache's length
         positions = self.n_tokens[:, None] + torch.arange(k + 1, device=pending_at.device)
-        # made once, read by draft i and by the target at position i (saves 10-16% of the step)
-        self.step_noise = self.sampler.noise(positions)  # (B, k+1, V), or None
+        # one noise for the step: draft i and the target at position i read the same (gumbel)
+        noise = self.sampler.noise(positions)  # (B, k+1, V), or None
         # 1. draft: k tokens per row, at positions[:, :k], and q (B, k, V) or None (deterministic)
-        draft, q = drafter.propose(self, k)  # (B, k)
+        draft, q = drafter.propose(self, k, noise)  # (B, k)
         # 2. verify: the target reads the pending token and the k drafts in one pass
         pending = self.tokens.gather(1, pending_at[:, None])  # (B, 1)
         logits, hidden = self.target(torch.cat([pending, draft], 1), self.cache)  # (B, k+1, .)
-        rows = torch.arange(self.batch_size, device=pending_at.device)[:, None]
-        self.hidden[rows, positions - 1] = hidden  # the rejected drafts' states: never read
+        b = torch.arange(self.batch_size, device=pending_at.device)[:, None]  # (B, 1)
+        self.hidden[b, positions - 1] = hidden  # the rejected drafts' states: never read
         # 3. accept: row b keeps its first n_acc[b] drafts and one token of the target's
-        n_acc, out = self.sampler.verify(draft, q, logits, self.step_noise)  # (B,), (B, k+1)
+        n_acc, out = self.sampler.verify(draft, q, logits, noise)  # (B,), (B, k+1)
         n_emitted = self._append(out, n_acc + 1)
         self.cache.lengths = self.n_tokens - 1  # roll the rejected drafts back
         return n_emitted, n_acc
-
-    def choose_draft(self, logits, i):
-        """Draft i of the speculative step under way, from the drafter's logits (B, 1, V), with the
-        noise the verify pass reads at its position -> tokens (B, 1), q (B, 1, V) or None."""
-        noise = None if self.step_noise is None else self.step_noise[:, i:i + 1]
-        return self.sampler.choose(logits, noise)
 
     def compact(self):
         """Finished rows to `results` and out of every tensor and cache -> rows still running."""
@@ -161,8 +155,8 @@ class RunningBatch:
             self.results[self.ids[b]] = FinishedRow(self.tokens[b, prompt_len:end].tolist(),
                                                     self.tokens[b, :end].clone(),
                                                     self.hidden[b, :end - 1].clone(), prompt_len)
-        # the last running rows take the places finished ones leave among the first n: the caches
-        # copy only those rows (KVCache.compact)
+        # the last running rows take the places finished ones leave among the first n, so the
+        # caches copy only those rows (for speed; KVCache.compact)
         movers = iter([b for b in range(n, len(done)) if not done[b]])
         source = [next(movers) if done[b] else b for b in range(n)]  # row i was row source[i]
         self.ids = [self.ids[b] for b in source]
@@ -383,7 +377,7 @@ def gumbel_seeds(keys, positions):
     return mix32(seed ^ (keys >> 32)[:, None])
 
 
-@functools.lru_cache(maxsize=8)  # made once (with the seed table, saves 6% of a --tlt off step)
+@functools.lru_cache(maxsize=8)  # made once, not every step (for speed)
 def token_hashes(vocab_size, device):
     return mix32(torch.arange(vocab_size, device=device) + 0x9E3779B9)  # (V,)
 

@@ -4,13 +4,11 @@ and TLT rollouts.
     python train.py                                    # one process, CPU or one GPU
     torchrun --standalone --nproc_per_node=2 train.py  # several ranks
 
-(1) The target's supervised warm-up and (2) the drafter's, both cached in --warmup-dir
-(harness/warmup.py). (3) --rl-steps of GRPO, each one `rl_step`: every rank rolls out its rows
-(speculative decoding in the long tail), ranks that finish early train the drafter until the last
-one finishes, the drafters are synced, then one GRPO update of the target under DDP. The step hands
-back what it did; `run` builds the step's record from it, and rank 0 logs a line and appends the
-record to <out-dir>/metrics.jsonl. A checkpoint is written every --ckpt-every steps, and rerunning
-the same command resumes from it.
+The step first: `rl_step` and the three functions under it are one RL step on one rank, in the
+README's seven steps. Below them, the run around the step, which a learner may skip: the flags,
+the cached warm-ups (harness/warmup.py), --rl-steps of `rl_step`, each step's record (rank 0 logs a
+line and appends it to <out-dir>/metrics.jsonl), a checkpoint every --ckpt-every steps, from which
+rerunning the same command resumes, and the summary.
 """
 import copy
 import json
@@ -26,7 +24,8 @@ import torch
 import torch.distributed as dist
 
 import rl
-from harness.checkpoint import bandit_state, load_bandit, load_on_rank0, save_on_rank0
+from harness.checkpoint import (bandit_state, keep_records, load_bandit, load_on_rank0,
+                               save_on_rank0)
 from harness.common import check_out_dir, machine
 from harness.config import autocast, model_config, parse_args, task_of
 from harness.distributed import (COLLECTIVE_TIMEOUT_S, compute_init, gather_ranks, print0, stop,
@@ -65,6 +64,109 @@ class RunState:
     ref_model: torch.nn.Module = None  # the frozen warm-up target, for --kl-coef
     early: dict = None  # the models at evaluate.early_step, for the stale drafter
 
+
+class StepResult(NamedTuple):
+    """What one RL step hands back to `run`, which makes the step's record from it."""
+    problems: list  # this rank's problems
+    finished: list  # their finished rows (speculative.FinishedRow), one per problem
+    idle: dict  # what this rank's idle time did
+    top1: tuple  # the drafter's top-1 counts (agreeing, positions), summed over ranks
+    update: tuple  # (every reward, every response, (loss, clip fraction, skipped))
+    times: tuple  # (start, rollout end, idle start, update start, end): time.perf_counter()
+
+
+def rl_step(step, s, observer=None):
+    """One RL step on this rank, in the README's seven steps -> StepResult. observer: the
+    harness's, called after every decoding step."""
+    args, t0 = s.args, time.perf_counter()
+    # 1. this rank's rows of the step's global batch, each with its key
+    problems, keys, _ = rl.step_rows(args, s.task, step, s.rank, s.world_size)
+    # 2. roll out: plain decoding steps while the running batch is large, speculative in the tail
+    finished = roll_out(s, step, problems, keys, observer)
+    t_rollout = time.perf_counter()
+    rewards = torch.tensor([s.task.reward(p, r.response)
+                            for p, r in zip(problems, finished)]).tolist()  # float32, as logged
+    # 3-5. the rows to the drafter; idle time for it until the last rank arrives; the drafter sync
+    t_idle = time.perf_counter()
+    idle, finish_sync = idle_phase(s, step, finished)
+    # 6. advantages over the global batch, one GRPO update of the target under DDP
+    t_update, update = update_target(s, finished, rewards)
+    top1 = finish_sync()  # the averaged drafter is in; the top-1 counts summed over ranks
+    s.top1.add(*top1)
+    if s.device.type == "cuda":
+        torch.cuda.synchronize()  # sync: the optimizer step may still be queued
+    # 7. (in `run`) the step's record, logged by rank 0
+    times = (t0, t_rollout, t_idle, t_update, time.perf_counter())
+    return StepResult(problems, finished, idle, top1, update, times)
+
+
+def roll_out(s, step, problems, keys, observer):
+    """Step 2: this rank's rollout -> its finished rows (speculative.FinishedRow)."""
+    args = s.args
+    seed = rl.derive_seed(args.rl_seed, s.rank, step, rl.Seed.ROLLOUT)
+    gen = torch.Generator(device=s.device).manual_seed(seed)
+    prompts = [s.task.prompt_ids(p) for p in problems]
+    return rollout(s.model, s.rollout_drafter, prompts, s.task.max_response_len,
+                   sd_threshold=args.sd_threshold, bandit=s.bandit, observer=observer,
+                   temperature=args.temperature, eos_id=s.task.eos_id, generator=gen,
+                   sampler=args.sampler, keys=keys)
+
+
+def idle_phase(s, step, finished):
+    """Steps 3-5: the finished rows into the drafter buffer; on idle time, until the last rank
+    arrives, the drafter scored on them, then trained; the weighted sync started -> (idle stats,
+    its finish)."""
+    args = s.args
+    learned = args.tlt and args.drafter in LEARNED
+    train_drafter = learned and args.drafter_updates
+    if train_drafter:
+        s.buffer.add_rows(step, finished)
+    recent, counts = s.top1.mean(), [0, 0]  # this rank's top-1 counts: agreeing, positions
+    lr, depth = drafter_schedule(recent, args.drafter_online_lr, args.drafter_cold_lr,
+                                 args.drafter_depth)
+    for g in s.d_opt.param_groups:
+        g["lr"] = lr
+    scoring = deque()  # pieces of top-1 scoring on the fresh rows, before any training
+    if learned:
+        scoring = top1_pieces(s.drafter, finished, counts, args.drafter_idle_tokens)
+    work = IdleWork(train_drafter, args.drafter_batch, depth, args.drafter_idle_tokens)
+    rng = random.Random(rl.derive_seed(args.rl_seed, s.rank, step, rl.Seed.DRAFTER_TRAINING))
+    steps, skipped, seconds, busy = idle_train(s.drafter, s.d_opt, s.buffer, rng, work, scoring,
+                                               barrier=s.barrier)
+    finish_sync = start_drafter_sync(s.drafter, steps if train_drafter else 0, counts)
+    return dict(steps=steps, skipped=skipped, seconds=seconds, busy=busy, lr=lr, depth=depth,
+                recent_top1=recent), finish_sync
+
+
+def update_target(s, finished, rewards):
+    """Step 6: every rank's rewards and finished rows, advantages per group, one GRPO update on
+    the rows with a gradient, re-dealt by tokens -> (its start, (rewards, responses, figures))."""
+    args = s.args
+    part = (rewards, [r.tokens.tolist() for r in finished], [r.prompt_len for r in finished])
+    everyone = [part]  # every rank's part, in rank order
+    if s.world_size > 1:
+        everyone = [None] * s.world_size
+        dist.all_gather_object(everyone, part)
+    t_update = time.perf_counter()  # the update's first collective is done: every rank is here
+    all_rewards = torch.tensor([r for theirs in everyone for r in theirs[0]], dtype=torch.float64)
+    seqs = [x for theirs in everyone for x in theirs[1]]
+    plens = [x for theirs in everyone for x in theirs[2]]
+    adv = rl.group_advantages(all_rewards, args.group_size)
+    active = [i for i in range(len(seqs)) if args.kl_coef > 0 or adv[i] != 0]  # zero adds zero
+    deal = rl.deal_by_tokens([len(seqs[i]) for i in active], s.world_size)
+    ours = [active[j] for j in deal[s.rank]]
+    cfg = rl.GRPOConfig(s.task.pad_id, args.update_tokens, args.rl_epochs, args.clip_eps,
+                        args.kl_coef, args.temperature)
+    s.model.train()
+    n_total = sum(len(q) - p for q, p in zip(seqs, plens))
+    update = rl.grpo_update(s.net, s.opt, [seqs[i] for i in ours], [plens[i] for i in ours],
+                            adv[ours], cfg, n_total, s.ref_model)
+    s.model.eval()
+    return t_update, (all_rewards, [q[p:] for q, p in zip(seqs, plens)], update)
+
+
+# -----------------------------------------------------------------------------
+# the run around the step: flags, warm-ups, the step's record and log, checkpoints, resume
 
 def main(argv=None):
     args = parse_args(argv, __doc__)
@@ -177,8 +279,7 @@ def resume(path, ck, s):
         s.d_opt.load_state_dict(ck["d_opt"])
         if s.rank < len(ck["bandits"]):
             load_bandit(s.bandit, ck["bandits"][s.rank])
-        key = "recent_top1" if "recent_top1" in ck else "drafter_health"  # its older name
-        s.top1.recent = ck[key]
+        s.top1.recent = ck["recent_top1"]
         s.early = ck.get("early")  # none in a checkpoint from before it was kept
     except (KeyError, TypeError, ValueError, RuntimeError) as e:  # an older layout of the state
         refused = (f"error: checkpoint {path} does not fit this version of the code "
@@ -188,112 +289,6 @@ def resume(path, ck, s):
         stop(refused[0])
     print0(f"resuming from {path} at RL step {ck['step'] + 1}")
     return ck["step"] + 1
-
-
-def keep_records(path, start):
-    """Keep the records of the steps before `start`; a line that a kill cut short has no newline."""
-    with open(path, "a+") as f:  # made if missing
-        f.seek(0)
-        lines = [ln for ln in f if ln.endswith("\n") and json.loads(ln)["step"] < start]
-    with open(path, "w") as f:
-        f.writelines(lines)
-
-
-class StepResult(NamedTuple):
-    """What one RL step hands back to `run`, which makes the step's record from it."""
-    problems: list  # this rank's problems
-    rows: list  # their finished rows (speculative.FinishedRow)
-    idle: dict  # what this rank's idle time did
-    top1: tuple  # the drafter's top-1 counts (agreeing, positions), summed over ranks
-    update: tuple  # (every reward, every response, (loss, clip fraction, skipped))
-    times: tuple  # (start, rollout end, idle start, update start, end): time.perf_counter()
-
-
-def rl_step(step, s, observer=None):
-    """One RL step on this rank, in the README's seven steps -> StepResult. observer: the
-    harness's, called after every decoding step."""
-    args, t0 = s.args, time.perf_counter()
-    # 1. this rank's rows of the step's global batch, each with its key
-    problems, keys, _ = rl.step_rows(args, s.task, step, s.rank, s.world_size)
-    # 2. roll out: plain decoding steps while the running batch is large, speculative in the tail
-    rows = roll_out(s, step, problems, keys, observer)
-    t_rollout = time.perf_counter()
-    rewards = torch.tensor([s.task.reward(p, r.response)
-                            for p, r in zip(problems, rows)]).tolist()  # float32, as logged
-    # 3-5. the rows to the drafter; idle time for it until the last rank arrives; the drafter sync
-    t_idle = time.perf_counter()
-    idle, finish_sync = idle_phase(s, step, rows)
-    # 6. advantages over the global batch, one GRPO update of the target under DDP
-    t_update, update = update_target(s, rows, rewards)
-    top1 = finish_sync()  # the averaged drafter is in; the top-1 counts summed over ranks
-    s.top1.add(*top1)
-    if s.device.type == "cuda":
-        torch.cuda.synchronize()  # sync: the optimizer step may still be queued
-    # 7. (in `run`) the step's record, logged by rank 0
-    times = (t0, t_rollout, t_idle, t_update, time.perf_counter())
-    return StepResult(problems, rows, idle, top1, update, times)
-
-
-def roll_out(s, step, problems, keys, observer):
-    """Step 2: this rank's rollout -> its finished rows."""
-    args = s.args
-    seed = rl.derive_seed(args.rl_seed, s.rank, step, rl.Seed.ROLLOUT)
-    gen = torch.Generator(device=s.device).manual_seed(seed)
-    prompts = [s.task.prompt_ids(p) for p in problems]
-    return rollout(s.model, s.rollout_drafter, prompts, s.task.max_response_len,
-                   sd_threshold=args.sd_threshold, bandit=s.bandit, observer=observer,
-                   temperature=args.temperature, eos_id=s.task.eos_id, generator=gen,
-                   sampler=args.sampler, keys=keys)
-
-
-def idle_phase(s, step, rows):
-    """Steps 3-5: the rows into the drafter buffer; on idle time, until the last rank arrives, the
-    drafter scored on them, then trained; the weighted sync started -> (idle stats, its finish)."""
-    args = s.args
-    learned = args.tlt and args.drafter in LEARNED
-    train_drafter = learned and args.drafter_updates
-    if train_drafter:
-        s.buffer.add_rows(step, rows)
-    recent, counts = s.top1.mean(), [0, 0]  # this rank's top-1 counts: agreeing, positions
-    lr, depth = drafter_schedule(recent, args.drafter_online_lr, args.drafter_cold_lr,
-                                 args.drafter_depth)
-    for g in s.d_opt.param_groups:
-        g["lr"] = lr
-    scoring = top1_pieces(s.drafter, rows, counts, args.drafter_idle_tokens) if learned else deque()
-    work = IdleWork(train_drafter, args.drafter_batch, depth, args.drafter_idle_tokens)
-    rng = random.Random(rl.derive_seed(args.rl_seed, s.rank, step, rl.Seed.DRAFTER_TRAINING))
-    steps, skipped, seconds, busy = idle_train(s.drafter, s.d_opt, s.buffer, rng, work, scoring,
-                                               barrier=s.barrier)
-    finish_sync = start_drafter_sync(s.drafter, steps if train_drafter else 0, counts)
-    return dict(steps=steps, skipped=skipped, seconds=seconds, busy=busy, lr=lr, depth=depth,
-                recent_top1=recent), finish_sync
-
-
-def update_target(s, rows, rewards):
-    """Step 6: every rank's rewards and rows, advantages per group, one GRPO update on the rows
-    with a gradient, re-dealt by tokens -> (its start, (rewards, responses, update figures)))."""
-    args = s.args
-    part = (rewards, [r.tokens.tolist() for r in rows], [r.prompt_len for r in rows])
-    everyone = [part]  # every rank's part, in rank order
-    if s.world_size > 1:
-        everyone = [None] * s.world_size
-        dist.all_gather_object(everyone, part)
-    t_update = time.perf_counter()  # the update's first collective is done: every rank is here
-    all_rewards = torch.tensor([r for theirs in everyone for r in theirs[0]], dtype=torch.float64)
-    seqs = [x for theirs in everyone for x in theirs[1]]
-    plens = [x for theirs in everyone for x in theirs[2]]
-    adv = rl.group_advantages(all_rewards, args.group_size)
-    active = [i for i in range(len(seqs)) if args.kl_coef > 0 or adv[i] != 0]  # zero adds zero
-    deal = rl.deal_by_tokens([len(seqs[i]) for i in active], s.world_size)
-    ours = [active[j] for j in deal[s.rank]]
-    cfg = rl.GRPOConfig(s.task.pad_id, args.update_tokens, args.rl_epochs, args.clip_eps,
-                        args.kl_coef, args.temperature)
-    s.model.train()
-    n_total = sum(len(q) - p for q, p in zip(seqs, plens))
-    update = rl.grpo_update(s.net, s.opt, [seqs[i] for i in ours], [plens[i] for i in ours],
-                            adv[ours], cfg, n_total, s.ref_model)
-    s.model.eval()
-    return t_update, (all_rewards, [q[p:] for q, p in zip(seqs, plens)], update)
 
 
 if __name__ == "__main__":

@@ -183,3 +183,12 @@ def bandit_state(bandit):
 def load_bandit(bandit, state):
     bandit.plays = {(b, a): deque(map(tuple, r), maxlen=bandit.window) for b, a, r in state["plays"]}
     bandit.rng.setstate((state["rng_version"], tuple(state["rng"]), None))
+
+
+def keep_records(path, start):
+    """Keep the records of the steps before `start`; a line that a kill cut short has no newline."""
+    with open(path, "a+") as f:  # made if missing
+        f.seek(0)
+        lines = [ln for ln in f if ln.endswith("\n") and json.loads(ln)["step"] < start]
+    with open(path, "w") as f:
+        f.writelines(lines)

@@ -303,9 +303,9 @@ class TimedDrafter:
     def __init__(self, drafter, device):
         self.drafter, self.watch, self.lapped = drafter, Stopwatch(device), 0.0
 
-    def propose(self, batch, k):
+    def propose(self, batch, k, noise=None):
         with self.watch():
-            return self.drafter.propose(batch, k)
+            return self.drafter.propose(batch, k, noise)
 
     def seconds(self):
         return self.watch.seconds()

@@ -49,9 +49,10 @@ class NgramDrafter:
     def __init__(self, n=3):
         self.n = n
 
-    def propose(self, batch, k):
+    def propose(self, batch, k, noise=None):
         """A speculative.RunningBatch -> drafts (B, k) from its tokens (B, W), row b's first
-        n_tokens[b] valid, and q = None: the proposals are deterministic (a one-hot q)."""
+        n_tokens[b] valid, and q = None: the proposals are deterministic (a one-hot q). The noise
+        is not read."""
         tokens, n_tokens = batch.tokens, batch.n_tokens
         B, W = tokens.shape
         n, dev = self.n, tokens.device
@@ -165,7 +166,7 @@ class SiblingDrafter:
         self._groups.record(batch.results)
         return self._groups
 
-    def propose(self, batch, k):
+    def propose(self, batch, k, noise=None):
         """A speculative.RunningBatch -> drafts (B, k), and q = None: deterministic proposals."""
         return self.lookup(batch, k, self.groups(batch))[0], None
 
@@ -242,6 +243,6 @@ class SiblingOrLearned:
     def __init__(self, learned, max_match=16, finished=None):
         self.learned, self.siblings = learned, SiblingDrafter(max_match, finished)
 
-    def propose(self, batch, k):
+    def propose(self, batch, k, noise=None):
         tail = self.siblings.groups(batch).all_finished(batch.ids)
-        return (self.siblings if tail else self.learned).propose(batch, k)
+        return (self.siblings if tail else self.learned).propose(batch, k, noise)

@@ -144,7 +144,7 @@ def _always_last_worker(rank, out_path):
         rows = rollout(target, None, [[1 + (i + step) % 9] for i in range(4)], 20, generator=gen)
         time.sleep(0.05 + 0.15 * rank)  # rank 1's rollout is always the long one
         buffer.add_rows(step, [Sample([], tokens, hidden, plen) for _, tokens, hidden, plen in rows])
-        steps += idle_train(drafter, opt, buffer, random.Random(step), IdleWork(batch_size=4, piece_tokens=40))[0]
+        steps += idle_train(drafter, opt, buffer, random.Random(step), IdleWork(batch_size=4, idle_tokens=40))[0]
         held.append([buffer.tokens, len(buffer.items), sum(t.shape[0] for _, t, _, _ in buffer.items)])
         start_drafter_sync(drafter, steps)()
     recs = gather_ranks({"rank": rank, "held": held, "steps": steps})

@@ -35,7 +35,8 @@ RANK_KEYS = {"rank", "rollout_time", "idle_time", "drafter_steps", "tokens", "dr
 
 
 def run_train(args, timeout=240):
-    """train.py in a process of its own, on the CPU (unless args say otherwise): the same on a GPU machine."""
+    """train.py in a process of its own, on the CPU unless args say otherwise (--device cpu: also on a
+    machine with a GPU)."""
     return subprocess.run([sys.executable, "train.py", "--device", "cpu", *args], cwd=ROOT, env=ENV, capture_output=True,
                           text=True, timeout=timeout)
 
@@ -210,7 +211,7 @@ def test_a_record_a_kill_cut_short_is_dropped_on_resume(tmp_path):
     resumed run drops it with the records past its checkpoint (and does not fail parsing it)."""
     path = tmp_path / "metrics.jsonl"
     path.write_text('{"step": 0}\n{"step": 1}\n{"step": 2}\n{"step": 3, "rew')
-    train.keep_records(str(path), 2)
+    checkpoint.keep_records(str(path), 2)
     assert path.read_text() == '{"step": 0}\n{"step": 1}\n'
 
 
