@@ -62,3 +62,16 @@ def test_the_reading_table_gives_each_named_definition_its_true_length_and_its_t
     stated = re.search(r"\(([\d,]+) lines of code\)", section)
     assert stated, "the reading section states no total"
     assert int(stated.group(1).replace(",", "")) == path_total
+
+
+def test_the_readme_gives_each_core_file_its_true_length_and_the_core_its_total():
+    with open(os.path.join(ROOT, "README.md")) as f:
+        text = f.read()
+    given = dict(re.findall(r"^\| `(\w+\.py)` \| (\d+) \|", text, flags=re.M))
+    assert len(given) == 7, f"the README's table of the core and train.py: {sorted(given)}"
+    for file, n in given.items():
+        with open(os.path.join(ROOT, file)) as f:
+            assert len(f.read().splitlines()) == int(n), f"{file}: the README says {n} lines"
+    core = sum(int(n) for file, n in given.items() if file != "train.py")
+    stated = re.search(r"six core files\s+\(([\d,]+) lines\)", text)
+    assert stated and int(stated.group(1).replace(",", "")) == core
