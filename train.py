@@ -35,8 +35,7 @@ from harness.evaluate import early_step, evaluate_both, snapshot, stale_drafter
 from harness.instrument import RolloutStats, TimedDrafter, observers, liveness_observer
 from harness.liveness import Liveness, beat, watched_barrier
 from harness.model_free import LEARNED, proposer
-from harness.report import log_step, next_lines, plan_line, step_record
-from harness.summary import summary
+from harness.report import log_step, next_lines, plan_line, step_record, summary
 from rollout import Bandit, rollout
 from scheduler import (IdleWork, RecentTop1, drafter_schedule, idle_train, start_drafter_sync,
                        top1_pieces)

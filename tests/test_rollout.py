@@ -11,7 +11,7 @@ from model import GPT, GPTConfig
 from harness.checkpoint import bandit_state, load_bandit
 from harness.instrument import RolloutStats, TimedDrafter, observers, tail_share
 from harness.report import best_arms
-from harness.summary import bucket_sizes
+from harness.report import bucket_sizes
 from rollout import ARMS, Bandit, TailPolicy, rollout
 
 EOS = 3

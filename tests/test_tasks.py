@@ -122,7 +122,7 @@ def test_an_unknown_task_is_named_with_the_registered_ones():
 def test_a_task_may_start_its_sizes_above_1_and_leave_out_the_choice():
     """What a task of one's own needs no more than its interface: sizes from min_n (a pairwise task needs two
     items), and no `choice` (the summary then prints no choice share)."""
-    from harness.summary import trend_lines
+    from harness.report import length_line
     base = tasks.TASKS["running_sum"]
     task = dataclasses.replace(base(), min_n=3, max_n=7)
     rng = random.Random(3)
@@ -132,8 +132,8 @@ def test_a_task_may_start_its_sizes_above_1_and_leave_out_the_choice():
     with pytest.raises(ValueError, match="min_n"):
         base(min_n=5, max_n=4)
     history = [{"reward": 0.5, "response_len": 10.0, "choice_share": 0.5}]
-    assert ", single steps 50% -> 50%" in trend_lines(history, "single steps")[1]
-    assert trend_lines(history, tasks.Task.choice)[1] == "  response length       10.0 -> 10.0 tokens (first and last 1 steps)"
+    assert length_line(history, "single steps").endswith(", single steps 50% -> 50%")
+    assert length_line(history, tasks.Task.choice) == "  response length       10.0 -> 10.0 tokens"
     assert tasks.Task.choice_share(task, None, [1, 2]) == 0.0
 
 

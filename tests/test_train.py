@@ -87,7 +87,7 @@ def test_single_process_run_then_resume(tmp_path):
     assert "reusing the warmed-up target" in r.stdout and "resuming from" in r.stdout
     assert [m["step"] for m in metrics(out)] == [0, 1, 2, 3, 4]
     # the stale drafter's step-0 models came back with the checkpoint
-    assert "stale drafter (tokens per verify step at k = " in r.stdout and "step 0's drafter, step 0's target" in r.stdout
+    assert "  stale drafter         " in r.stdout and "step 0's drafter for step 0's target" in r.stdout
 
 
 def test_exact_tokens_make_rewards_equal_across_resume_and_tlt(tmp_path):
