@@ -9,7 +9,8 @@ One speculative step, for every running row at once:
    them. Rolling the rejected drafts back is assigning the cache lengths.
 
 In reading order: the running batch and its two steps; the decoding loop (`decode`, also the
-rollout's); the verify rules; the two samplers and the noise.
+rollout's); exact-token sampling, the default, and its noise; then, beside the default step, the
+reference rule and the generate functions that the evaluation, the bench and the tests call.
 
 The batch's sampler, chosen once per batch, picks every token and verifies the drafts, so no step
 branches on the rule. Both rules keep the emitted tokens distributed exactly as the target's own:
@@ -175,19 +176,6 @@ class DecodeStep(NamedTuple):  # one decoding step, as `decode` tells an observe
     n_accepted: torch.Tensor  # (batch_size,) drafts each row accepted; None for a plain step
 
 
-class FixedK:
-    """`decode`'s k at every step (0: plain decoding); it counts tokens per row per step."""
-
-    def __init__(self, k):
-        self.k, self.tokens, self.row_steps = k, 0, 0
-
-    def choose(self, batch_size):
-        return self.k
-
-    def update(self, batch_size, k, tokens, seconds):
-        self.tokens, self.row_steps = self.tokens + tokens, self.row_steps + batch_size
-
-
 @torch.no_grad()
 def decode(batch, policy, drafter=None, observer=None):
     """Run a RunningBatch until every row has finished -> its results (a FinishedRow per prompt).
@@ -207,47 +195,35 @@ def decode(batch, policy, drafter=None, observer=None):
     return batch.results
 
 
-def autoregressive_generate(target, prompts, max_new_tokens, *, observer=None, **sampling):
-    """Plain decoding, one token per row per target pass; finished rows leave the batch.
-    `sampling` takes `Sampling`'s fields by name; for `observer` see `decode`."""
-    results = decode(RunningBatch(target, prompts, max_new_tokens, **sampling), FixedK(0),
-                     observer=observer)
-    return [r.response for r in results], {"accept_len": None}
-
-
-def speculative_generate(target, drafter, prompts, max_new_tokens, *, k=4, observer=None,
-                         **sampling):
-    """Speculative decoding with the same k for every row and step. With sampler "gumbel" and the
-    same keys it emits exactly autoregressive_generate's tokens."""
-    if k < 1:
-        raise ValueError(f"k must be >= 1, got {k}")
-    policy = FixedK(k)
-    batch = RunningBatch(target, prompts, max_new_tokens, max_draft=k, **sampling)
-    results = decode(batch, policy, drafter, observer)
-    accept_len = policy.tokens / policy.row_steps if policy.row_steps else None
-    return [r.response for r in results], {"accept_len": accept_len}
-
 # -----------------------------------------------------------------------------
-# the verify rules
+# exact-token sampling (the default): the target's own tokens, whatever drafted them
 
-def verify(draft_tokens, q, p, generator=None):
-    """Exact rejection sampling. draft_tokens (B, k) drawn from q (B, k, V); p (B, k+1, V) the
-    target's distributions. -> n_accepted (B,), each row's accepted prefix, and next_token (B,):
-    from the residual max(p - q, 0) at the first rejection, or from p[:, k] when all k pass."""
-    B, k = draft_tokens.shape
-    p_d = p[:, :k].gather(-1, draft_tokens[..., None]).squeeze(-1)  # (B, k)
-    q_d = q.gather(-1, draft_tokens[..., None]).squeeze(-1)  # (B, k)
-    u = torch.rand(B, k, generator=generator, device=p.device)
-    accept = u * q_d < p_d  # u < p / q without dividing; p >= q always accepts
-    n_accepted = accept.cummin(dim=1).values.sum(dim=1)  # (B,)
-    # at n_accepted == k, q is zero there, so the residual is p[:, k]
-    q_pad = torch.cat([q, q.new_zeros(B, 1, q.shape[-1])], dim=1)  # (B, k+1, V)
-    at = n_accepted[:, None, None].expand(B, 1, p.shape[-1])
-    p_at = p.gather(1, at).squeeze(1)  # (B, V)
-    residual = (p_at - q_pad.gather(1, at).squeeze(1)).clamp(min=0)  # draw() normalises
-    # all zero only where p == q, which rejects with probability 0: a guard against rounding
-    residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, p_at)
-    return n_accepted, draw(residual, generator)
+class GumbelSampler:
+    """Exact-token sampling: a row's token at t is argmax(logits / T + noise(row key, t, token))."""
+
+    def __init__(self, temperature, keys, vocab_size, width):
+        positions = torch.arange(width, device=keys.device).expand(keys.shape[0], width)
+        self.seeds = gumbel_seeds(keys, positions)  # (B, width): hashed once a batch, not a step
+        self.temperature, self.vocab_size = temperature, vocab_size
+
+    def compact(self, source):
+        self.seeds = self.seeds[source]
+
+    def noise(self, positions):
+        """The noise at positions (B, T) -> (B, T, V), or None at temperature 0 (plain argmax)."""
+        if self.temperature == 0:
+            return None
+        return gumbel_noise(self.seeds.gather(1, positions), self.vocab_size)
+
+    def choose(self, logits, noise):
+        """logits (B, T, V) and their positions' noise -> tokens (B, T), and None for q."""
+        if noise is None:
+            return logits.argmax(-1), None
+        return (logits.float() / self.temperature + noise).argmax(-1), None
+
+    def verify(self, draft, q, logits, noise):
+        out, _ = self.choose(logits, noise)  # the target's tokens: up to a mismatch, the drafts
+        return verify_gumbel(draft, out), out
 
 
 def verify_gumbel(draft_tokens, target_tokens):
@@ -257,11 +233,44 @@ def verify_gumbel(draft_tokens, target_tokens):
     k = draft_tokens.shape[1]
     return (draft_tokens == target_tokens[:, :k]).cummin(dim=1).values.sum(dim=1)  # (B,)
 
+
+MASK32 = 0xFFFFFFFF
+
+
+def mix32(x):  # Wellons' 32-bit "lowbias32" hash, on int64 tensors holding 32-bit values
+    x = x ^ (x >> 16)
+    x = (x * 0x7FEB352D) & MASK32
+    x = x ^ (x >> 15)
+    x = (x * -0x7B935975) & MASK32  # times 0x846CA68B mod 2^32, with no product past 2^63
+    return x ^ (x >> 16)
+
+
+def gumbel_seeds(keys, positions):
+    """keys (B,) int64 >= 0, positions (B, T) -> (B, T) 32-bit seeds: the position's hash, then the
+    key's low and high halves mixed in, one round each. Every bit of the 64-bit key reaches every
+    seed, and rows a few positions apart never share a shifted stream."""
+    seed = mix32(positions + 0x632BE5AB)  # (B, T)
+    seed = mix32(seed ^ (keys & MASK32)[:, None])
+    return mix32(seed ^ (keys >> 32)[:, None])
+
+
+@functools.lru_cache(maxsize=8)  # made once, not every step (for speed)
+def token_hashes(vocab_size, device):
+    return mix32(torch.arange(vocab_size, device=device) + 0x9E3779B9)  # (V,)
+
+
+def gumbel_noise(seeds, vocab_size):
+    """seeds (...) -> (..., V) float32 Gumbel(0, 1) noise, one value per token id: each seed hashed
+    with the token's hash, the top 23 bits a uniform in (0, 1), then -log(-log(u))."""
+    bits = mix32(seeds[..., None] ^ token_hashes(vocab_size, seeds.device))  # (..., V)
+    u = ((bits >> 9).float() + 0.5) * 2.0 ** -23  # never 0 or 1
+    return -torch.log(-torch.log(u))
+
+
 # -----------------------------------------------------------------------------
-# how a token is chosen: two exact samplers, one per batch
+# the batch's sampler, chosen once: the default above, or the reference rule below
 
 SAMPLERS = ("gumbel", "rejection")
-MASK32 = 0xFFFFFFFF
 
 
 @dataclass
@@ -288,6 +297,9 @@ class Sampling:
             keys = torch.as_tensor(self.keys, dtype=torch.long, device=device)
         return GumbelSampler(self.temperature, keys, vocab_size, width)
 
+
+# -----------------------------------------------------------------------------
+# beside the default step: the reference rule (rejection sampling), the generate functions
 
 def probs(logits, temperature):
     """(..., V) logits -> (..., V) float32 probabilities; temperature 0 gives one-hot argmax."""
@@ -332,59 +344,55 @@ class RejectionSampler:
         return n_acc, out.scatter_(1, n_acc[:, None], nxt[:, None])  # accepted drafts, then nxt
 
 
-class GumbelSampler:
-    """Exact-token sampling: a row's token at t is argmax(logits / T + noise(row key, t, token))."""
-
-    def __init__(self, temperature, keys, vocab_size, width):
-        positions = torch.arange(width, device=keys.device).expand(keys.shape[0], width)
-        self.seeds = gumbel_seeds(keys, positions)  # (B, width): hashed once a batch, not a step
-        self.temperature, self.vocab_size = temperature, vocab_size
-
-    def compact(self, source):
-        self.seeds = self.seeds[source]
-
-    def noise(self, positions):
-        """The noise at positions (B, T) -> (B, T, V), or None at temperature 0 (plain argmax)."""
-        if self.temperature == 0:
-            return None
-        return gumbel_noise(self.seeds.gather(1, positions), self.vocab_size)
-
-    def choose(self, logits, noise):
-        """logits (B, T, V) and their positions' noise -> tokens (B, T), and None for q."""
-        if noise is None:
-            return logits.argmax(-1), None
-        return (logits.float() / self.temperature + noise).argmax(-1), None
-
-    def verify(self, draft, q, logits, noise):
-        out, _ = self.choose(logits, noise)  # the target's tokens: up to a mismatch, the drafts
-        return verify_gumbel(draft, out), out
+def verify(draft_tokens, q, p, generator=None):
+    """Exact rejection sampling. draft_tokens (B, k) drawn from q (B, k, V); p (B, k+1, V) the
+    target's distributions. -> n_accepted (B,), each row's accepted prefix, and next_token (B,):
+    from the residual max(p - q, 0) at the first rejection, or from p[:, k] when all k pass."""
+    B, k = draft_tokens.shape
+    p_d = p[:, :k].gather(-1, draft_tokens[..., None]).squeeze(-1)  # (B, k)
+    q_d = q.gather(-1, draft_tokens[..., None]).squeeze(-1)  # (B, k)
+    u = torch.rand(B, k, generator=generator, device=p.device)
+    accept = u * q_d < p_d  # u < p / q without dividing; p >= q always accepts
+    n_accepted = accept.cummin(dim=1).values.sum(dim=1)  # (B,)
+    # at n_accepted == k, q is zero there, so the residual is p[:, k]
+    q_pad = torch.cat([q, q.new_zeros(B, 1, q.shape[-1])], dim=1)  # (B, k+1, V)
+    at = n_accepted[:, None, None].expand(B, 1, p.shape[-1])
+    p_at = p.gather(1, at).squeeze(1)  # (B, V)
+    residual = (p_at - q_pad.gather(1, at).squeeze(1)).clamp(min=0)  # draw() normalises
+    # all zero only where p == q, which rejects with probability 0: a guard against rounding
+    residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, p_at)
+    return n_accepted, draw(residual, generator)
 
 
-def mix32(x):  # Wellons' 32-bit "lowbias32" hash, on int64 tensors holding 32-bit values
-    x = x ^ (x >> 16)
-    x = (x * 0x7FEB352D) & MASK32
-    x = x ^ (x >> 15)
-    x = (x * -0x7B935975) & MASK32  # times 0x846CA68B mod 2^32, with no product past 2^63
-    return x ^ (x >> 16)
+class FixedK:
+    """`decode`'s k at every step (0: plain decoding); it counts tokens per row per step."""
+
+    def __init__(self, k):
+        self.k, self.tokens, self.row_steps = k, 0, 0
+
+    def choose(self, batch_size):
+        return self.k
+
+    def update(self, batch_size, k, tokens, seconds):
+        self.tokens, self.row_steps = self.tokens + tokens, self.row_steps + batch_size
 
 
-def gumbel_seeds(keys, positions):
-    """keys (B,) int64 >= 0, positions (B, T) -> (B, T) 32-bit seeds: the position's hash, then the
-    key's low and high halves mixed in, one round each. Every bit of the 64-bit key reaches every
-    seed, and rows a few positions apart never share a shifted stream."""
-    seed = mix32(positions + 0x632BE5AB)  # (B, T)
-    seed = mix32(seed ^ (keys & MASK32)[:, None])
-    return mix32(seed ^ (keys >> 32)[:, None])
+def autoregressive_generate(target, prompts, max_new_tokens, *, observer=None, **sampling):
+    """Plain decoding, one token per row per target pass; finished rows leave the batch.
+    `sampling` takes `Sampling`'s fields by name; for `observer` see `decode`."""
+    results = decode(RunningBatch(target, prompts, max_new_tokens, **sampling), FixedK(0),
+                     observer=observer)
+    return [r.response for r in results], {"accept_len": None}
 
 
-@functools.lru_cache(maxsize=8)  # made once, not every step (for speed)
-def token_hashes(vocab_size, device):
-    return mix32(torch.arange(vocab_size, device=device) + 0x9E3779B9)  # (V,)
-
-
-def gumbel_noise(seeds, vocab_size):
-    """seeds (...) -> (..., V) float32 Gumbel(0, 1) noise, one value per token id: each seed hashed
-    with the token's hash, the top 23 bits a uniform in (0, 1), then -log(-log(u))."""
-    bits = mix32(seeds[..., None] ^ token_hashes(vocab_size, seeds.device))  # (..., V)
-    u = ((bits >> 9).float() + 0.5) * 2.0 ** -23  # never 0 or 1
-    return -torch.log(-torch.log(u))
+def speculative_generate(target, drafter, prompts, max_new_tokens, *, k=4, observer=None,
+                         **sampling):
+    """Speculative decoding with the same k for every row and step. With sampler "gumbel" and the
+    same keys it emits exactly autoregressive_generate's tokens."""
+    if k < 1:
+        raise ValueError(f"k must be >= 1, got {k}")
+    policy = FixedK(k)
+    batch = RunningBatch(target, prompts, max_new_tokens, max_draft=k, **sampling)
+    results = decode(batch, policy, drafter, observer)
+    accept_len = policy.tokens / policy.row_steps if policy.row_steps else None
+    return [r.response for r in results], {"accept_len": accept_len}

@@ -39,7 +39,7 @@ from harness import warmup
 from drafter import Drafter, DrafterBuffer, make_optimizer, train_step
 from harness.instrument import RolloutStats
 from harness.report import best_arms
-from harness.summary import bucket_sizes, by_position, format_positions
+from harness.report import bucket_sizes, by_position
 from rl import step_rows
 from rollout import Bandit, rollout
 from speculative import speculative_generate
@@ -266,7 +266,8 @@ def e2e_bench(args, task, model, drafter):
     by_pos = {n: by_position(records[n][1:]) for n in timed[1:] + ("on_k4", "frozen_k4")}
     print("\ndrafts accepted by draft position, % (given the earlier ones were accepted), and the drafts decided in all:")
     for n, (rates, drafted) in by_pos.items():
-        print(f"{n:9} {format_positions(rates)}   ({sum(drafted):,} drafts)")
+        cells = " ".join("  -  " if r is None else f"{100 * r:4.1f}" for r in rates)
+        print(f"{n:9} {cells}   ({sum(drafted):,} drafts)")
     # the runs generate the same tokens at every step, so step i of one run and step i of another are a pair
     paired = {n: sorted(a["step_time"] / b["step_time"] for a, b in zip(records["off"][1:], records[n][1:])) for n in timed[1:]}
     other = {n: sum(a["responses_digest"] != b["responses_digest"] for a, b in zip(records["off"], records[n])) for n in timed[1:]}
