@@ -23,49 +23,6 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 
-# ------------------------------------------------------------------------ seeds, the step's rows
-def derive_seed(*parts):
-    """A seed for any tuple of integers, such as (base seed, rank, step, purpose): each random
-    stream gets its own (`Seed` says its order), so nothing reseeds the global generator."""
-    h = 0
-    for x in parts:
-        h = (h * 1_000_003 + int(x)) % (2 ** 61 - 1)
-    return h
-
-
-class Seed(enum.IntEnum):
-    """What a derived seed is for, one stream each: most are derive_seed(seed, rank, step, Seed.X),
-    row keys derive_seed(seed, step, row, Seed.ROLLOUT_KEYS) or (seed, row, 0, Seed.EVAL_KEYS)."""
-    TARGET_DATA = 1        # the target warm-up's warm-up traces
-    DRAFTER_DATA = 2       # the drafter warm-up's prompts and batches
-    DRAFTER_SAMPLES = 3    # the target's samples the drafter warms up on
-    INIT = 4               # initial weights, the same on every rank
-    BANDIT = 5             # the bandit's exploration
-    RL_PROMPTS = 6         # each RL step's prompts, the same on every rank
-    ROLLOUT = 7            # rollout sampling with --sampler rejection
-    DRAFTER_TRAINING = 8   # idle-rank drafter batches
-    EVAL = 9               # evaluation sampling with --sampler rejection
-    ROLLOUT_KEYS = 10      # each rollout row's key with --sampler gumbel
-    EVAL_KEYS = 11         # each evaluation row's key with --sampler gumbel
-
-
-def rl_problems(args, task, step):
-    """The step's problems, the same on every rank and for any number of ranks."""
-    prng = random.Random(derive_seed(args.rl_seed, 0, step, Seed.RL_PROMPTS))
-    return [task.sample(prng) for _ in range(args.prompts_per_step)]
-
-
-def step_rows(args, task, step, rank, world_size):
-    """This rank's slice of the global batch's rows (problems x G; a group may span ranks), their
-    keys and the row count. Keys follow global places, so "gumbel" tokens match on any ranks."""
-    problems = rl_problems(args, task, step)
-    n_rows = len(problems) * args.group_size
-    mine = range(rank * n_rows // world_size, (rank + 1) * n_rows // world_size)
-    my_problems = [problems[i // args.group_size] for i in mine]  # a problem per row
-    keys = [derive_seed(args.rl_seed, step, i, Seed.ROLLOUT_KEYS) for i in mine]
-    return my_problems, keys, n_rows
-
-
 def group_advantages(rewards, group_size, eps=1e-6):
     """rewards (N,) in groups of `group_size` consecutive rows -> advantages (N,). Divided by the
     population std (a choice): sqrt(G / (G - 1)) times TRL's (1.155 at the default G = 4)."""
@@ -75,29 +32,6 @@ def group_advantages(rewards, group_size, eps=1e-6):
     std = r.std(dim=1, keepdim=True, unbiased=False)
     adv = (r - r.mean(dim=1, keepdim=True)) / (std + eps)
     return torch.where(std > eps, adv, torch.zeros_like(adv)).view(-1)  # all equal: no signal
-
-
-def collate(sequences, prompt_lens, pad_id, device="cpu"):
-    """Token lists -> tokens (B, T) right-padded, and mask (B, T-1) over response positions:
-    mask[b, t] says token t+1 of row b is a response token, so its log-prob counts."""
-    T = max(len(s) for s in sequences)
-    tokens = torch.full((len(sequences), T), pad_id, dtype=torch.long)
-    mask = torch.zeros(len(sequences), T - 1, dtype=torch.bool)
-    for b, (s, plen) in enumerate(zip(sequences, prompt_lens)):
-        tokens[b, :len(s)] = torch.tensor(s)
-        mask[b, plen - 1:len(s) - 1] = True
-    return tokens.to(device), mask.to(device)
-
-
-def token_logprobs(model, tokens, temperature=1.0):
-    """log p(tokens[:, t+1] | tokens[:, :t+1]) under softmax(logits / temperature), the
-    distribution the rollout sampled from, for every t: (B, T-1)."""
-    if not temperature > 0:
-        raise ValueError(f"log-probs need a temperature > 0 (0 is greedy), got {temperature}")
-    logits, _ = model(tokens[:, :-1])  # (B, T-1, V)
-    # bf16 autocast -> fp32 softmax; dividing by 1.0 changes no bit
-    logits = logits.to(torch.promote_types(logits.dtype, torch.float32)) / temperature
-    return torch.gather(F.log_softmax(logits, dim=-1), 2, tokens[:, 1:, None]).squeeze(-1)
 
 
 def grpo_loss(logp, logp_old, advantages, mask, clip_eps=0.2, kl_coef=0.0, logp_ref=None):
@@ -118,30 +52,6 @@ def grpo_loss(logp, logp_old, advantages, mask, clip_eps=0.2, kl_coef=0.0, logp_
         clipped = ((ratio - 1).abs() > clip_eps).float()
         stats = {"clip_frac": float((clipped * m).sum() / n), "kl": float((kl * m).sum() / n)}
     return loss, stats
-
-
-def deal_by_tokens(lengths, world_size):
-    """Row lengths -> {rank: [rows]} with about as many tokens per rank, so that no rank keeps the
-    others waiting at DDP's all-reduce: the longest row first, each to the rank with fewest."""
-    load, deal = [0] * world_size, {r: [] for r in range(world_size)}
-    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
-        r = min(range(world_size), key=lambda r: (load[r], r))
-        deal[r].append(i)
-        load[r] += lengths[i]
-    return deal
-
-
-def group_by_length(items, length, token_budget):
-    """Sort by length and cut into batches of about `token_budget` padded tokens (each padded to its
-    longest item), so long-tailed lengths waste little padding. At least one (maybe empty) batch."""
-    batches, cur = [], []
-    for it in sorted(items, key=length):
-        if cur and (len(cur) + 1) * length(it) > token_budget:
-            batches.append(cur)
-            cur = []
-        cur.append(it)
-    batches.append(cur)
-    return batches
 
 
 @dataclass(frozen=True)
@@ -198,3 +108,95 @@ def grpo_update(net, opt, sequences, prompt_lens, advantages, cfg, n_total, ref_
             continue
         opt.step()
     return total_loss / cfg.epochs, clip / cfg.epochs, skipped
+
+
+def collate(sequences, prompt_lens, pad_id, device="cpu"):
+    """Token lists -> tokens (B, T) right-padded, and mask (B, T-1) over response positions:
+    mask[b, t] says token t+1 of row b is a response token, so its log-prob counts."""
+    T = max(len(s) for s in sequences)
+    tokens = torch.full((len(sequences), T), pad_id, dtype=torch.long)
+    mask = torch.zeros(len(sequences), T - 1, dtype=torch.bool)
+    for b, (s, plen) in enumerate(zip(sequences, prompt_lens)):
+        tokens[b, :len(s)] = torch.tensor(s)
+        mask[b, plen - 1:len(s) - 1] = True
+    return tokens.to(device), mask.to(device)
+
+
+def token_logprobs(model, tokens, temperature=1.0):
+    """log p(tokens[:, t+1] | tokens[:, :t+1]) under softmax(logits / temperature), the
+    distribution the rollout sampled from, for every t: (B, T-1)."""
+    if not temperature > 0:
+        raise ValueError(f"log-probs need a temperature > 0 (0 is greedy), got {temperature}")
+    logits, _ = model(tokens[:, :-1])  # (B, T-1, V)
+    # bf16 autocast -> fp32 softmax; dividing by 1.0 changes no bit
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32)) / temperature
+    return torch.gather(F.log_softmax(logits, dim=-1), 2, tokens[:, 1:, None]).squeeze(-1)
+
+
+# -----------------------------------------------------------------------------
+# the step's rows and the seeds, the same on every rank; dealing rows for the update
+
+def step_rows(args, task, step, rank, world_size):
+    """This rank's slice of the global batch's rows (problems x G; a group may span ranks), their
+    keys and the row count. Keys follow global places, so "gumbel" tokens match on any ranks."""
+    problems = rl_problems(args, task, step)
+    n_rows = len(problems) * args.group_size
+    mine = range(rank * n_rows // world_size, (rank + 1) * n_rows // world_size)
+    my_problems = [problems[i // args.group_size] for i in mine]  # a problem per row
+    keys = [derive_seed(args.rl_seed, step, i, Seed.ROLLOUT_KEYS) for i in mine]
+    return my_problems, keys, n_rows
+
+
+def rl_problems(args, task, step):
+    """The step's problems, the same on every rank and for any number of ranks."""
+    prng = random.Random(derive_seed(args.rl_seed, 0, step, Seed.RL_PROMPTS))
+    return [task.sample(prng) for _ in range(args.prompts_per_step)]
+
+
+def derive_seed(*parts):
+    """A seed for any tuple of integers, such as (base seed, rank, step, purpose): each random
+    stream gets its own (`Seed` says its order), so nothing reseeds the global generator."""
+    h = 0
+    for x in parts:
+        h = (h * 1_000_003 + int(x)) % (2 ** 61 - 1)
+    return h
+
+
+class Seed(enum.IntEnum):
+    """What a derived seed is for, one stream each: most are derive_seed(seed, rank, step, Seed.X),
+    row keys derive_seed(seed, step, row, Seed.ROLLOUT_KEYS) or (seed, row, 0, Seed.EVAL_KEYS)."""
+    TARGET_DATA = 1        # the target warm-up's warm-up traces
+    DRAFTER_DATA = 2       # the drafter warm-up's prompts and batches
+    DRAFTER_SAMPLES = 3    # the target's samples the drafter warms up on
+    INIT = 4               # initial weights, the same on every rank
+    BANDIT = 5             # the bandit's exploration
+    RL_PROMPTS = 6         # each RL step's prompts, the same on every rank
+    ROLLOUT = 7            # rollout sampling with --sampler rejection
+    DRAFTER_TRAINING = 8   # idle-rank drafter batches
+    EVAL = 9               # evaluation sampling with --sampler rejection
+    ROLLOUT_KEYS = 10      # each rollout row's key with --sampler gumbel
+    EVAL_KEYS = 11         # each evaluation row's key with --sampler gumbel
+
+
+def deal_by_tokens(lengths, world_size):
+    """Row lengths -> {rank: [rows]} with about as many tokens per rank, so that no rank keeps the
+    others waiting at DDP's all-reduce: the longest row first, each to the rank with fewest."""
+    load, deal = [0] * world_size, {r: [] for r in range(world_size)}
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        r = min(range(world_size), key=lambda r: (load[r], r))
+        deal[r].append(i)
+        load[r] += lengths[i]
+    return deal
+
+
+def group_by_length(items, length, token_budget):
+    """Sort by length and cut into batches of about `token_budget` padded tokens (each padded to its
+    longest item), so long-tailed lengths waste little padding. At least one (maybe empty) batch."""
+    batches, cur = [], []
+    for it in sorted(items, key=length):
+        if cur and (len(cur) + 1) * length(it) > token_budget:
+            batches.append(cur)
+            cur = []
+        cur.append(it)
+    batches.append(cur)
+    return batches
