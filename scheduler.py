@@ -127,9 +127,10 @@ TOP1_STEPS = 5  # RL steps whose figures make the recent top-1
 
 
 class RecentTop1:
-    """The drafter's top-1 agreement with the target on fresh rows over the last TOP1_STEPS steps.
-    Each rank scores its own rows on idle time, before it trains on them (the slowest rank's go
-    unscored); the sync sums the counts over ranks."""
+    """The drafter's top-1 agreement with the target on fresh rows over the last TOP1_STEPS scored
+    steps (a step with nothing scored is not one of them). Each rank scores its own rows on idle
+    time, before it trains on them (the slowest rank's mostly go unscored); the sync sums the
+    counts over ranks."""
 
     def __init__(self):
         self.recent = []  # [agreeing, positions] per RL step, summed over ranks

@@ -52,9 +52,10 @@ class RunningBatch:
     it leaves every tensor and cache (`compact`), so the batch really shrinks, and its FinishedRow
     goes to results[ids[b]].
 
-    A drafter's contract with the batch: `propose` reads tokens, hidden, n_tokens (and ids, prompts
-    and results), draws its drafts with the batch's `sampler` and the step's noise, and writes only
-    `draft_cache`, its own per-row state, which `compact` keeps in step with the rows."""
+    A drafter's contract with the batch: `propose` reads tokens, hidden, n_tokens and the target's
+    cache's size and dtype (and ids, prompts and results), draws its drafts with the batch's
+    `sampler` and the step's noise, and writes only `draft_cache`, its own per-row state, which
+    `compact` keeps in step with the rows."""
 
     def __init__(self, target, prompts, max_new_tokens, *, max_draft=0, **sampling):
         sampling = Sampling(**sampling)
