@@ -139,18 +139,13 @@ def token_logprobs(model, tokens, temperature=1.0):
 def step_rows(args, task, step, rank, world_size):
     """This rank's slice of the global batch's rows (problems x G; a group may span ranks), their
     keys and the row count. Keys follow global places, so "gumbel" tokens match on any ranks."""
-    problems = rl_problems(args, task, step)
+    prng = random.Random(derive_seed(args.rl_seed, 0, step, Seed.RL_PROMPTS))  # on every rank
+    problems = [task.sample(prng) for _ in range(args.prompts_per_step)]  # the step's
     n_rows = len(problems) * args.group_size
     mine = range(rank * n_rows // world_size, (rank + 1) * n_rows // world_size)
     my_problems = [problems[i // args.group_size] for i in mine]  # a problem per row
     keys = [derive_seed(args.rl_seed, step, i, Seed.ROLLOUT_KEYS) for i in mine]
     return my_problems, keys, n_rows
-
-
-def rl_problems(args, task, step):
-    """The step's problems, the same on every rank and for any number of ranks."""
-    prng = random.Random(derive_seed(args.rl_seed, 0, step, Seed.RL_PROMPTS))
-    return [task.sample(prng) for _ in range(args.prompts_per_step)]
 
 
 def derive_seed(*parts):

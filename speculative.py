@@ -268,10 +268,7 @@ def gumbel_noise(seeds, vocab_size):
     return -torch.log(-torch.log(u))
 
 
-# -----------------------------------------------------------------------------
-# the batch's sampler, chosen once: the default above, or the reference rule below
-
-SAMPLERS = ("gumbel", "rejection")
+SAMPLERS = ("gumbel", "rejection")  # the default above, or the reference rule below
 
 
 @dataclass
