@@ -51,9 +51,12 @@ def parse_args(argv=None):
     try:
         args.batches = [int(x) for x in args.batches.split(",")]
         args.ks = [int(x) for x in args.ks.split(",")]
+    except ValueError:
+        p.error("--batches and --ks take comma-separated integers")
+    try:
         args.train_flags = shlex.split(args.train_args)
-    except ValueError as e:  # a non-integer, an unclosed quote
-        p.error(f"--batches and --ks take comma-separated integers, --train-args flags: {e}")
+    except ValueError as e:  # an unclosed quote
+        p.error(f"--train-args: {e}")
     if min(args.batches) <= 0 or min(args.ks) <= 0 or args.max_new <= 0 or args.repeats <= 0:
         p.error("batch sizes, k, --max-new and --repeats must be positive")
     # the bench measures a drafter warmed up first (train.py's default builds its drafter during

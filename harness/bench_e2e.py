@@ -26,7 +26,6 @@ import torch
 
 from harness import warmup
 from drafter import Drafter, DrafterBuffer, make_optimizer, train_step
-from harness.summary import by_position, format_positions
 from rollout import rollout
 from speculative import speculative_generate
 
@@ -76,11 +75,8 @@ def e2e_bench(args, task, model, drafter):
               f"{mean(n, 'draft_time'):7.3f} {mean(n, 'update_time'):8.3f} "
               f"{100 * mean(n, 'rollout_share'):8.0f}% {mean(n, 'accept_len') or 0:10.2f} "
               f"{mean(n, 'reward'):7.3f}")
-    print("(means over steps 1..; draft s: the slowest rank's drafting)")
-    print("\ndrafts accepted by draft position, % (given the earlier ones were accepted):")
-    for n in list(VARIANTS)[1:]:
-        rates, drafted = by_position(records[n][1:])
-        print(f"{n:9} {format_positions(rates)}   ({sum(drafted):,} drafts)")
+    print("(means over steps 1..; draft s: the slowest rank's drafting; each run's acceptance by "
+          "draft position: python -m harness.report on its folder)")
     step = {n: mean(n, "step_time") for n in VARIANTS}
     print("\nstep-time speedup over --tlt off, mean step: "
           + ", ".join(f"{n} {step['off'] / step[n]:.2f}x" for n in list(VARIANTS)[1:]))
@@ -113,12 +109,6 @@ def paired_steps(records, sampler):
 
 def generator(model, seed):
     return torch.Generator(device=model.wte.weight.device).manual_seed(seed)
-
-
-def held_out_prompts(task, n):
-    """n prompts of the held-out evaluation set, always the same ones."""
-    problems = task.eval_set()
-    return [task.prompt_ids(p) for p in random.Random(5).sample(problems, min(n, len(problems)))]
 
 
 def drafter_on(target, state):
@@ -161,7 +151,8 @@ def drift_bench(targs, task, model, drafter, sft_steps=300, sft_lr=2e-3, n_seqs=
     for _ in range(online_steps):
         train_step(adapted, opt, buffer.sample(targs.drafter_batch, rng, moved.wte.weight.device))
     adapted.eval()
-    prompts, out = held_out_prompts(task, n_prompts), {}
+    held_out = random.Random(5).sample(task.eval_set(), min(n_prompts, len(task.eval_set())))
+    prompts, out = [task.prompt_ids(p) for p in held_out], {}
     how = dict(k=4, eos_id=task.eos_id, sampler=targs.sampler)
     pairs = (("before the move", model, drafter), ("moved, frozen drafter", moved, frozen),
              ("moved, adapted drafter", moved, adapted))

@@ -9,7 +9,7 @@ Test: python -m pytest tests/test_rollout.py tests/test_speculative.py
 """
 import hashlib
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 import torch
 
@@ -118,16 +118,6 @@ class DecodeStats:
     def accept_len(self):  # tokens per row per verify step: accepted drafts plus the target's
         self.settle()
         return self.sd_tokens / self.sd_row_steps if self.sd_row_steps else None
-
-    @property
-    def accept_by_position(self):  # per draft position: accepted given the earlier ones were
-        self.settle()
-        return [a / d if d else None for a, d in zip(self.accepted_at, self.drafted_at)]
-
-    def as_dict(self):
-        self.settle()
-        return {**asdict(self), "accept_hist": dict(sorted(self.accept_hist.items())),
-                "accept_len": self.accept_len, "accept_by_position": self.accept_by_position}
 
 
 @dataclass

@@ -281,24 +281,23 @@ def train_to_plateau(drafter, buffer, held, rng, args, ddp, device):
 # -----------------------------------------------------------------------------
 # both, cached
 
+TARGET_FLAGS = ("warmup_steps", "warmup_tokens", "warmup_lr", "warmup_alpha_end", "merge_init",
+                "seed", "dtype")  # the recipe and seed (bf16 trains other weights)
+DRAFTER_FLAGS = ("drafter_layers", "drafter_seed", "drafter_warmup_seqs", "drafter_warmup_steps",
+                 "drafter_lr", "drafter_batch", "drafter_depth", "temperature")
+
+
 def model_meta(args, config, warmup_task):
     """What the target warm-up depends on: the task (its warm-up traces), shape, recipe, seed."""
     return {"model": dataclasses.asdict(config), "task": warmup_task.meta(),
-            "warmup_steps": args.warmup_steps, "warmup_tokens": args.warmup_tokens,
-            "warmup_lr": args.warmup_lr, "warmup_alpha_end": args.warmup_alpha_end,
-            "merge_init": args.merge_init, "seed": args.seed,
-            "dtype": args.dtype}  # bf16 trains other weights
+            **{k: getattr(args, k) for k in TARGET_FLAGS}}
 
 
 def drafter_meta(args, config, task, warmup_task):
     """The drafter warm-up also depends on the RL task (it learns from the target's samples of RL
     prompts) and on the drafter's own shape and recipe."""
     return {**model_meta(args, config, warmup_task), "rl_task": task.meta(),
-            "drafter_layers": args.drafter_layers, "drafter_seed": args.drafter_seed,
-            "drafter_warmup_seqs": args.drafter_warmup_seqs,
-            "drafter_warmup_steps": args.drafter_warmup_steps, "drafter_lr": args.drafter_lr,
-            "drafter_batch": args.drafter_batch, "drafter_depth": args.drafter_depth,
-            "temperature": args.temperature}
+            **{k: getattr(args, k) for k in DRAFTER_FLAGS}}
 
 
 def prepare_models(args, task, warmup_task, ddp, rank, world_size, device):

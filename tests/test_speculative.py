@@ -43,7 +43,7 @@ def test_greedy_speculative_equals_autoregressive(greedy_setup, B, k):
     prompts = pool[:B]
     ar, ar_core = autoregressive_generate(target, prompts, N_NEW, temperature=0, eos_id=eos,
                                           observer=(ar_stats := DecodeStats()))
-    ar_stats = ar_stats.as_dict()
+    ar_stats.settle()
     # the reference itself: greedy with eos is greedy without eos cut after the first eos
     assert ar == [truncate_at(o, eos) for o in free[:B]]
     assert any(o[-1] == eos and len(o) < N_NEW for o in ar), "eos never stops a row early"
@@ -53,30 +53,30 @@ def test_greedy_speculative_equals_autoregressive(greedy_setup, B, k):
     sd, core = speculative_generate(target, drafter, prompts, N_NEW, k=k, temperature=0, eos_id=eos,
                                     observer=(stats := DecodeStats()))
     assert sd == ar
-    stats = stats.as_dict()
-    assert core["accept_len"] == pytest.approx(stats["accept_len"])  # counted by the core, and outside
+    stats.settle()
+    assert core["accept_len"] == pytest.approx(stats.accept_len)  # counted by the core, and outside
 
     # stats: accept_len is tokens emitted per (row, verify step); the first token of every row
     # comes from the prefill, every other one from a verify step
-    assert stats["sd_row_steps"] > 0
-    assert stats["accept_len"] == pytest.approx(stats["sd_tokens"] / stats["sd_row_steps"])
-    assert 1.0 <= stats["accept_len"] <= k + 1
-    assert stats["sd_tokens"] == stats["tokens"] == sum(len(o) for o in sd) - B
-    hist = stats["accept_hist"]
+    assert stats.sd_row_steps > 0
+    assert stats.accept_len == pytest.approx(stats.sd_tokens / stats.sd_row_steps)
+    assert 1.0 <= stats.accept_len <= k + 1
+    assert stats.sd_tokens == stats.tokens == sum(len(o) for o in sd) - B
+    hist = stats.accept_hist
     assert set(hist) <= set(range(k + 1)), hist
-    assert sum(hist.values()) == stats["sd_row_steps"]
-    assert stats["sd_tokens"] <= sum((a + 1) * c for a, c in hist.items())  # truncation only removes
+    assert sum(hist.values()) == stats.sd_row_steps
+    assert stats.sd_tokens <= sum((a + 1) * c for a, c in hist.items())  # truncation only removes
     if B > 1:
         assert len(hist) > 1, f"drafts were all accepted or all rejected: {hist}"
     # by position: every row-step decides its first draft; each kept token past it is an accepted draft
     # or the one target token of a step whose drafts were all decided
-    drafted, accepted = stats["drafted_at"], stats["accepted_at"]
-    assert len(drafted) == k and drafted[0] == stats["sd_row_steps"]
+    drafted, accepted = stats.drafted_at, stats.accepted_at
+    assert len(drafted) == k and drafted[0] == stats.sd_row_steps
     assert all(a <= d for a, d in zip(accepted, drafted)) and all(b <= a for a, b in zip(accepted, drafted[1:]))
-    assert stats["sd_tokens"] - stats["sd_row_steps"] <= sum(accepted) <= stats["sd_tokens"]
+    assert stats.sd_tokens - stats.sd_row_steps <= sum(accepted) <= stats.sd_tokens
     # plain decoding: one token per row per step, no SD stats
-    assert ar_stats["tokens"] == sum(len(o) for o in ar) - B
-    assert ar_stats["accept_len"] is None and ar_core["accept_len"] is None
+    assert ar_stats.tokens == sum(len(o) for o in ar) - B
+    assert ar_stats.accept_len is None and ar_core["accept_len"] is None
 
 
 def test_acceptance_by_position_counts_decided_drafts_only():
@@ -88,9 +88,9 @@ def test_acceptance_by_position_counts_decided_drafts_only():
     st(None, DecodeStep(5, 4, n_emitted, n_acc))
     st.settle()  # the counts are read from the device at once
     assert st.drafted_at == [5, 3, 2, 2] and st.accepted_at == [4, 3, 2, 1]
-    assert st.accept_by_position == [0.8, 1.0, 1.0, 0.5]
+    assert [a / d for a, d in zip(st.accepted_at, st.drafted_at)] == [0.8, 1.0, 1.0, 0.5]
     st(None, DecodeStep(1, 6, torch.tensor([1]), torch.tensor([0])))  # a longer k grows the lists
-    assert st.as_dict()["drafted_at"] == [6, 3, 2, 2, 0, 0] and st.accept_by_position[4] is None
+    assert st.settle().drafted_at == [6, 3, 2, 2, 0, 0] and st.accepted_at[4:] == [0, 0]
 
 
 def test_acceptance_by_row_follows_each_row_through_compaction():
