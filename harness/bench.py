@@ -243,7 +243,7 @@ def main(argv=None):
     print(f"bench on {machine(device)}, {args.targs.dtype}")
     with config.autocast(args.targs, device):  # --dtype bfloat16: every forward under autocast
         if args.e2e:
-            result = e2e_bench(args, task, model, drafter)
+            result = e2e_bench(args)
         elif args.drift:
             result = drift_bench(args.targs, task, model, drafter)
         else:

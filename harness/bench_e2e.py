@@ -61,8 +61,8 @@ def e2e_runs(args, root):
     return records
 
 
-def e2e_bench(args, task, model, drafter):
-    """The VARIANTS runs and their table -> {"e2e": figures}."""
+def e2e_bench(args):
+    """The VARIANTS runs, from the warm-ups in args.out_dir, and their table -> {"e2e": figures}."""
     records = e2e_runs(args, os.path.join(args.out_dir, "bench_e2e"))
 
     def mean(name, key):  # step 0 is left out: it pays for the first allocations
