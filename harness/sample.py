@@ -1,17 +1,13 @@
-"""Serve a finished run: its target answers prompts, drafted by the drafter the run trained on
-idle ranks. The drafter is a by-product of RL that costs nothing extra to keep, and here it is
-used as it would be for serving: speculative decoding of the final model.
+"""python -m harness.sample: serve a finished run, its target drafted by the drafter that idle ranks
+trained, a by-product of RL used as it would be for serving.
 
-    python -m harness.sample --out-dir out "a3 b7 c1:" "a9 b2:"     # these prompts (the running sum's)
-    python -m harness.sample --out-dir out                          # 16 prompts of the held-out set
+    python -m harness.sample --out-dir out "a3 b7 c1:" "a9 b2:"   # these (the running sum's)
+    python -m harness.sample --out-dir out                        # 16 held-out prompts
 
-It loads <out-dir>/ckpt.pt (the run's last target and drafter) and the warm-up drafter from
---warmup-dir (default --out-dir), prints each prompt's response and whether its answer is right,
-then decodes the same prompts three ways, taking turns --repeats times: plain decoding, speculative
-decoding with the run's drafter, and with the warm-up drafter. With exact-token sampling (the
-default) all three write the same tokens, which it checks, so tokens per second compare like
-with like. Bad input (a prompt that is not a problem of the task, one too long for the model, a
-missing checkpoint) gets one line starting with "error:" and exit code 2.
+It loads <out-dir>/ckpt.pt, prints each prompt's response and whether its answer is right, then
+times plain and speculative decoding of the same prompts, taking turns --repeats times. With
+exact-token sampling (the default) both write the same tokens, which it counts, so tokens per
+second compare like with like. Bad input gets one line starting with "error:" and exit code 2.
 
 Test: python -m pytest tests/test_sample.py
 """
@@ -27,26 +23,23 @@ import tasks
 from harness.common import OneLineParser, machine
 from drafter import Drafter
 from model import GPT, GPTConfig
-from speculative import SAMPLERS
-from speculative import autoregressive_generate, speculative_generate
+from speculative import SAMPLERS, autoregressive_generate, speculative_generate
 
 
 def parse_args(argv=None):
     p = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("prompts", nargs="*", help="problems of the run's task (default: --n held-out ones)")
+    p.add_argument("prompts", nargs="*", help="problems of the run's task (default: --n held-out)")
     p.add_argument("--out-dir", default="out", help="the train.py run to serve (its ckpt.pt)")
-    p.add_argument("--warmup-dir", default=None, help="where its warm-up drafter is (default: --out-dir)")
-    p.add_argument("--n", type=int, default=16, help="held-out prompts to answer when none are given")
+    p.add_argument("--n", type=int, default=16, help="held-out prompts to answer when none given")
     p.add_argument("--k", type=int, default=6, help="draft length")
-    p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (0: greedy)")
-    p.add_argument("--sampler", default="gumbel", choices=SAMPLERS, help="gumbel: the same tokens with and without "
-                   "speculation; rejection: the same distribution")
-    p.add_argument("--seed", type=int, default=0, help="the responses' keys (gumbel) or random stream (rejection)")
+    p.add_argument("--temperature", type=float, default=1.0, help="0: greedy")
+    p.add_argument("--sampler", default="gumbel", choices=SAMPLERS, help="gumbel: the same tokens "
+                   "with and without speculation; rejection: the same distribution")
+    p.add_argument("--seed", type=int, default=0, help="the responses' keys or random stream")
     p.add_argument("--repeats", type=int, default=3, help="timed rounds; the median is reported")
     args = p.parse_args(argv)
     if args.n <= 0 or args.k <= 0 or args.repeats <= 0 or not args.temperature >= 0:
         p.error("--n, --k and --repeats must be positive, --temperature non-negative")
-    args.warmup_dir = args.warmup_dir or args.out_dir
     ckpt = os.path.join(args.out_dir, "ckpt.pt")
     if not os.path.exists(ckpt):
         p.error(f"no checkpoint at {ckpt}: run train.py --out-dir {args.out_dir} first")
@@ -57,70 +50,61 @@ def parse_args(argv=None):
     for text in args.prompts:
         problem = task.parse(text)
         if problem is None:
-            example = task.decode(task.prompt_ids(task.sample(random.Random(0), min(3, task.max_n))))
-            p.error(f"{text!r} is not a problem of this task ({task.name}), such as {example!r}")
+            example = task.sample(random.Random(0), min(3, task.max_n))
+            p.error(f"{text!r} is not a problem of this task ({task.name}), such as "
+                    f"{task.decode(task.prompt_ids(example))!r}")
         need = len(task.prompt_ids(problem)) + task.response_len(problem.size) + args.k
         if need > config.block_size:
-            p.error(f"{text!r} is too long for the model: size {problem.size} needs {need} positions with k = {args.k}, "
-                    f"it holds {config.block_size}")
+            p.error(f"{text!r} is too long for the model: size {problem.size} needs {need} "
+                    f"positions with k = {args.k}, it holds {config.block_size}")
         args.problems.append(problem)
     if not args.problems:  # the held-out set's problems that fit
-        fits = [q for q in task.eval_set() if len(task.prompt_ids(q)) + task.max_response_len + args.k
-                <= config.block_size]
+        fits = [q for q in task.eval_set()
+                if len(task.prompt_ids(q)) + task.max_response_len + args.k <= config.block_size]
         args.problems = fits[::max(1, len(fits) // args.n)][:args.n]
     return args, config, task
 
 
-def load_drafters(args, target):
-    """The run's drafter and, when its warm-up checkpoint is there, the warm-up drafter."""
-    drafters = {"the run's drafter": args.ckpt["drafter"]}
-    path = os.path.join(args.warmup_dir, "drafter_warmup.pt")
-    if os.path.exists(path):
-        drafters["the warm-up drafter"] = torch.load(path, map_location="cpu", weights_only=True)["drafter"]
-    else:
-        print(f"(no warm-up drafter at {path}: only the run's drafter is timed)")
-    out = {}
-    for name, state in drafters.items():
-        out[name] = Drafter(target, args.ckpt["meta"]["drafter_layers"]).eval()
-        out[name].load_state_dict(state)
-    return out
-
-
+@torch.no_grad()
 def main(argv=None):
     args, config, task = parse_args(argv)
     torch.manual_seed(args.seed)
     target = GPT(config).eval()
     target.load_state_dict(args.ckpt["model"])
-    drafters = load_drafters(args, target)
+    drafter = Drafter(target, args.ckpt["meta"]["drafter_layers"]).eval()
+    drafter.load_state_dict(args.ckpt["drafter"])
     prompts = [task.prompt_ids(q) for q in args.problems]
     max_new = task.response_len(max(q.size for q in args.problems))
-    common = dict(temperature=args.temperature, eos_id=task.eos_id, sampler=args.sampler,
-                  keys=[args.seed * 100_000 + i for i in range(len(prompts))])
-    gen = lambda: torch.Generator().manual_seed(args.seed)  # noqa: E731  (rejection sampling's stream)
-    runs = {"plain decoding": lambda: autoregressive_generate(target, prompts, max_new, generator=gen(), **common)}
-    for name, d in drafters.items():
-        runs[name] = lambda d=d: speculative_generate(target, d, prompts, max_new, k=args.k, generator=gen(), **common)
-    print(f"serving {args.out_dir}/ckpt.pt (RL step {args.ckpt['step'] + 1}) on {machine(torch.device('cpu'))}")
+    how = dict(temperature=args.temperature, eos_id=task.eos_id, sampler=args.sampler,
+               keys=[args.seed * 100_000 + i for i in range(len(prompts))])
+    gen = lambda: torch.Generator().manual_seed(args.seed)  # noqa: E731  (rejection's stream)
+    runs = {"plain decoding": lambda: autoregressive_generate(
+                target, prompts, max_new, generator=gen(), **how),
+            "speculative": lambda: speculative_generate(
+                target, drafter, prompts, max_new, k=args.k, generator=gen(), **how)}
+    print(f"serving {args.out_dir}/ckpt.pt (RL step {args.ckpt['step'] + 1}) "
+          f"on {machine(torch.device('cpu'))}")
     times, outs = {name: [] for name in runs}, {}
-    with torch.no_grad():
-        for _ in range(args.repeats):  # the modes take turns, so a slow spell hits them alike
-            for name, fn in runs.items():
-                t0 = time.perf_counter()
-                outs[name] = fn()
-                times[name].append(time.perf_counter() - t0)
+    for _ in range(args.repeats):  # the modes take turns, so a slow spell hits them alike
+        for name, fn in runs.items():
+            t0 = time.perf_counter()
+            outs[name] = fn()
+            times[name].append(time.perf_counter() - t0)
     responses = outs["plain decoding"][0]
     for prompt, q, r in zip(prompts, args.problems, responses):
-        print(f"{task.decode(prompt)} {task.decode(r)}   [{'right' if task.reward(q, r) else 'WRONG'}]")
+        verdict = "right" if task.reward(q, r) else "WRONG"
+        print(f"{task.decode(prompt)} {task.decode(r)}   [{verdict}]")
     n_tokens = sum(len(r) for r in responses)
+    print(f"\n{len(prompts)} prompts, {n_tokens} tokens, all at once, temperature "
+          f"{args.temperature}, {args.sampler}, median of {args.repeats}:")
     base = n_tokens / statistics.median(times["plain decoding"])
-    print(f"\n{len(prompts)} prompts, {n_tokens} tokens, all at once, temperature {args.temperature}, {args.sampler}, "
-          f"median of {args.repeats}:")
     for name, (out, st) in outs.items():
         tok_s = sum(len(r) for r in out) / statistics.median(times[name])
         same = sum(a == b for a, b in zip(out, responses))
-        accept = f", {st['accept_len']:.2f} tokens per verify step (k = {args.k})" if st.get("accept_len") else ""
-        print(f"  {name:20s} {tok_s:8,.0f} tokens/s  {tok_s / base:.2f}x{accept}; {same} of {len(out)} responses the same "
-              f"as plain decoding's")
+        accept = (f", {st['accept_len']:.2f} tokens per verify step (k = {args.k})"
+                  if st.get("accept_len") else "")
+        print(f"  {name:15s} {tok_s:8,.0f} tokens/s  {tok_s / base:.2f}x{accept}; {same} of "
+              f"{len(out)} responses the same as plain decoding's")
 
 
 if __name__ == "__main__":

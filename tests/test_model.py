@@ -350,11 +350,10 @@ def test_bf16_plain_and_speculative_generate_run():
         plain, _ = autoregressive_generate(m, prompts, 12, sampler="gumbel", keys=keys)
         st = DecodeStats()
         sd, _ = speculative_generate(m, d, prompts, 12, k=3, sampler="gumbel", keys=keys, observer=st)
-        st = st.as_dict()
     assert [len(o) for o in plain] == [len(o) for o in sd] == [12] * len(prompts)
     assert all(0 <= t < V for o in sd for t in o)
     assert [o[0] for o in sd] == [o[0] for o in plain]
-    assert 1 <= st["accept_len"] <= 4 and st["sd_row_steps"] > 0
+    assert 1 <= st.accept_len <= 4 and st.sd_row_steps > 0
 
 
 def record_dtypes(*models):

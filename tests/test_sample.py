@@ -20,22 +20,21 @@ TASK = task.RunningSum(max_n=4)  # fits the tiny block
 
 @pytest.fixture
 def run_dir(tmp_path):
-    """What train.py leaves: ckpt.pt (meta, step, target, drafter) and the warm-up drafter."""
+    """What train.py leaves: ckpt.pt (meta, step, target, drafter)."""
     torch.manual_seed(0)
     config = GPTConfig(vocab_size=task.VOCAB_SIZE, block_size=56, n_layer=1, n_head=2, n_embd=16)
     target = randomize(GPT(config).eval(), 0, std=0.3)
-    run, warm = randomize(Drafter(target), 1, std=0.3), randomize(Drafter(target), 2, std=0.3)
+    run = randomize(Drafter(target), 1, std=0.3)
     meta = {"model": asdict(config), "rl_task": TASK.meta(), "drafter_layers": 1}
     torch.save({"meta": meta, "step": 9, "model": target.state_dict(), "drafter": run.state_dict()}, tmp_path / "ckpt.pt")
-    torch.save({"meta": meta, "drafter": warm.state_dict()}, tmp_path / "drafter_warmup.pt")
     return str(tmp_path)
 
 
-def test_serves_prompts_with_both_drafters_on_the_same_tokens(run_dir, capsys):
+def test_serves_prompts_with_the_runs_drafter_on_the_same_tokens(run_dir, capsys):
     sample.main(["--out-dir", run_dir, "--repeats", "1", "--k", "3", "a3 b7 c1:", "a9 b2:"])
     out = capsys.readouterr().out
     assert "a3 b7 c1: " in out and "a9 b2: " in out  # each prompt and its response
-    for name in ("plain decoding", "the run's drafter", "the warm-up drafter"):
+    for name in ("plain decoding", "speculative"):
         line = next(ln for ln in out.splitlines() if ln.strip().startswith(name))
         assert "2 of 2 responses the same as plain decoding's" in line, line
     assert "tokens per verify step (k = 3)" in out

@@ -231,7 +231,7 @@ def test_sequence_distribution_is_the_targets(sampling_setup, method, k, tempera
     g = torch.Generator().manual_seed(1000 + k)
     outputs, hist = [], {}
     for _ in range(CALLS):
-        if method != "autoregressive":  # one GRPO group of 8000 rows: each row drafts from its 15 nearest siblings
+        if method != "autoregressive":  # one GRPO group of 8000 rows: each row drafts from 15 of its siblings
             stats = DecodeStats()
             out, _ = speculative_generate(target, every_drafter(drafter).get(method, drafter), [PROMPT_S] * ROWS, LEN_S,
                                           k=k, temperature=temperature, generator=g, sampler=sampler, observer=stats)
