@@ -87,6 +87,7 @@ def step_record(s, step, result, stats):
     counts = {"tokens": stats.tokens, "sd_tokens": stats.sd_tokens, "sd_row_steps": stats.sd_row_steps,
               "accepted": stats.accepted, "drafted": stats.drafted,
               "choice": sum(s.task.choice_share(p, r.response) for p, r in zip(problems, rows)),
+              "correct": sum(s.task.correct(p, r.response) for p, r in zip(problems, rows)),
               "response_tokens": sum(len(r.response) for r in rows),
               **position_counts(stats, max(s.args.draft_ks)), **size_counts(stats, [p.size for p in problems], s.task)}
     # the top-1 counts were summed over ranks by the drafter sync (scheduler.start_drafter_sync)
@@ -119,7 +120,7 @@ def rank_record(step, local, total, all_rewards, responses, step_time, update_ti
         # what stood between the slowest rank's rollout and its update: rewards, the barrier, a drafter
         # step still in flight on another rank (idle training is free only if this stays near 0)
         "slowest_wait": slowest["wait_to_update"],
-        "reward": float(all_rewards.mean()),
+        "reward": float(all_rewards.mean()), "accuracy": total["correct"] / n_rows,  # mean reward; share right
         "accept_len": total["sd_tokens"] / total["sd_row_steps"] if total["sd_row_steps"] else None,
         "accept_rate": total["accepted"] / total["drafted"] if total["drafted"] else None,
         "drafter_top1": total["top1_agree"] / total["top1_positions"] if total["top1_positions"] else None,

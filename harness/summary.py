@@ -4,7 +4,7 @@ train.py prints the summary when a run ends (`summary`); `python -m harness.repo
 again from the records alone (`record_lines`, `skipped_line`, `picture`). Its lines: what a step
 costs and where the time goes (the rollout's share, the tail, how far apart the ranks finish, the
 slowest rank's rollout time by running-batch size), how the drafter fares (top-1, accept length,
-acceptance by position, the steps it trained on idle ranks), the bandit's choices, the reward, and
+acceptance by position, the steps it trained on idle ranks), the bandit's choices, accuracy and reward, and
 what the target writes: the mean response length and its long tail (median, p90, max and the share
 of the tokens that the longest 5% of the responses hold), first tenth of the run against the last,
 since a step's figures swing with its prompt mix and tenths show the trend.
@@ -132,13 +132,16 @@ def record_lines(history, task):
 
 
 def trend_lines(history, choice):
-    """Reward and what the target writes, first tenth of the run against the last: a step's
-    reward swings with its prompt mix, tenths of the run show the trend."""
+    """The rollouts' accuracy, their mean reward and what the target writes, first tenth of the run
+    against the last: a step's reward swings with its prompt mix, tenths of the run show the trend."""
     n = max(1, len(history) // 10)
 
     def tenths(key):
         return sum(h[key] for h in history[:n]) / n, sum(h[key] for h in history[-n:]) / n
-    reward = "  reward                {:.3f} -> {:.3f}".format(*tenths("reward"))
+    reward = "  mean reward           {:.3f} -> {:.3f}".format(*tenths("reward"))
+    if all("accuracy" in h for h in history):  # the share of right answers (Task.correct); older records lack it
+        reward = "  accuracy              {:.1%} -> {:.1%}, mean reward {:.3f} -> {:.3f}".format(
+            *tenths("accuracy"), *tenths("reward"))
     length = "  response length       {:.1f} -> {:.1f} tokens".format(*tenths("response_len"))
     if choice and any(h["choice_share"] for h in history):
         length += f", {choice} " + "{:.0%} -> {:.0%}".format(*tenths("choice_share"))

@@ -105,10 +105,15 @@ class Task:
             TASKS[cls.name] = cls
 
     def __post_init__(self):  # a NaN fails every rule
-        if not 1 <= self.min_n <= self.max_n:
-            raise ValueError(f"need 1 <= min_n <= max_n, got min_n {self.min_n}, max_n {self.max_n}")
-        if not self.alpha >= 0:
-            raise ValueError(f"alpha must be >= 0, got {self.alpha}")
+        self.check(("min_n", 1 <= self.min_n <= self.max_n, f"in 1..{self.max_n} (--max-n)"),
+                   ("alpha", self.alpha >= 0, ">= 0"))
+
+    def check(self, *rules):
+        """(setting, ok, rule) triples: the first not ok raises ValueError naming the setting as its
+        flag (`--max-n must be in 1..26, got 30`), the one line train.py prints for a bad flag."""
+        for name, ok, rule in rules:
+            if not ok:
+                raise ValueError(f"--{name.replace('_', '-')} must be {rule}, got {getattr(self, name)}")
 
     # ------------------------------------------------------------------ tokens
     @cached_property
@@ -134,6 +139,11 @@ class Task:
 
     def choice_share(self, problem, response_ids):
         return 0.0
+
+    def correct(self, problem, response_ids):
+        """Whether the response is right: what accuracy counts. A reward that gives partial credit
+        moves the mean reward, never this (override it where reward 1 is not the only right)."""
+        return self.reward(problem, response_ids) == 1.0
 
     # ------------------------------------------------------------------ problems
     def sample(self, rng, size=None):
@@ -167,7 +177,7 @@ class Task:
         return next(inside, f">{self.size_buckets[-1][1]}")
 
     def mean_by_size(self, problems, values):
-        """-> {"overall": mean, "1-2": mean, ...} over the buckets present (of rewards: accuracy)"""
+        """-> {"overall": mean, "1-2": mean, ...} over the buckets present (of `correct`: accuracy)"""
         table = {"overall": list(values)}
         for p, v in zip(problems, values):
             table.setdefault(self.bucket_of(p.size), []).append(v)

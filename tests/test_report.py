@@ -114,7 +114,7 @@ summary
   idle-time training    drafter trained on idle ranks in 3 of 3 steps (100%), 21 drafter steps in all
   bandit's k per batch  1: 4, 3-4: 0 (rank 0, after step 0)
   bandit's k per batch  1: 4, 3-4: 0 (rank 0, end of run)
-  reward                0.000 -> 0.200 (means of the first and the last 1 steps)
+  accuracy              0.0% -> 10.0%, mean reward 0.000 -> 0.200 (means of the first and the last 1 steps)
   response length       40.0 -> 42.0 tokens, single steps 0% -> 10% (first and last 1 steps)
   response lengths      first 1 steps:  median 40, p90 50, max 50 tokens; the longest 5% of the responses hold 42% of the tokens
                         last 1 steps:   median 40, p90 50, max 50 tokens; the longest 5% of the responses hold 42% of the tokens
@@ -122,8 +122,8 @@ summary
   longest / median      1.25 (a step's longest response over its median, median over 3 steps)
   greedy  before RL     overall  50.0% | 1-2  75.0%
   greedy  after RL      overall  50.0% | 1-2  75.0%
-  sampled before RL     overall  25.0% | 1-2  50.0%
-  sampled after RL      overall  25.0% | 1-2  50.0%
+  sampled before RL     overall  25.0% | 1-2  50.0%; mean reward 0.400
+  sampled after RL      overall  25.0% | 1-2  50.0%; mean reward 0.400
   length  before RL     overall  12.0 | 1-2   8.5 tokens (sampled)
   length  after RL      overall  12.0 | 1-2   8.5 tokens (sampled)
   skipped updates       0 of the target, 3 drafter steps (non-finite loss or gradient)
@@ -146,15 +146,20 @@ def test_the_bandits_line_gives_the_tokens_a_step_of_each_buckets_k():
 
 
 def test_summary_keeps_its_lines_then_draws_the_picture(capsys):
-    history = [record(s, reward=0.1 * s, response_len=40.0 + s, choice_share=0.05 * s,
+    """A partial-credit reward (planted: 0.5 for a wrong answer) moves the mean reward, not the accuracy,
+    the share of right answers; a 0/1 reward's mean is its accuracy and is not repeated."""
+    history = [record(s, reward=0.1 * s, accuracy=0.05 * s, response_len=40.0 + s, choice_share=0.05 * s,
                       drafter_skipped=s, drafter_top1=None if s == 0 else 0.6 + 0.1 * s)
                for s in range(3)]
-    acc = {"greedy": {"overall": 0.5, "1-2": 0.75}, "sampled": {"overall": 0.25, "1-2": 0.5},
+    acc = {"greedy": {"accuracy": {"overall": 0.5, "1-2": 0.75}, "mean reward": 0.5},
+           "sampled": {"accuracy": {"overall": 0.25, "1-2": 0.5}, "mean reward": 0.4},
            "length": {"overall": 12.0, "1-2": 8.5}}
     summary.summary(history, acc, acc, 61.2, TASK)
     out = capsys.readouterr().out
     assert out.startswith(SUMMARY)
     assert out[len(SUMMARY):].splitlines() == summary.picture(history, TASK)
+    old = [{k: v for k, v in h.items() if k != "accuracy"} for h in history]  # records from before accuracy
+    assert "  mean reward           0.000 -> 0.200 (means of the first and the last 1 steps)" in summary.record_lines(old, TASK)
     summary.summary(history, {}, {}, 61.2, TASK)
     out = capsys.readouterr().out
     assert "  held-out accuracy     not evaluated (--eval-per-bucket 0)\n" in out
@@ -237,15 +242,17 @@ def rank_part(rank, rollout_time, segments, by_batch):
 
 
 TOTAL = {"tokens": 20, "sd_tokens": 6, "sd_row_steps": 3, "accepted": 2, "drafted": 4, "top1_agree": 0,
-         "top1_positions": 0, "choice": 0, "response_tokens": 16}
+         "top1_positions": 0, "choice": 0, "response_tokens": 16, "correct": 1}
 
 
 def test_the_record_holds_the_long_tail_and_the_slowest_ranks_time_by_batch_size(monkeypatch):
     fast = rank_part(0, 1.5, [["plain", 0.0, 0.12344], ["wait", 0.12344, 2.0]], {"plain": [0.5], "spec": [1.0]})
     slow = rank_part(1, 2.0, [["plain", 0.0, 1.99996]], {"plain": [0.25, 0.0, 1.5], "spec": [0.25, 0.0, 0.0]})
     monkeypatch.setattr(report, "gather_ranks", lambda local: [fast, slow])
-    responses, rewards = [[5] * 3, [5] * 9, [5], [5] * 3], torch.tensor([1.0, 0.0, 0.0, 1.0])  # global row order
+    # global row order; partial credit: one right answer of four, the mean reward 0.5
+    responses, rewards = [[5] * 3, [5] * 9, [5], [5] * 3], torch.tensor([1.0, 0.5, 0.0, 0.5])
     rec, ranks = report.rank_record(4, fast, TOTAL, rewards, responses, 3.0, 0.5, timeline=True)
+    assert rec["accuracy"] == 0.25 and rec["reward"] == 0.5
     assert rec["response_lens"] == [3, 9, 1, 3] and rec["response_len"] == 4.0
     assert rec["response_median"] == 3 and rec["response_max"] == 9
     assert rec["rank_spread"] == pytest.approx(0.25)  # 1 - 1.5 / 2.0
