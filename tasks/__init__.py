@@ -6,22 +6,30 @@ outside this folder knows a prompt's format, its tokens or its words: train.py b
 named by --task and hands the object to the rollout, the GRPO step, the warm-ups and the report.
 
 A task is a frozen dataclass that subclasses `Task`. Its fields are its settings, and each field
-is a train.py flag of the same name (`max_n` is --max-n; `metadata={"help": ...}` is its help).
-What a task writes:
+is a train.py flag of the same name (`max_n` is --max-n), with its own help (`metadata={"help":
+...}`) and default: two tasks that share a name each keep theirs. `__post_init__` checks them with
+`self.check((name, ok, rule), ...)`, whose error names the flag (`--max-n must be in 1..26, got
+30`), the one line train.py prints. What a task writes:
 
     name                        the --task name
     size_buckets                the held-out set's and the report's problem-size ranges
     encoding                    its tiktoken.Encoding, built in-process, with `<|eos|>`, `<|pad|>`
     problem(rng, size)          a random problem of `size`, an object with a `.size`
     prompt_ids(problem)         its prompt as token ids
-    reward(problem, ids)        1.0 right, 0.0 wrong, for a response's token ids; never raises
+    reward(problem, ids)        a float for a response's token ids, 1.0 right; partial credit is
+                                fine (it moves the mean reward, not the accuracy); never raises
     warmup_example(problem, rng)    (token ids of prompt + response + <|eos|>, prompt length): a
                                     supervised warm-up trace
     response_len(size)          the longest response of a problem of `size`, <|eos|> included
-    max_prompt_len              the longest prompt at max_n
+    max_prompt_len              the longest prompt at max_n; with the longest response and draft,
+                                the target's block (see the rules)
     parse(text)                 a user's prompt text -> a problem, or None (harness.sample)
 
 Optional, with defaults here:
+
+    correct(problem, ids)       whether a response is right: the share of right answers is what the
+                                summary, the report and the evaluation call accuracy (default:
+                                reward 1.0); the mean reward is reported as the mean reward
 
     choice, choice_share(problem, ids)   what RL is expected to move a response's choices toward, in
                                 the summary's words, and its share among a response's choices (the
@@ -47,8 +55,10 @@ check them):
                     token's; its embedding starts as their sum over sqrt(len(parts)).
     the long tail   over sampled sizes, the 90th percentile of `response_len` at least twice the
                     median: the rollout's tail comes from the problems.
-    the block       prompt + longest response + the longest draft (8 tokens) within --block-size:
-                    at --max-n 4, a block of 56 for the tests' tiny run, 64 for the README's quick try.
+    the block       the task's own: max_prompt_len + response_len(max_n) + the longest draft
+                    (max of --draft-ks, 8), rounded up to a multiple of 64, is the target's block
+                    (the running sum's 231 -> 256; at --max-n 4, 64); --block-size overrides it, and
+                    one too small for that sum is a one-line error.
     the warm-up key `meta()`'s `traces`: a digest of prompts and warm-up traces drawn with a fixed
                     seed (8 problems of every size). Edit the reward, a docstring or a comment and
                     the cached warm-ups are reused (an RL checkpoint is not: `code`); edit what a
