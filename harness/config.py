@@ -107,9 +107,8 @@ def task_flags(p):
     p.add_argument("--task", default="running_sum", choices=list(tasks.TASKS), help="the workload (tasks/)")
     for name, owners in task_fields().items():
         helps = {}  # each task's own words and default; tasks that say the same share them
-        for cls, f in owners.items():
+        for cls, f in owners.items():  # the flag's type below: the last task's field's
             helps.setdefault(f.metadata.get("help", ""), []).append(f"{cls.name}: {getattr(cls, name)}")
-        f = next(iter(owners.values()))
         p.add_argument(f"--{name.replace('_', '-')}", type=floats if f.type is tuple else f.type, default=None,
                        help="; ".join(f"{words} ({', '.join(defaults)})" for words, defaults in helps.items()))
     p.add_argument("--warmup-alpha", type=float, default=2.0, help="tail exponent of the problem sizes at the start "

@@ -4,10 +4,11 @@ train.py prints the summary when a run ends (`summary`); `python -m harness.repo
 again from the records alone (`record_lines`, `skipped_line`, `picture`). Its lines: what a step
 costs and where the time goes (the rollout's share, the tail, how far apart the ranks finish, the
 slowest rank's rollout time by running-batch size), how the drafter fares (top-1, accept length,
-acceptance by position, the steps it trained on idle ranks), the bandit's choices, accuracy and reward, and
-what the target writes: the mean response length and its long tail (median, p90, max and the share
-of the tokens that the longest 5% of the responses hold), first tenth of the run against the last,
-since a step's figures swing with its prompt mix and tenths show the trend.
+acceptance by position, the steps it trained on idle ranks), the bandit's choices, the accuracy (the
+share of right answers) and the mean reward, and what the target writes: the mean response length
+and its long tail (median, p90, max and the share of the tokens that the longest 5% of the responses
+hold), first tenth of the run against the last, since a step's figures swing with its prompt mix and
+tenths show the trend.
 
 The picture answers the question the adaptive drafter exists for: does the drafter hold as the
 target moves? Over bins of consecutive RL steps it draws what the target writes (mean, median and
