@@ -347,8 +347,9 @@ def test_a_task_of_ones_own_sets_its_block_and_its_reward_leaves_accuracy_alone(
     the accuracy, the share of right answers: in every step's record and in the held-out figures."""
     (tmp_path / "own.py").write_text(OWN_TASK)
     out = str(tmp_path / "run")
-    flags = [a for a in TINY if a not in ("--block-size", "56")] + ["--task", "own", "--rl-steps", "2", "--out-dir", out,
-                                                                   "--drafter-warmup-steps", "0", "--eval-samples", "2"]
+    flags = [a for a in TINY if a not in ("--block-size", "56")] + ["--task", "own", "--rl-steps", "1", "--out-dir", out,
+                                                                   "--drafter-warmup-steps", "0", "--eval-per-bucket", "1",
+                                                                   "--eval-samples", "2"]
     r = subprocess.run([sys.executable, str(tmp_path / "own.py"), "--device", "cpu", *flags], cwd=ROOT, text=True,
                        env={**ENV, "PYTHONPATH": ROOT}, capture_output=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
