@@ -59,6 +59,9 @@ def check_out_dir(*folders):
     """Each folder (--out-dir, then --warmup-dir) made if missing and written to; else one error
     line naming its flag, from each machine's first rank only, and exit code 1."""
     for folder, flag in zip(folders, ("--out-dir", "--warmup-dir")):
+        if os.path.isfile(folder):  # in its own words; makedirs would say "File exists"
+            raise SystemExit(f"error: {flag} {folder!r} is a file, not a folder"
+                             if int(os.environ.get("LOCAL_RANK", 0)) == 0 else 1)
         try:
             os.makedirs(folder, exist_ok=True)
             probe = os.path.join(folder, f".write_test.{os.getpid()}")

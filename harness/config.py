@@ -37,11 +37,11 @@ def task_of(args, warmup=False):
 
 
 def task_fields():
-    """Every registered task's settings by name -> (the field, the tasks that have it), a flag each."""
+    """Every registered task's settings by name -> {the task that has it: its field}, a flag each."""
     out = {}
     for cls in tasks.TASKS.values():
         for f in dataclasses.fields(cls):
-            out.setdefault(f.name, (f, []))[1].append(cls)
+            out.setdefault(f.name, {})[cls] = f
     return out
 
 
@@ -105,10 +105,12 @@ def task_flags(p):
     """The task (--task), its settings (each task's dataclass fields, by name) and the target
     warm-up's curriculum over problem sizes."""
     p.add_argument("--task", default="running_sum", choices=list(tasks.TASKS), help="the workload (tasks/)")
-    for name, (f, owners) in task_fields().items():
-        defaults = "; ".join(f"{cls.name}: {getattr(cls, name)}" for cls in owners)
-        p.add_argument(f"--{name.replace('_', '-')}", type=floats if f.type is tuple else f.type,
-                       default=None, help=f"{f.metadata.get('help', '')} ({defaults})")
+    for name, owners in task_fields().items():
+        helps = {}  # each task's own words and default; tasks that say the same share them
+        for cls, f in owners.items():  # the flag's type below: the last task's field's
+            helps.setdefault(f.metadata.get("help", ""), []).append(f"{cls.name}: {getattr(cls, name)}")
+        p.add_argument(f"--{name.replace('_', '-')}", type=floats if f.type is tuple else f.type, default=None,
+                       help="; ".join(f"{words} ({', '.join(defaults)})" for words, defaults in helps.items()))
     p.add_argument("--warmup-alpha", type=float, default=2.0, help="tail exponent of the problem sizes at the start "
                    "of the target warm-up: mostly small problems, where a task's basic skill is learned first")
     p.add_argument("--warmup-alpha-end", type=float, default=0.5, help="the exponent moves linearly from "
@@ -120,7 +122,8 @@ def model_flags(p):
     p.add_argument("--n-layer", type=int, default=12, help="target transformer layers")
     p.add_argument("--n-head", type=int, default=4, help="attention heads")
     p.add_argument("--n-embd", type=int, default=48, help="model width")
-    p.add_argument("--block-size", type=int, default=256, help="longest sequence the model holds")
+    p.add_argument("--block-size", type=int, default=None, help="longest sequence the model holds (default: what the "
+                   "task needs, its longest prompt + response + draft, rounded up to a multiple of 64)")
     # target warm-up
     p.add_argument("--warmup-steps", type=int, default=2400, help="supervised optimizer steps for the target")
     p.add_argument("--warmup-tokens", type=int, default=1024, help="padded tokens per warm-up batch, all ranks together "
@@ -206,7 +209,8 @@ def check_args(p, args):
                 "drafter_keep", "drafter_keep_tokens", "drafter_lr", "drafter_cold_lr", "drafter_online_lr", "prompts_per_step", "group_size", "rl_epochs", "rl_lr",
                 "clip_eps", "update_tokens", "ckpt_every", "eval_samples", "io_deadline",
                 "temperature")  # temperature: GRPO scores its samples at it; greedy rollouts teach nothing
-    non_negative = ("rl_steps", "drafter_warmup_steps", "kl_coef", "sd_threshold", "timeline_every", "eval_per_bucket")
+    non_negative = ("rl_steps", "drafter_warmup_steps", "kl_coef", "sd_threshold", "timeline_every", "eval_per_bucket",
+                    "warmup_alpha", "warmup_alpha_end")
     for names, ok, what in ((positive, lambda v: v > 0, "positive"), (non_negative, lambda v: v >= 0, "non-negative")):
         for name in names:
             if not ok(getattr(args, name)):  # written so that NaN fails too
@@ -217,16 +221,18 @@ def check_args(p, args):
         p.error(f"--draft-ks takes comma-separated integers, got {args.draft_ks!r}")
     if min(args.draft_ks) < 0 or len(set(args.draft_ks)) != len(args.draft_ks):
         p.error(f"--draft-ks must be distinct non-negative integers, got {args.draft_ks}")
-    for name, (_, owners) in task_fields().items():
+    for name, owners in task_fields().items():
         if tasks.TASKS[args.task] not in owners and getattr(args, name) is not None:
             p.error(f"--{name.replace('_', '-')} is not a setting of --task {args.task}")
     try:  # the task and model configs check their own fields; a bad one is a flag error here
         task = task_of(args)
         task_of(args, warmup=True), dataclasses.replace(task, alpha=args.warmup_alpha_end)
+        need = task.max_seq_len + max(args.draft_ks)
+        if args.block_size is None:  # the task's own block (the running sum's: 231 -> 256)
+            args.block_size = -(-need // 64) * 64
         model_config(args, task)
     except ValueError as e:
         p.error(str(e))
-    need = task.max_seq_len + max(args.draft_ks)
     if args.block_size < need:
         p.error(f"--block-size {args.block_size} is too small for --task {args.task} at --max-n {task.max_n}: the "
                 f"longest prompt + response + {max(args.draft_ks)} draft tokens needs {need}")

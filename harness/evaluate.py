@@ -28,12 +28,13 @@ from speculative import autoregressive_generate, speculative_generate
 @torch.no_grad()
 def evaluate(model, task, problems, rank=0, world_size=1, drafter=None, temperature=0.0, seed=0, batch_size=64,
              sampler="gumbel", k=4, stats=None):
-    """Held-out accuracy by problem size, and every generated response (token ids), all ranks
-    together. Greedy by default; with a drafter, decoding is speculative, which at temperature 0
-    must give exactly the same tokens. At temperature > 0 problem j's key is derived from (seed, j),
-    so with sampler "gumbel" the tokens do not depend on the ranks or on the drafter; with
-    "rejection" the sampling is seeded per rank. k: the draft length of speculative decoding.
-    stats: an instrument.DecodeStats that counts this rank's decoding."""
+    """Held-out accuracy (the share of right answers, Task.correct) by problem size and the mean
+    reward, and every generated response (token ids), all ranks together. Greedy by default;
+    with a drafter, decoding is speculative, which at temperature 0 must give exactly the same
+    tokens. At temperature > 0 problem j's key is derived from (seed, j), so with sampler
+    "gumbel" the tokens do not depend on the ranks or on the drafter; with "rejection" the
+    sampling is seeded per rank. k: the draft length of speculative decoding. stats: an
+    instrument.DecodeStats that counts this rank's decoding."""
     gen = torch.Generator(device=model.wte.weight.device).manual_seed(derive_seed(seed, rank, 0, Seed.EVAL))
     mine = list(range(rank, len(problems), world_size))
     outputs = [None] * len(problems)
@@ -54,7 +55,8 @@ def evaluate(model, task, problems, rank=0, world_size=1, drafter=None, temperat
     for part in gather_ranks(outputs):  # each rank filled its own indices
         outputs = [o if o is not None else p for o, p in zip(outputs, part)]
     rewards = [task.reward(p, o) for p, o in zip(problems, outputs)]
-    return task.mean_by_size(problems, rewards), outputs
+    return {"accuracy": task.mean_by_size(problems, [task.correct(p, o) for p, o in zip(problems, outputs)]),
+            "mean reward": sum(rewards) / max(len(rewards), 1)}, outputs
 
 
 def evaluate_both(model, drafter, problems, args, task, rank, world_size, when, check=False):
@@ -90,7 +92,9 @@ def evaluate_both(model, drafter, problems, args, task, rank, world_size, when, 
 
 
 def format_accuracy(acc):
-    return " | ".join(f"{k} {100 * v:5.1f}%" for k, v in acc.items())
+    """Right answers (Task.correct) by problem size; the mean reward too where it differs (partial credit)."""
+    line = " | ".join(f"{k} {100 * v:5.1f}%" for k, v in acc["accuracy"].items())
+    return line + (f"; mean reward {acc['mean reward']:.3f}" if acc["mean reward"] != acc["accuracy"]["overall"] else "")
 
 
 def format_lengths(length):

@@ -74,6 +74,7 @@ def step_record(s, step, result, stats):
               "sd_row_steps": stats.sd_row_steps, "accepted": stats.accepted,
               "drafted": stats.drafted,
               "choice": sum(s.task.choice_share(p, r.response) for p, r in zip(problems, finished)),
+              "correct": sum(s.task.correct(p, r.response) for p, r in zip(problems, finished)),
               "response_tokens": sum(len(r.response) for r in finished),
               **position_counts(stats, max(s.args.draft_ks))}
     # the top-1 counts were summed over ranks by the drafter sync (scheduler.start_drafter_sync)
@@ -112,7 +113,8 @@ def rank_record(step, local, total, all_rewards, responses, step_time, update_ti
         # from the slowest rank's rollout's end to its update: rewards, the barrier, a drafter step
         # still in flight on another rank (idle training is free only if this stays near 0)
         "slowest_wait": slowest["wait_to_update"],
-        "reward": float(all_rewards.mean()),
+        # the share of right answers (Task.correct) and the mean reward (which may give credit)
+        "accuracy": total["correct"] / n_rows, "reward": float(all_rewards.mean()),
         "accept_len": rates("sd_tokens", "sd_row_steps"),
         "accept_rate": rates("accepted", "drafted"),
         "drafter_top1": rates("top1_agree", "top1_positions"),
@@ -330,7 +332,8 @@ def record_lines(history, task):
              + " tokens per verify step, from the acceptance by position",
              f"  accepted by position  {positions_line(history)}",
              f"  bandit's k per batch  {bandit_line(history[-1])} (rank 0, the end of the run)",
-             f"  reward                {trend(history, 'reward', '{:.3f}'.format)}",
+             f"  accuracy              {trend(history, 'accuracy', '{:.1%}'.format)} right "
+             f"answers; mean reward {trend(history, 'reward', '{:.3f}'.format)}",
              length_line(history, task.choice if task else None),
              f"  skipped updates       {sum(h['skipped_update'] for h in history)} of the target, "
              f"{sum(h['drafter_skipped'] for h in history)} drafter steps (not finite)"]

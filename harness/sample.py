@@ -92,7 +92,7 @@ def main(argv=None):
             times[name].append(time.perf_counter() - t0)
     responses = outs["plain decoding"][0]
     for prompt, q, r in zip(prompts, args.problems, responses):
-        verdict = "right" if task.reward(q, r) else "WRONG"
+        verdict = "right" if task.correct(q, r) else "WRONG"
         print(f"{task.decode(prompt)} {task.decode(r)}   [{verdict}]")
     n_tokens = sum(len(r) for r in responses)
     print(f"\n{len(prompts)} prompts, {n_tokens} tokens, all at once, temperature "

@@ -6,22 +6,30 @@ outside this folder knows a prompt's format, its tokens or its words: train.py b
 named by --task and hands the object to the rollout, the GRPO step, the warm-ups and the report.
 
 A task is a frozen dataclass that subclasses `Task`. Its fields are its settings, and each field
-is a train.py flag of the same name (`max_n` is --max-n; `metadata={"help": ...}` is its help).
-What a task writes:
+is a train.py flag of the same name (`max_n` is --max-n), with its own help (`metadata={"help":
+...}`) and default: two tasks that share a name each keep theirs. `__post_init__` checks them with
+`self.check((name, ok, rule), ...)`, whose error names the flag (`--max-n must be in 1..26, got
+30`), the one line train.py prints. What a task writes:
 
     name                        the --task name
     size_buckets                the held-out set's and the report's problem-size ranges
     encoding                    its tiktoken.Encoding, built in-process, with `<|eos|>`, `<|pad|>`
     problem(rng, size)          a random problem of `size`, an object with a `.size`
     prompt_ids(problem)         its prompt as token ids
-    reward(problem, ids)        1.0 right, 0.0 wrong, for a response's token ids; never raises
+    reward(problem, ids)        a float for a response's token ids, 1.0 right; partial credit is
+                                fine (it moves the mean reward, not the accuracy); never raises
     warmup_example(problem, rng)    (token ids of prompt + response + <|eos|>, prompt length): a
                                     supervised warm-up trace
     response_len(size)          the longest response of a problem of `size`, <|eos|> included
-    max_prompt_len              the longest prompt at max_n
+    max_prompt_len              the longest prompt at max_n; with the longest response and draft,
+                                the target's block (see the rules)
     parse(text)                 a user's prompt text -> a problem, or None (harness.sample)
 
 Optional, with defaults here:
+
+    correct(problem, ids)       whether a response is right: the share of right answers is what the
+                                summary, the report and the evaluation call accuracy (default:
+                                reward 1.0); the mean reward is reported as the mean reward
 
     choice, choice_share(problem, ids)   what RL is expected to move a response's choices toward, in
                                 the summary's words, and its share among a response's choices (the
@@ -47,8 +55,10 @@ check them):
                     token's; its embedding starts as their sum over sqrt(len(parts)).
     the long tail   over sampled sizes, the 90th percentile of `response_len` at least twice the
                     median: the rollout's tail comes from the problems.
-    the block       prompt + longest response + the longest draft (8 tokens) within --block-size:
-                    at --max-n 4, a block of 56 for the tests' tiny run, 64 for the README's quick try.
+    the block       the task's own: max_prompt_len + response_len(max_n) + the longest draft
+                    (max of --draft-ks, 8), rounded up to a multiple of 64, is the target's block
+                    (the running sum's 231 -> 256; at --max-n 4, 64); --block-size overrides it, and
+                    one too small for that sum is a one-line error.
     the warm-up key `meta()`'s `traces`: a digest of prompts and warm-up traces drawn with a fixed
                     seed (8 problems of every size). Edit the reward, a docstring or a comment and
                     the cached warm-ups are reused (an RL checkpoint is not: `code`); edit what a
@@ -105,10 +115,15 @@ class Task:
             TASKS[cls.name] = cls
 
     def __post_init__(self):  # a NaN fails every rule
-        if not 1 <= self.min_n <= self.max_n:
-            raise ValueError(f"need 1 <= min_n <= max_n, got min_n {self.min_n}, max_n {self.max_n}")
-        if not self.alpha >= 0:
-            raise ValueError(f"alpha must be >= 0, got {self.alpha}")
+        self.check(("min_n", 1 <= self.min_n <= self.max_n, f"in 1..{self.max_n} (--max-n)"),
+                   ("alpha", self.alpha >= 0, ">= 0"))
+
+    def check(self, *rules):
+        """(setting, ok, rule) triples: the first not ok raises ValueError naming the setting as its
+        flag (`--max-n must be in 1..26, got 30`), the one line train.py prints for a bad flag."""
+        for name, ok, rule in rules:
+            if not ok:
+                raise ValueError(f"--{name.replace('_', '-')} must be {rule}, got {getattr(self, name)}")
 
     # ------------------------------------------------------------------ tokens
     @cached_property
@@ -134,6 +149,11 @@ class Task:
 
     def choice_share(self, problem, response_ids):
         return 0.0
+
+    def correct(self, problem, response_ids):
+        """Whether the response is right: what accuracy counts. A reward that gives partial credit
+        moves the mean reward, never this (override it where reward 1 is not the only right)."""
+        return self.reward(problem, response_ids) == 1.0
 
     # ------------------------------------------------------------------ problems
     def sample(self, rng, size=None):
@@ -167,7 +187,7 @@ class Task:
         return next(inside, f">{self.size_buckets[-1][1]}")
 
     def mean_by_size(self, problems, values):
-        """-> {"overall": mean, "1-2": mean, ...} over the buckets present (of rewards: accuracy)"""
+        """-> {"overall": mean, "1-2": mean, ...} over the buckets present (of `correct`: accuracy)"""
         table = {"overall": list(values)}
         for p, v in zip(problems, values):
             table.setdefault(self.bucket_of(p.size), []).append(v)

@@ -100,11 +100,9 @@ class RunningSum(Task):
 
     def __post_init__(self):  # NaN fails every rule
         super().__post_init__()
-        for name, ok, rule in (("max_n", 1 <= self.max_n <= len(LABELS), f"in 1..{len(LABELS)}"),
-                               ("strides", bool(self.strides) and self.strides[0] > 0
-                                and all(p >= 0 for p in self.strides), "P(single) > 0, rest >= 0")):
-            if not ok:
-                raise ValueError(f"{name} must be {rule}, got {getattr(self, name)}")
+        self.check(("max_n", 1 <= self.max_n <= len(LABELS), f"in 1..{len(LABELS)}"),
+                   ("strides", bool(self.strides) and self.strides[0] > 0 and all(p >= 0 for p in self.strides),
+                    "P(single) > 0, rest >= 0"))
 
     def problem(self, rng, size):
         return Problem(tuple(rng.randrange(10) for _ in range(size)))

@@ -124,10 +124,8 @@ class ShellGame(Task):
 
     def __post_init__(self):  # NaN fails every rule
         super().__post_init__()
-        for name, ok, rule in (("max_n", 1 <= self.max_n <= len(LABELS), f"in 1..{len(LABELS)}"),
-                               ("outright", 0 <= self.outright < 1, "in [0, 1)")):
-            if not ok:
-                raise ValueError(f"{name} must be {rule}, got {getattr(self, name)}")
+        self.check(("max_n", 1 <= self.max_n <= len(LABELS), f"in 1..{len(LABELS)}"),
+                   ("outright", 0 <= self.outright < 1, "in [0, 1)"))
 
     def problem(self, rng, size):
         return Problem(tuple(rng.choice(PAIRS) for _ in range(size)))

@@ -100,13 +100,13 @@ summary
   at k = 4              n/a tokens per verify step, from the acceptance by position
   accepted by position  80% -> 80% | 50% -> 50% (draft 1, 2, ...)
   bandit's k per batch  1: 4, 3-4: 0 (rank 0, the end of the run)
-  reward                0.025 -> 0.925
+  accuracy              2.5% -> 92.5% right answers; mean reward 0.400 -> 0.400
   response length       40.5 -> 58.5 tokens, single steps 0% -> 10%
   skipped updates       0 of the target, 3 drafter steps (not finite)
   greedy  before RL     overall  50.0% | 1-2  75.0%
   greedy  after RL      overall  50.0% | 1-2  75.0%
-  sampled before RL     overall  25.0% | 1-2  50.0%
-  sampled after RL      overall  25.0% | 1-2  50.0%
+  sampled before RL     overall  25.0% | 1-2  50.0%; mean reward 0.400
+  sampled after RL      overall  25.0% | 1-2  50.0%; mean reward 0.400
   length  before RL     overall  12.0 | 1-2   8.5 tokens (sampled)
   length  after RL      overall  12.0 | 1-2   8.5 tokens (sampled)
   wall time             61s
@@ -117,13 +117,15 @@ def test_summary_lines_by_hand(capsys):
     """20 steps: the tenths are steps 0-1 and 18-19; two ranks;
     every other step trained the drafter; the top-1 is unscored in the first tenth. The fastest
     rank is 30% ahead in 7 steps (0, 3, ..., 18), 10% in 13: the median is 10%. 60 responses
-    of 30, 40 and 50 tokens: the longest 5% are three of 50, 150 of 2,400 tokens (6%)."""
-    history = [record(s, reward=0.05 * s if s < 19 else 0.95, response_len=40.0 + s,
+    of 30, 40 and 50 tokens: the longest 5% are three of 50, 150 of 2,400 tokens (6%). A
+    partial-credit reward (planted: a flat 0.4) moves the mean reward, never the accuracy."""
+    history = [record(s, accuracy=0.05 * s if s < 19 else 0.95, reward=0.4, response_len=40.0 + s,
                       choice_share=0.0 if s < 18 else 0.1, drafter_skipped=int(s == 5) * 3,
                       drafter_steps=7 * (s % 2), rank_spread=0.3 if s % 3 == 0 else 0.1,
                       ranks=[{"rank": 0}, {"rank": 1}], drafter_top1=None if s < 2 else 0.9)
                for s in range(20)]
-    acc = {"greedy": {"overall": 0.5, "1-2": 0.75}, "sampled": {"overall": 0.25, "1-2": 0.5},
+    acc = {"greedy": {"accuracy": {"overall": 0.5, "1-2": 0.75}, "mean reward": 0.5},
+           "sampled": {"accuracy": {"overall": 0.25, "1-2": 0.5}, "mean reward": 0.4},
            "length": {"overall": 12.0, "1-2": 8.5}}
     report.summary(history[::-1], acc, acc, 61.2, TASK)  # records out of order: sorted by step
     out = capsys.readouterr().out
@@ -195,7 +197,7 @@ def rank_part(rank, rollout_time, segments, by_batch):
 
 
 TOTAL = {"tokens": 20, "sd_tokens": 6, "sd_row_steps": 3, "accepted": 2, "drafted": 4,
-         "top1_agree": 0, "top1_positions": 0, "choice": 0, "response_tokens": 16}
+         "top1_agree": 0, "top1_positions": 0, "choice": 0, "response_tokens": 16, "correct": 1}
 
 
 def test_the_record_holds_the_long_tail_and_the_slowest_ranks_time_by_batch_size(monkeypatch):
@@ -205,8 +207,9 @@ def test_the_record_holds_the_long_tail_and_the_slowest_ranks_time_by_batch_size
                      {"plain": [0.25, 0.0, 1.5], "spec": [0.25, 0.0, 0.0]})
     monkeypatch.setattr(report, "gather_ranks", lambda local: [fast, slow])
     responses = [[5] * 3, [5] * 9, [5], [5] * 3]  # global row order
-    rewards = torch.tensor([1.0, 0.0, 0.0, 1.0])
+    rewards = torch.tensor([1.0, 0.5, 0.0, 0.5])  # partial credit: one right answer of four
     rec, ranks = report.rank_record(4, fast, TOTAL, rewards, responses, 3.0, 0.5, timeline=True)
+    assert rec["accuracy"] == 0.25 and rec["reward"] == 0.5
     assert rec["response_lens"] == [3, 9, 1, 3] and rec["response_len"] == 4.0
     assert rec["response_median"] == 3 and rec["response_max"] == 9
     assert rec["rank_spread"] == pytest.approx(0.25)  # 1 - 1.5 / 2.0

@@ -129,7 +129,7 @@ def test_a_task_may_start_its_sizes_above_1_and_leave_out_the_choice():
     assert {task.sample(rng).size for _ in range(2000)} == set(range(3, 8))
     assert task.buckets() == [(3, 5), (6, 7)]
     assert {p.size for p in task.eval_set(per_bucket=50)} == set(range(3, 8))
-    with pytest.raises(ValueError, match="min_n"):
+    with pytest.raises(ValueError, match="--min-n"):
         base(min_n=5, max_n=4)
     history = [{"reward": 0.5, "response_len": 10.0, "choice_share": 0.5}]
     assert length_line(history, "single steps").endswith(", single steps 50% -> 50%")

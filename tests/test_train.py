@@ -314,6 +314,55 @@ def test_unwritable_out_dir(tmp_path):
     blocker.write_text("not a directory")
     r = run_train(TINY + ["--out-dir", str(blocker / "sub")])
     assert r.returncode != 0 and "cannot write to --out-dir" in r.stderr
+    r = run_train(TINY + ["--out-dir", str(blocker)])  # the file itself: what happened, in one line
+    assert r.stderr == f"error: --out-dir {str(blocker)!r} is a file, not a folder\n" and r.returncode == 1
+
+
+OWN_TASK = '''from dataclasses import dataclass
+
+import train
+from tasks.running_sum import RunningSum
+
+
+@dataclass(frozen=True)
+class Own(RunningSum):
+    """A task of one's own: responses of up to 304 tokens at --max-n 4 (prompt 8 + 304 + a draft of 8:
+    320 positions), and partial credit, 0.5 for a wrong answer."""
+    name = "own"
+
+    @staticmethod
+    def response_len(n):
+        return 9 * n + 268
+
+    def reward(self, problem, response_ids):
+        return 1.0 if super().reward(problem, response_ids) == 1.0 else 0.5
+
+
+train.main()
+'''
+
+
+def test_a_task_of_ones_own_sets_its_block_and_its_reward_leaves_accuracy_alone(tmp_path):
+    """A planted task (one file, run as the script that defines it) that needs 320 positions runs with
+    no --block-size: the target's block is the task's. Its partial credit moves the mean reward, never
+    the accuracy, the share of right answers: in every step's record and in the held-out figures."""
+    (tmp_path / "own.py").write_text(OWN_TASK)
+    out = str(tmp_path / "run")
+    flags = [a for a in TINY if a not in ("--block-size", "56")] + ["--task", "own", "--rl-steps", "1", "--out-dir", out,
+                                                                   "--drafter-warmup-steps", "0", "--eval-per-bucket", "1",
+                                                                   "--eval-samples", "2"]
+    r = subprocess.run([sys.executable, str(tmp_path / "own.py"), "--device", "cpu", *flags], cwd=ROOT, text=True,
+                       env={**ENV, "PYTHONPATH": ROOT}, capture_output=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    meta = torch.load(os.path.join(out, "target_warmup.pt"), map_location="cpu", weights_only=True)["meta"]
+    assert meta["model"]["block_size"] == 320
+    assert all(m["reward"] == pytest.approx(0.5 + 0.5 * m["accuracy"]) for m in metrics(out))
+    held_out = [line for line in r.stdout.splitlines() if line.startswith("held-out accuracy")]
+    assert len(held_out) == 4, r.stdout
+    for line in held_out:  # "overall  a% | 1-2 ...; mean reward b": b = 0.5 + 0.5 a
+        accuracy, reward = float(line.split("overall")[1].split("%")[0]), float(line.split("mean reward ")[1])
+        assert reward == pytest.approx(0.5 + accuracy / 200, abs=1e-3), line
+    assert "  accuracy              " in r.stdout and ", mean reward " in r.stdout
 
 
 def test_uneven_shards_and_an_empty_rank(tmp_path):
@@ -372,6 +421,21 @@ def test_task_flags_reach_the_task_config():
     for bad in (["--strides", "0.5,x"], ["--strides", "0,1"], ["--max-n", "5"]):  # 5 digits do not fit the tiny block
         with pytest.raises(SystemExit):
             config.parse_args(TINY + bad)
+
+
+def test_a_setting_two_tasks_share_keeps_each_tasks_words_and_a_bad_one_names_its_flag(capsys):
+    """--max-n is both tasks' setting: --help gives each task's own help and default; a task's own
+    check of a setting names its flag (Task.check), as argparse's errors do."""
+    with pytest.raises(SystemExit):
+        config.parse_args(["--help"])
+    words = " ".join(capsys.readouterr().out.split())
+    assert "largest problem (digits to sum), at most 52 (running_sum: 20)" in words
+    assert "largest problem (swaps), at most 26 (shell_game: 12)" in words
+    for bad, said in ((["--task", "shell_game", "--outright", "1.5"], "--outright must be in [0, 1), got 1.5"),
+                      (["--min-n", "5"], "--min-n must be in 1..4 (--max-n), got 5")):
+        with pytest.raises(SystemExit):
+            config.parse_args(TINY + bad)
+        assert capsys.readouterr().err == f"error: {said} (see --help)\n"
 
 
 def test_warmup_curriculum_keys_the_cache():
