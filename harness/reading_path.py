@@ -108,7 +108,7 @@ ROWS = {
         ["TimedDrafter.propose", "Stopwatch.__call__"],
         "harness, handed in by `run`: the drafter, timed without a sync per proposal"),
     "the watched barrier (harness)": (
-        ["liveness.watched_barrier", "liveness._barrier", "Watched.__init__", "Liveness.start_wait",
+        ["liveness.watched_barrier", "Watched.__init__", "Liveness.start_wait",
          "Watched.is_completed", "Liveness.check", "Liveness.verdict", "Watched.wait"],
         "harness, handed in by `run`: the idle loop's async barrier; a silent rank fails it"),
     "the update's rows": (
