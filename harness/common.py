@@ -75,29 +75,21 @@ def check_out_dir(*folders, store=None):
                 f.write(token)
         except OSError as e:
             problem = problem or f"cannot write to {flag} {folder!r}: {e.strerror}"
-    if store is not None:
-        problem = _one_folder(store, folders, host, token, problem)
+    if store is not None:  # each machine's first rank reads rank 0's token; every rank learns every rank's problem
+        if rank == 0:
+            store.set("folders/rank0", f"{host} {'' if problem else token}")
+        host0, token0 = store.get("folders/rank0").decode().split(" ")  # get() waits for the key
+        for folder, flag in zip(folders, FOLDER_FLAGS) if os.environ.get("LOCAL_RANK") == "0" and token0 else []:
+            seen = ""
+            with contextlib.suppress(OSError), open(os.path.join(folder, f".write_test.{host0}.0")) as f:
+                seen = f.read()
+            problem = problem or ("" if seen == token0 else f"{flag} {folder!r} is not one folder for every machine: rank "
+                                  f"{rank} on {host} does not see the file that rank 0 on {host0} wrote there; put it "
+                                  f"on a filesystem that every machine shares")
+        store.set(f"folders/{rank}", problem)
+        problem = next(filter(None, (store.get(f"folders/{r}").decode() for r in range(int(os.environ["WORLD_SIZE"])))), "")
     for probe in probes:
         with contextlib.suppress(OSError):  # not written: the error says why
             os.remove(probe)
     if problem:
         raise SystemExit(f"error: {problem}" if rank == 0 else 1)
-
-
-def _one_folder(store, folders, host, token, problem):
-    """Whether every machine's first rank sees rank 0's test files -> the first problem of any rank."""
-    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-    if rank == 0:
-        store.set("folders/rank0", f"{host} {'' if problem else token}")
-    host0, token0 = store.get("folders/rank0").decode().split(" ")  # get() waits for the key
-    reads = token0 and not problem and os.environ.get("LOCAL_RANK", "0") == "0"  # a machine's first rank
-    for folder, flag in zip(folders, FOLDER_FLAGS) if reads else []:
-        seen = ""
-        with contextlib.suppress(OSError), open(os.path.join(folder, f".write_test.{host0}.0")) as f:
-            seen = f.read()
-        if seen != token0:
-            problem = (f"{flag} {folder!r} is not one folder for every machine: rank {rank} on {host} does not see the "
-                       f"file that rank 0 on {host0} wrote there; put it on a filesystem that every machine shares")
-            break
-    store.set(f"folders/{rank}", problem)
-    return next((p for p in (store.get(f"folders/{r}").decode() for r in range(world)) if p), "")

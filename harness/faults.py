@@ -15,11 +15,11 @@ or those given after `--`. Then each trial runs the same flags under `torchrun -
 and one rank SIGKILLs itself at a random moment inside one phase. That moment is a random call of
 the phase's function, after a random part of that call's length in the reference run (up to 80%
 of it; if this call is quicker still, at its last instant). With --nnodes 2 the trials run as two
-torchrun agents on this machine (c10d on localhost), the reference as one: the victim is a rank on
+torchrun agents on this machine (c10d on localhost; the reference as one): the victim is a rank on
 the second node, killed by itself or, in a phase it never enters, by the rank in it; each phase's
-second turn kills the node (its agent, its ranks with it), which is then started again, as a
-scheduler replaces a node (every agent with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: in torch 2.13 a
-new agent otherwise waits forever for the address that rank 0's agent posted in the first round). The phases and their functions:
+second turn kills that node (its agent, its ranks with it) and starts it again, as a scheduler
+replaces a node (with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: else torch 2.13's new agent waits
+forever for the address rank 0's agent posted in the first round). The phases and their functions:
 
     target-warmup     harness.warmup.warmup_target
     drafter-warmup    harness.warmup.warmup_drafter
@@ -141,8 +141,8 @@ class Phases:
             f.write(json.dumps({k: call[k] for k in ("phase", "where", "n")} | {"seconds": seconds}) + "\n")
 
     def kill(self, when):
-        """SIGKILL the plan's victim (this rank, or another: its pid file), or with "node" its agent
-        first: the victim's machine lost, as its ranks die with their agent (rank_main)."""
+        """SIGKILL the plan's victim (this rank or another, by its pid file); with "node" its agent
+        first, whose ranks die with it (rank_main): the victim's machine lost."""
         with self.lock:  # the timer and the call's end may both get here: only one writes and kills
             with open(os.path.join(self.plan["out_dir"], "killed.json"), "w") as f:
                 json.dump({**self.plan, "when": when}, f)
