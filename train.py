@@ -169,11 +169,11 @@ def update_target(s, finished, rewards):
 
 def main(argv=None):
     args = parse_args(argv, __doc__)
-    check_out_dir(args.out_dir, args.warmup_dir)
     ddp, rank, _, world_size, device, store = compute_init(args.device)
-    if ddp:
-        Liveness(store, rank, world_size, COLLECTIVE_TIMEOUT_S, io_deadline_s=args.io_deadline)
     try:
+        check_out_dir(args.out_dir, args.warmup_dir, store=store)  # one folder for every machine
+        if ddp:
+            Liveness(store, rank, world_size, COLLECTIVE_TIMEOUT_S, io_deadline_s=args.io_deadline)
         run(args, rank, world_size, device)
         if ddp:
             dist.barrier()  # tearing gloo down while a peer still talks to it can abort the process

@@ -1,18 +1,21 @@
-"""What the harness shares that is neither distributed nor checkpoints: timing, command lines.
+"""What the harness shares that is neither distributed nor checkpoints: timing, command lines, folders.
 
 nanochat keeps such helpers in one small common module; so does this project, so that each concept
 file holds its concept and nothing else. Nothing here knows about models or the technique, and a
 reader learning TLT may skip this file (and distributed.py, liveness.py, checkpoint.py with it).
 
     sync, machine                          timing: the clock must see a GPU's queued work; the hardware
-    OneLineParser, on_off, check_out_dir,  command lines: one clear error line; --device
-    wants_cuda
+    OneLineParser, on_off, wants_cuda      command lines: one clear error line; --device
+    check_out_dir                          --out-dir and --warmup-dir: written to, one folder for every machine
 
 Test: python -m pytest tests/test_train.py   (a run uses every one of them)
 """
 import argparse
+import contextlib
 import os
 import platform
+import socket
+import uuid
 
 import torch
 
@@ -55,20 +58,41 @@ def wants_cuda(device_arg):
     return torch.cuda.is_available() if device_arg == "auto" else device_arg == "cuda"
 
 
-def check_out_dir(*folders):
-    """Each folder (--out-dir, then --warmup-dir) made if missing and written to; else one error
-    line naming its flag, from each machine's first rank only, and exit code 1."""
-    for folder, flag in zip(folders, ("--out-dir", "--warmup-dir")):
+FOLDER_FLAGS = ("--out-dir", "--warmup-dir")
+
+
+def check_out_dir(*folders, store=None):
+    """Each folder (--out-dir, then --warmup-dir) made if missing and written to by every rank; under
+    torchrun (`store`, the rendezvous store) also one folder for every machine, since rank 0 alone
+    writes checkpoints and warm-ups and a restart may put it on another machine: rank 0's test file
+    holds a token that each machine's first rank reads back. Else one error line from rank 0, exit 1."""
+    rank, host, token, problem = int(os.environ.get("RANK", 0)), socket.gethostname(), uuid.uuid4().hex, ""
+    probes = [os.path.join(folder, f".write_test.{host}.{rank}") for folder in folders]  # a pid repeats across machines
+    for folder, flag, probe in zip(folders, FOLDER_FLAGS, probes):
         if os.path.isfile(folder):  # in its own words; makedirs would say "File exists"
-            raise SystemExit(f"error: {flag} {folder!r} is a file, not a folder"
-                             if int(os.environ.get("LOCAL_RANK", 0)) == 0 else 1)
+            problem = problem or f"{flag} {folder!r} is a file, not a folder"
+            continue
         try:
             os.makedirs(folder, exist_ok=True)
-            probe = os.path.join(folder, f".write_test.{os.getpid()}")
             with open(probe, "w") as f:
-                f.write("ok")
-            os.remove(probe)
+                f.write(token)
         except OSError as e:
-            # once a machine: its ranks see the same folder (another machine's may differ)
-            raise SystemExit(f"error: cannot write to {flag} {folder!r}: {e.strerror}"
-                             if int(os.environ.get("LOCAL_RANK", 0)) == 0 else 1)
+            problem = problem or f"cannot write to {flag} {folder!r}: {e.strerror}"
+    if store is not None:  # each machine's first rank reads rank 0's token; every rank learns every rank's problem
+        if rank == 0:
+            store.set("folders/rank0", f"{host} {'' if problem else token}")
+        host0, token0 = store.get("folders/rank0").decode().split(" ")  # get() waits for the key
+        for folder, flag in zip(folders, FOLDER_FLAGS) if os.environ.get("LOCAL_RANK") == "0" and token0 else []:
+            seen = ""
+            with contextlib.suppress(OSError), open(os.path.join(folder, f".write_test.{host0}.0")) as f:
+                seen = f.read()
+            problem = problem or ("" if seen == token0 else f"{flag} {folder!r} is not one folder for every machine: rank "
+                                  f"{rank} on {host} does not see the file that rank 0 on {host0} wrote there; put it "
+                                  f"on a filesystem that every machine shares")
+        store.set(f"folders/{rank}", problem)
+        problem = next(filter(None, (store.get(f"folders/{r}").decode() for r in range(int(os.environ["WORLD_SIZE"])))), "")
+    for probe in probes:
+        with contextlib.suppress(OSError):  # not written: the error says why
+            os.remove(probe)
+    if problem:
+        raise SystemExit(f"error: {problem}" if rank == 0 else 1)

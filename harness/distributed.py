@@ -4,6 +4,7 @@ A reader learning TLT may skip this file: it is plumbing, nothing in it knows ab
 
     COLLECTIVE_TIMEOUT_S   how long a collective that the ranks reach together may take (TLT_COLLECTIVE_TIMEOUT)
     compute_init           joins the process group under torchrun (NCCL or gloo), else rank 0 of 1; returns its store
+    connected              a group that cannot connect: one line naming GLOO_SOCKET_IFNAME
     agree_prefix           a restarted group never reads a dead group's keys in the rendezvous store
     multi_rank, all_sum    more than one rank?; per-step figures summed over ranks
     gather_ranks           every rank's record, on every rank
@@ -70,9 +71,22 @@ def compute_init(device_arg="auto"):
             nccl = len(owners) == world_size
             if not nccl and rank == 0:
                 warnings.warn(f"{world_size} ranks share {len(owners)} GPU(s): collectives go through gloo, not NCCL")
-        dist.init_process_group("nccl" if nccl else "gloo", store=store, rank=rank, world_size=world_size,
-                                timeout=timeout, device_id=device if nccl else None)
+        connected(lambda: dist.init_process_group("nccl" if nccl else "gloo", store=store, rank=rank,
+                                                  world_size=world_size, timeout=timeout, device_id=device if nccl else None))
     return ddp, rank, local_rank, world_size, device, store
+
+
+def connected(make_group):
+    """make_group() -> its group, or one error line from each machine's first rank. Gloo (and NCCL's
+    bootstrap) binds to the address that the machine's hostname resolves to, which on a cluster may be
+    127.0.1.1 or a network the other machines cannot reach: the ranks then fail to connect, within
+    the group's timeout (TLT_COLLECTIVE_TIMEOUT)."""
+    try:
+        return make_group()
+    except RuntimeError as e:  # torch.distributed.DistError: a connection refused, or no peer within the timeout
+        raise SystemExit(f"error: the ranks could not connect ({str(e).splitlines()[0][:160]}); on several machines "
+                         f"set GLOO_SOCKET_IFNAME (and NCCL_SOCKET_IFNAME) to the network interface they share"
+                         if int(os.environ.get("LOCAL_RANK", 0)) == 0 else 1) from e
 
 
 def agree_prefix(store, rank, world_size, poll_s=0.05):

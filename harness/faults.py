@@ -2,6 +2,7 @@
 
     python -m harness.faults                                  # 24 trials on 2 ranks, each phase 3 times
     python -m harness.faults --nproc 4 --trials 8             # on 4 ranks, each phase once
+    python -m harness.faults --nnodes 2 --trials 16           # 2 agents (nodes), 1 rank each: a rank, a node
     python -m harness.faults --phases update,checkpoint-write --trials 4 -- --rl-steps 10 ...
 
 With exact-token sampling a rollout's tokens depend only on the target's weights and the seeds. So a
@@ -13,7 +14,12 @@ The command runs train.py once without a fault: the reference. The flags are the
 or those given after `--`. Then each trial runs the same flags under `torchrun --max-restarts=1`,
 and one rank SIGKILLs itself at a random moment inside one phase. That moment is a random call of
 the phase's function, after a random part of that call's length in the reference run (up to 80%
-of it; if this call is quicker still, at its last instant). The phases and their functions:
+of it; if this call is quicker still, at its last instant). With --nnodes 2 the trials run as two
+torchrun agents on this machine (c10d on localhost; the reference as one): the victim is a rank on
+the second node, killed by itself or, in a phase it never enters, by the rank in it; each phase's
+second turn kills that node (its agent, its ranks with it) and starts it again, as a scheduler
+replaces a node (with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: else torch 2.13's new agent waits
+forever for the address rank 0's agent posted in the first round). The phases and their functions:
 
     target-warmup     harness.warmup.warmup_target
     drafter-warmup    harness.warmup.warmup_drafter
@@ -35,17 +41,20 @@ is 1 if any check failed.
 How a rank kills itself: torchrun runs this module (`-m harness.faults`) on every rank, with the
 trial's plan in the environment (TLT_FAULT). It wraps the phases' functions, records each call's
 length, and runs train.main. Only the first attempt (TORCHELASTIC_RESTART_COUNT 0) is killed; the
-group that torchrun restarts runs plainly.
+group that torchrun restarts, and a replaced node, run plainly.
 
 Test: python -m pytest tests/test_faults.py
 """
 import argparse
+import contextlib
+import ctypes
 import importlib
 import json
 import os
 import random
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -132,20 +141,27 @@ class Phases:
             f.write(json.dumps({k: call[k] for k in ("phase", "where", "n")} | {"seconds": seconds}) + "\n")
 
     def kill(self, when):
+        """SIGKILL the plan's victim (this rank or another, by its pid file); with "node" its agent
+        first, whose ranks die with it (rank_main): the victim's machine lost."""
         with self.lock:  # the timer and the call's end may both get here: only one writes and kills
             with open(os.path.join(self.plan["out_dir"], "killed.json"), "w") as f:
                 json.dump({**self.plan, "when": when}, f)
                 f.flush()
                 os.fsync(f.fileno())
-            os.kill(os.getpid(), signal.SIGKILL)
+            with open(os.path.join(self.plan["out_dir"], f"pid.rank{self.plan.get('victim', self.plan['rank'])}")) as f:
+                pid, agent = map(int, f.read().split())
+            for victim in (agent, pid) if self.plan.get("node") else (pid,):
+                os.kill(victim, signal.SIGKILL)
 
 
 def rank_main():
     """A rank of a run under this module: the phases wrapped, then train.py's main."""
-    plan = json.loads(os.environ[PLAN])
+    plan, rank = json.loads(os.environ[PLAN]), int(os.environ.get("RANK", 0))
     sys.setswitchinterval(1e-4)  # the timer thread gets the interpreter within 0.1 ms, not 5: phases are short
-    Phases(plan, int(os.environ.get("RANK", 0)),
-           os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0").install()
+    ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG (Linux): a rank dies with its agent, as with its machine
+    with open(os.path.join(plan["out_dir"], f"pid.rank{rank}"), "w") as f:  # for a killer on another rank
+        f.write(f"{os.getpid()} {os.getppid()}")
+    Phases(plan, rank, os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0").install()
     import train
     train.main(sys.argv[1:])
 
@@ -153,20 +169,37 @@ def rank_main():
 # -----------------------------------------------------------------------------
 # the command: the reference run, the trials, the checks
 
-def launch(flags, out_dir, nproc, plan, log):
-    """train.py under torchrun --max-restarts=1, every rank running `rank_main` with `plan` -> exit code."""
+def launch(flags, out_dir, nproc, plan, log, nnodes=1):
+    """train.py under torchrun --max-restarts=1, every rank running `rank_main` with `plan` -> exit code.
+    nnodes > 1: as many agents on this machine, standing for nodes (c10d on localhost, hosted by the
+    first), nproc ranks in all; the last agent, if the plan kills it, is started again, once and
+    without the plan, as a scheduler replaces a lost node."""
     os.makedirs(out_dir, exist_ok=True)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        port = s.getsockname()[1]
+    where = ["--standalone"] if nnodes == 1 else [
+        f"--nnodes={nnodes}", "--rdzv_backend=c10d", f"--rdzv_endpoint=localhost:{port}"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", *where, f"--nproc_per_node={nproc // nnodes}",
            "--max-restarts=1", "-m", "harness.faults", *flags, "--out-dir", out_dir, "--warmup-dir", out_dir]
-    env = {**os.environ, PLAN: json.dumps({**plan, "out_dir": out_dir}), "OMP_NUM_THREADS": "1"}
     with open(log, "w") as f:
-        proc = subprocess.Popen(cmd, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
-        try:
-            return proc.wait(timeout=1800)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)  # torchrun and every rank it started
-            proc.wait()
-            return "hung"
+        def start(plan):
+            env = {**os.environ, PLAN: json.dumps({**plan, "out_dir": out_dir}), "OMP_NUM_THREADS": "1",
+                   **({"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"} if nnodes > 1 else {})}  # README: a new node joins
+            return subprocess.Popen(cmd, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+        agents, lost, deadline = [start(plan)], None, time.time() + 1800
+        while len(agents) < nnodes and agents[0].poll() is None:  # the others once the first hosts the rendezvous
+            with contextlib.suppress(OSError), socket.create_connection(("localhost", port), timeout=1):
+                agents += [start(plan) for _ in range(nnodes - 1)]
+            time.sleep(0.1)
+        while None in [a.poll() for a in agents] and time.time() < deadline:  # every agent's exit code, read
+            if plan.get("node") and lost is None and agents[-1].returncode == -signal.SIGKILL:
+                lost, agents[-1] = agents[-1], start({})  # the lost node's replacement
+            time.sleep(0.1)
+        for a in agents if time.time() >= deadline else []:
+            with contextlib.suppress(OSError):
+                os.killpg(a.pid, signal.SIGKILL)  # the agent; its ranks die with it (rank_main)
+        return "hung" if time.time() >= deadline else next((a.returncode for a in agents if a.returncode), 0)
 
 
 def calls(out_dir, nproc):
@@ -178,19 +211,22 @@ def calls(out_dir, nproc):
     return found
 
 
-def plans(reference_calls, phases, trials, rng):
+def plans(reference_calls, phases, trials, rng, nproc=1, nnodes=1):
     """Each trial's plan: the phases in turn (shuffled), a random call of it on any rank, a random
-    moment inside the first 80% of that call's length in the reference run."""
-    order = [phases[i % len(phases)] for i in range(trials)]
+    moment inside the first 80% of that call's length in the reference run. nnodes > 1: the victim is
+    a rank on the last node (its own call of the phase if it makes any), and every phase's second
+    turn kills that node: its agent and its ranks."""
+    order = [(phases[i % len(phases)], nnodes > 1 and i // len(phases) % 2 == 1) for i in range(trials)]
     rng.shuffle(order)
     out = []
-    for phase in order:
+    for phase, node in order:
         choices = [c for c in reference_calls if c[1] == phase]
         if not choices:
             raise SystemExit(f"error: the reference run never entered phase {phase}")
-        rank, _, where, n, seconds = rng.choice(choices)
-        out.append({"phase": phase, "rank": rank, "where": where, "n": n,  # 0.8: the same call may be quicker
-                    "after_s": round(rng.uniform(0, 0.8 * seconds), 6)})
+        victim = rng.randrange(nproc - nproc // nnodes, nproc) if nnodes > 1 else None
+        rank, _, where, n, seconds = rng.choice([c for c in choices if c[0] == victim] or choices)
+        out.append({"phase": phase, "rank": rank, "victim": rank if victim is None else victim, "node": node,
+                    "where": where, "n": n, "after_s": round(rng.uniform(0, 0.8 * seconds), 6)})  # 0.8: it may be quicker
     return out
 
 
@@ -231,7 +267,7 @@ def compare(reference, run, rl_steps):
 
 def passed(checks):
     k, n = checks["responses"].split("/")
-    return checks["finished"] and k == n and all(v for v in checks.values() if isinstance(v, bool))
+    return k == n and all(checks[c] for c in ("finished", "steps once", "target", "caches"))
 
 
 def rl_steps_of(flags):
@@ -239,13 +275,15 @@ def rl_steps_of(flags):
     return parse_args(flags).rl_steps
 
 
-def main(argv=None):
-    argv = sys.argv[1:] if argv is None else argv
+def parse(argv):
+    """-> (this command's flags, the phases, train.py's flags)."""
     ours, flags = (argv[:argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else (argv, RUN)
     p = OneLineParser(prog="python -m harness.faults", description=__doc__,
                       formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--trials", type=int, default=3 * len(PHASES), help="the phases take turns")
-    p.add_argument("--nproc", type=int, default=2, help="ranks of each run")
+    p.add_argument("--nproc", type=int, default=2, help="ranks of each run, in all")
+    p.add_argument("--nnodes", type=int, default=1, help="torchrun agents on this machine, standing for nodes (c10d); "
+                   "the kills hit the last one: a rank, or (each phase's second turn) the node")
     p.add_argument("--phases", default="all", help=f"comma-separated, of: {', '.join(PHASES)}")
     p.add_argument("--seed", type=int, default=0, help="of the trials' phases, ranks, calls and moments")
     p.add_argument("--out-dir", default="faults", help="the reference run and each trial, a folder each "
@@ -254,42 +292,50 @@ def main(argv=None):
     phases = list(PHASES) if args.phases == "all" else args.phases.split(",")
     if unknown := [ph for ph in phases if ph not in PHASES]:
         p.error(f"unknown phase(s) {', '.join(unknown)}; the phases: {', '.join(PHASES)}")
-    if args.trials < 1 or args.nproc < 1:
-        p.error("--trials and --nproc must be at least 1")
-    rl_steps = rl_steps_of(flags)
+    if args.trials < 1 or args.nproc < 1 or args.nnodes < 1 or args.nproc % args.nnodes:
+        p.error("--trials, --nproc and --nnodes must be at least 1, and --nproc a multiple of --nnodes")
     if os.path.exists(args.out_dir):  # every trial starts from nothing but the reference's warm-ups
         if os.listdir(args.out_dir) and not os.path.exists(os.path.join(args.out_dir, "reference.log")):
             p.error(f"--out-dir {args.out_dir} holds files this command did not write; choose another")
         shutil.rmtree(args.out_dir)
+    return args, phases, flags
+
+
+def trial(i, plan, reference, flags, args):
+    """Trial i: its run under `plan`, checked against the reference -> its row, printed."""
+    run = os.path.join(args.out_dir, f"trial{i:02d}")
+    os.makedirs(run)
+    fresh = plan["phase"].endswith("warmup") or (plan["phase"], plan["where"]) == ("checkpoint-write", "before RL")
+    if not fresh:
+        for name in WARMUPS:  # a trial about the RL loop starts from the reference's warm-ups
+            if os.path.exists(os.path.join(reference, name)):
+                shutil.copy(os.path.join(reference, name), run)
+    t0 = time.time()
+    rc = launch(flags, run, args.nproc, plan, os.path.join(run, "torchrun.log"), args.nnodes)
+    killed = os.path.join(run, "killed.json")
+    checks = {"finished": rc == 0, **compare(reference, run, rl_steps_of(flags))}
+    row = {**plan, "killed": json.load(open(killed))["when"] if os.path.exists(killed) else "no",
+           **checks, "seconds": round(time.time() - t0, 1)}
+    yn = lambda v: "yes" if v else "NO"  # noqa: E731
+    print(f"{i:>5}  {plan['phase']:<16} {'node' if plan['node'] else 'rank':<4} {plan['victim']:>4}  {plan['where']:<10} "
+          f"{row['killed']:<11} {yn(checks['finished']):<8} {yn(checks['steps once']):<10} {checks['responses']:<9} "
+          f"{yn(checks['target']):<6} {yn(checks['caches']):<6} {row['seconds']:>4.0f}s", flush=True)
+    return row
+
+
+def main(argv=None):
+    args, phases, flags = parse(sys.argv[1:] if argv is None else argv)
     reference = os.path.join(args.out_dir, "reference")
-    print(f"the reference run, {args.nproc} rank(s): {' '.join(flags)}", flush=True)
+    print(f"the reference run, {args.nproc} rank(s) on one node: {' '.join(flags)}", flush=True)
     t0 = time.time()
     rc = launch(flags, reference, args.nproc, {}, os.path.join(args.out_dir, "reference.log"))
     if rc != 0:
         raise SystemExit(f"error: the reference run failed (exit {rc}); see {args.out_dir}/reference.log")
-    print(f"  done in {time.time() - t0:.0f}s", flush=True)
-    rows = []
-    print(f"{'trial':>5}  {'phase':<16} {'rank':>4}  {'where':<10} {'killed':<11} {'finished':<8} "
+    print(f"  done in {time.time() - t0:.0f}s; the trials on {args.nnodes} node(s)", flush=True)
+    print(f"{'trial':>5}  {'phase':<16} {'kill':<4} {'rank':>4}  {'where':<10} {'killed':<11} {'finished':<8} "
           f"{'steps once':<10} {'responses':<9} {'target':<6} {'caches':<6} {'time':>5}")
-    for i, plan in enumerate(plans(calls(reference, args.nproc), phases, args.trials, random.Random(args.seed))):
-        run = os.path.join(args.out_dir, f"trial{i:02d}")
-        os.makedirs(run)
-        fresh = plan["phase"].endswith("warmup") or (plan["phase"], plan["where"]) == ("checkpoint-write", "before RL")
-        if not fresh:
-            for name in WARMUPS:  # a trial about the RL loop starts from the reference's warm-ups
-                if os.path.exists(os.path.join(reference, name)):
-                    shutil.copy(os.path.join(reference, name), run)
-        t0 = time.time()
-        rc = launch(flags, run, args.nproc, plan, os.path.join(run, "torchrun.log"))
-        killed = os.path.join(run, "killed.json")
-        checks = {"finished": rc == 0, **compare(reference, run, rl_steps)}
-        row = {**plan, "killed": json.load(open(killed))["when"] if os.path.exists(killed) else "no",
-               **checks, "seconds": round(time.time() - t0, 1)}
-        rows.append(row)
-        yn = lambda v: "yes" if v else "NO"  # noqa: E731
-        print(f"{i:>5}  {plan['phase']:<16} {plan['rank']:>4}  {plan['where']:<10} {row['killed']:<11} "
-              f"{yn(checks['finished']):<8} {yn(checks['steps once']):<10} {checks['responses']:<9} "
-              f"{yn(checks['target']):<6} {yn(checks['caches']):<6} {row['seconds']:>4.0f}s", flush=True)
+    todo = plans(calls(reference, args.nproc), phases, args.trials, random.Random(args.seed), args.nproc, args.nnodes)
+    rows = [trial(i, plan, reference, flags, args) for i, plan in enumerate(todo)]
     with open(os.path.join(args.out_dir, "trials.jsonl"), "w") as f:
         f.writelines(json.dumps(r) + "\n" for r in rows)
     good = [r for r in rows if r["killed"] != "no" and passed(r)]

@@ -22,9 +22,9 @@ import time
 
 import torch
 import torch.distributed as dist
-from torch.distributed.distributed_c10d import _get_default_group, _set_pg_timeout
+from torch.distributed.distributed_c10d import _set_pg_timeout
 
-from harness.distributed import COLLECTIVE_TIMEOUT_S, multi_rank
+from harness.distributed import COLLECTIVE_TIMEOUT_S, connected, multi_rank
 
 # seconds: the longest that `beating` vouches for one call that cannot beat from inside (rank 0's
 # checkpoint I/O, a first CUDA step); past it the call counts as hung (train.py's --io-deadline)
@@ -44,9 +44,10 @@ class Liveness:
     with the same message at their next check (or at once, when rank 0's exit breaks the barrier), so
     every rank's log names the silent rank. A silent rank 0 is caught by all the others.
 
-    The waits (`until_all_arrive`, `from_rank0`'s broadcast) run in a process group of their own with
-    a timeout of days, since liveness is judged here; every other collective keeps the short timeout
-    of the default group, as ranks reach those together, right after such a wait. A killed rank
+    The waits (`until_all_arrive`, `from_rank0`'s broadcast) run in a gloo group of their own (under
+    NCCL too) with a timeout of days once it has connected (within timeout_s), since liveness is judged
+    here; every other collective keeps the default group's short timeout, as ranks reach those
+    together, right after such a wait. A killed rank
     closes its connections and fails the wait at once; a hung one (stopped, deadlocked) stops beating.
     io_deadline_s: how long `beating` beats for one call (see there).
 
@@ -58,7 +59,8 @@ class Liveness:
     def __init__(self, store, rank, world_size, timeout_s, every_s=1.0, io_deadline_s=IO_DEADLINE_S):
         self.store, self.rank, self.world_size = store, rank, world_size
         self.timeout_s, self.every_s, self.io_deadline_s = timeout_s, every_s, io_deadline_s
-        self.group = dist.new_group(backend="gloo", timeout=datetime.timedelta(days=7))  # collective: every rank
+        self.group = connected(lambda: dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s)))
+        _set_pg_timeout(datetime.timedelta(days=7), self.group)
         self._last_beat = self._last_check = -math.inf
         self._seen = {}  # watched rank -> (its counter, when this rank saw it change)
         Liveness.current = self
@@ -136,24 +138,9 @@ class Watched:
 def watched_barrier(liveness=None, timeout_s=COLLECTIVE_TIMEOUT_S):
     """An async barrier judged by liveness (`Watched`): what train.py gives the idle loop. With a
     Liveness (`liveness`, else `Liveness.current`) in its own group; without one, in the default
-    group, failing after timeout_s."""
+    group (gloo or NCCL), failing after timeout_s or the group's own timeout, the sooner."""
     liveness = liveness or Liveness.current
-    return Watched(_barrier(liveness, timeout_s), liveness, timeout_s)
-
-
-def _barrier(liveness, timeout_s):
-    """An async barrier: in the Liveness's own group; without one, in the default group with its
-    timeout raised past timeout_s for this one barrier, so that timeout_s judges it and not the
-    collective timeout. torch's barrier takes no timeout of its own; gloo reads the group's when it
-    queues the op, so it is set around the call and put back."""
-    if liveness:
-        return dist.barrier(group=liveness.group, async_op=True)
-    collective_timeout = _get_default_group()._get_backend(torch.device("cpu")).options._timeout
-    _set_pg_timeout(datetime.timedelta(seconds=timeout_s + 5))  # + 5: the poll's clearer message comes first
-    try:
-        return dist.barrier(async_op=True)
-    finally:
-        _set_pg_timeout(collective_timeout)
+    return Watched(dist.barrier(group=liveness and liveness.group, async_op=True), liveness, timeout_s)
 
 
 def until_all_arrive(liveness=None, grace_s=0.0, timeout_s=COLLECTIVE_TIMEOUT_S):
@@ -164,7 +151,7 @@ def until_all_arrive(liveness=None, grace_s=0.0, timeout_s=COLLECTIVE_TIMEOUT_S)
 
     With a Liveness (`liveness`, else `Liveness.current`) this rank beats and checks every turn, and
     fails once a watched rank has been silent for its timeout; without one (ranks joined without the
-    rendezvous store, on gloo), after timeout_s. grace_s: first wait this long without a turn, so that
+    rendezvous store), after timeout_s or the default group's timeout, the sooner. grace_s: first wait this long without a turn, so that
     the last rank to arrive, which sees the barrier complete within moments, starts nothing that the
     others would wait for."""
     if not multi_rank():

@@ -77,7 +77,7 @@ def test_the_fault_command_kills_in_the_phases_asked_and_checks_each_trial(tmp_p
             lines[4] = json.dumps({**rec, "responses_digest": "0" * len(rec["responses_digest"])}) + "\n"
         open(os.path.join(bad, "metrics.jsonl"), "w").writelines(lines)
         if defect == "a weight changed":
-            ck = torch.load(os.path.join(bad, "ckpt.pt"), weights_only=True)
+            ck = torch.load(os.path.join(bad, "ckpt.pt"), map_location="cpu", weights_only=True)
             ck.pop("digest")
             w = next(iter(ck["model"].values()))
             w.view(-1)[0] = torch.nextafter(w.view(-1)[0], torch.tensor(1e9))  # one ulp
@@ -140,5 +140,5 @@ def test_a_new_ddp_sums_each_gradient_in_the_order_of_the_one_it_replaces_on_4_r
     from conftest import run_ranks
     out = str(tmp_path / "models.pt")
     run_ranks(_first_update_after_a_resume, 4, out)
-    straight, resumed = torch.load(out, weights_only=True)
+    straight, resumed = torch.load(out, map_location="cpu", weights_only=True)
     assert all(torch.equal(straight[k], resumed[k]) for k in straight)

@@ -1,9 +1,9 @@
 """Slow is not dead (harness/liveness.py), in every wait where ranks arrive far apart (the idle
 barrier, the drafter warm-up, evaluation, rank 0's checkpoint I/O and broadcasts): slow ranks are
 waited for; hung or killed ones, or rank 0 past its I/O deadline, fail the others with a message
-naming them; a barrier without Liveness keeps its own timeout. Successive groups on one store agree
-on fresh prefixes, a dead group's stale hello notwithstanding. Gloo processes, as in
-test_scheduler.py, whose helpers these tests share."""
+naming them; a barrier without Liveness keeps its own timeout, under any backend. Successive groups
+on one store agree on fresh prefixes, a dead group's stale hello notwithstanding. Gloo processes, as
+in test_scheduler.py, whose helpers these tests share."""
 import os
 import random
 import signal
@@ -252,13 +252,21 @@ def test_rank_0_io_past_its_deadline_fails_the_others_naming_it(tmp_path):
 
 
 def _plain_barrier_worker(rank, port, late_s, timeout_s, q):
-    """Ranks joined without Liveness, with a collective timeout of 1 s; rank 1 reaches the barrier
-    late_s late. Rank 0 reports (outcome, message, seconds)."""
+    """Ranks joined without Liveness, in a default group that, like NCCL's, gives no CPU backend to
+    ask for (its gloo still runs the barrier); rank 1 reaches the barrier late_s late. Rank 0 reports
+    (outcome, message, seconds)."""
     import datetime
     from harness.liveness import until_all_arrive
     torch.set_num_threads(1)
     store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=30))
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=2, timeout=datetime.timedelta(seconds=1))
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=2, timeout=datetime.timedelta(seconds=20))
+    get_backend = dist.ProcessGroup._get_backend
+
+    def no_cpu_backend(group, device):
+        if torch.device(device).type == "cpu":
+            raise RuntimeError("No backend type associated with device type cpu")
+        return get_backend(group, device)
+    dist.ProcessGroup._get_backend = no_cpu_backend
     if rank == 1:
         time.sleep(late_s)
     t0 = time.time()
@@ -278,9 +286,10 @@ def _plain_barrier_worker(rank, port, late_s, timeout_s, q):
 
 @pytest.mark.parametrize("late_s,timeout_s", [(3.0, 6.0), (30.0, 3.0)])
 def test_a_barrier_without_liveness_is_judged_by_its_timeout_s(late_s, timeout_s):
-    """Without a Liveness the idle barrier waits timeout_s, not the default group's collective
-    timeout (1 s here): a rank 3 s late within a 6 s timeout_s is waited for; one that never comes
-    fails the other at timeout_s, with the barrier's message rather than gloo's."""
+    """Without a Liveness the idle barrier runs in the default group, whatever its backend (under NCCL
+    there is no CPU one to ask for its timeout), and fails after timeout_s (or the group's timeout,
+    20 s here, the sooner): a rank 3 s late within a 6 s timeout_s is waited for; one that never
+    comes fails the other at timeout_s, with the barrier's message rather than gloo's."""
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     store = dist.TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False)
