@@ -34,7 +34,6 @@ VARIANTS = {
     "frozen": ["--tlt", "on", "--drafter-updates", "off"],
     "ngram": ["--tlt", "on", "--drafter", "ngram"],  # TLT-Base: the model-free drafter
     "sibling": ["--tlt", "on", "--drafter", "sibling"],  # the GRPO group's other responses
-    "sib+lrn": ["--tlt", "on", "--drafter", "sibling+learned"],  # learned until a row is alone
 }
 
 

@@ -341,7 +341,7 @@ def test_every_drafter_taking_turns_on_one_batch_is_lossless(greedy_setup, sampl
     gen = RunningBatch(target, pool * 2, N_NEW, max_draft=4, **how)
     drafters = every_drafter(drafter)
     schedule = itertools.cycle([None, ("learned", 4), None, ("learned", 2), ("ngram", 3), ("learned", 3), ("sibling", 2),
-                                ("learned", 1), ("sibling+learned", 3)])
+                                ("learned", 1), ("sibling", 3)])
     sizes = []
     while gen.compact() > 0:
         sizes.append(gen.batch_size)
