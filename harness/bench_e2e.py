@@ -25,7 +25,8 @@ import time
 import torch
 
 from harness import warmup
-from drafter import Drafter, DrafterBuffer, make_optimizer, train_step
+from drafter import DrafterBuffer, make_optimizer, train_step
+from harness.evaluate import drafter_on
 from rollout import rollout
 from speculative import speculative_generate
 
@@ -110,13 +111,6 @@ def generator(model, seed):
     return torch.Generator(device=model.wte.weight.device).manual_seed(seed)
 
 
-def drafter_on(target, state):
-    """A drafter for `target` with the weights `state`, in eval mode."""
-    d = Drafter(target).to(target.wte.weight.device).eval()
-    d.load_state_dict(state)
-    return d
-
-
 def moved_target(targs, task, model, sft_steps, sft_lr, rng):
     """A copy of the target fine-tuned sft_steps on reference traces of problem sizes drawn
     uniformly (alpha = 0) instead of the tail-heavy default."""
@@ -144,8 +138,8 @@ def drift_bench(targs, task, model, drafter, sft_steps=300, sft_lr=2e-3, n_seqs=
         for s in rollout(moved, None, prompts, task.max_response_len, eos_id=task.eos_id,
                          generator=gen):
             buffer.add(0, s.tokens, s.hidden, s.prompt_len)
-    frozen = drafter_on(moved, drafter.state_dict())
-    adapted = drafter_on(moved, drafter.state_dict()).train()
+    frozen = drafter_on(moved, drafter.state_dict(), drafter.n_layer)
+    adapted = drafter_on(moved, drafter.state_dict(), drafter.n_layer).train()
     opt = make_optimizer(adapted, targs.drafter_online_lr)
     for _ in range(online_steps):
         train_step(adapted, opt, buffer.sample(targs.drafter_batch, rng, moved.wte.weight.device))

@@ -26,7 +26,7 @@ from speculative import autoregressive_generate, speculative_generate
 
 
 @torch.no_grad()
-def evaluate(model, task, problems, rank=0, world_size=1, drafter=None, temperature=0.0, seed=0, batch_size=64,
+def evaluate(model, task, problems, rank=0, world_size=1, drafter=None, temperature=0.0, seed=0,
              sampler="gumbel", k=4, stats=None):
     """Held-out accuracy (the share of right answers, Task.correct) by problem size and the mean
     reward, and every generated response (token ids), all ranks together. Greedy by default;
@@ -38,8 +38,8 @@ def evaluate(model, task, problems, rank=0, world_size=1, drafter=None, temperat
     gen = torch.Generator(device=model.wte.weight.device).manual_seed(derive_seed(seed, rank, 0, Seed.EVAL))
     mine = list(range(rank, len(problems), world_size))
     outputs = [None] * len(problems)
-    for i in range(0, len(mine), batch_size):
-        idx = mine[i:i + batch_size]
+    for i in range(0, len(mine), 64):  # 64 problems a batch
+        idx = mine[i:i + 64]
         prompts = [task.prompt_ids(problems[j]) for j in idx]
         max_new = task.response_len(max(problems[j].size for j in idx))
         how = dict(temperature=temperature, eos_id=task.eos_id, generator=gen, sampler=sampler,
@@ -120,7 +120,7 @@ def most_played_k(metrics_path):
     """The k of most speculative steps over the run's records (metrics.jsonl), or None. Each record
     counts the steps of every k up to max(--draft-ks), which a resumed run cannot change."""
     with open(metrics_path) as f:
-        counts = [r["sd_steps_by_k"] for r in map(json.loads, f) if "sd_steps_by_k" in r]
+        counts = [r["sd_steps_by_k"] for r in map(json.loads, f)]
     totals = [sum(column) for column in zip(*counts)]  # per k
     return max(range(1, len(totals)), key=totals.__getitem__) if sum(totals) else None
 
@@ -140,16 +140,19 @@ def stale_drafter(s, problems, metrics_path):
     k = gather_ranks(most_played_k(metrics_path) if s.rank == 0 else None)[0]  # rank 0's file
     if k is None:
         return None
-
-    def kept_drafter(target):  # the drafter of early["step"], on `target`'s embedding and head
-        d = Drafter(target, s.drafter.n_layer).to(s.drafter.in_proj.weight.device)
-        d.load_state_dict(early["drafter"])
-        return d
     then = copy.deepcopy(s.model)
     then.load_state_dict(early["model"])
-    pairs = ((then, kept_drafter(then)), (s.model, kept_drafter(s.model)), (s.model, s.drafter))
+    kept = [drafter_on(t, early["drafter"], s.drafter.n_layer) for t in (then, s.model)]
+    pairs = ((then, kept[0]), (s.model, kept[1]), (s.model, s.drafter))
     return {"step": early["step"], "k": k,
             "figures": [tokens_per_verify(s, target, d, problems, k) for target, d in pairs]}
+
+
+def drafter_on(target, state, n_layer=1):
+    """A drafter with the weights `state` on `target`'s embedding and head, in eval mode."""
+    d = Drafter(target, n_layer).to(target.wte.weight.device).eval()
+    d.load_state_dict(state)
+    return d
 
 
 def tokens_per_verify(s, target, drafter, problems, k):
