@@ -29,8 +29,8 @@ def save_atomic(obj, path):
     """torch.save to a temporary file, on disk (fsync), then rename: the previous file stays until the
     new one is whole. The file holds a digest of its contents: a block zeroed by a crash or a disk
     still loads with torch.load, as zero weights, and only the digest tells (`load_checked`)."""
-    for name, t in _tensors(obj):
-        if t.is_floating_point() and not torch.isfinite(t).all():  # never let NaN weights replace good ones
+    for name, t in _leaves(obj):  # never let NaN weights replace good ones
+        if isinstance(t, torch.Tensor) and t.is_floating_point() and not torch.isfinite(t).all():
             raise RuntimeError(f"refusing to write {path}: {name} is not finite")
     tmp = f"{path}.tmp"
     with open(tmp, "wb") as f:
@@ -80,17 +80,6 @@ def _leaves(obj, prefix=""):
         yield prefix, obj
 
 
-def _tensors(obj):
-    return ((name, v) for name, v in _leaves(obj) if isinstance(v, torch.Tensor))
-
-
-def _flatten(d, prefix=""):
-    out = {}
-    for k, v in d.items():
-        out.update(_flatten(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
-    return out
-
-
 class Mismatch(SystemExit):
     """A checkpoint made with other settings; `diff` names the differences in one line."""
 
@@ -115,7 +104,8 @@ def load_checked(path, expected_meta, folder="--out-dir"):
                          f"written with them); {what}")
     got = ckpt.get("meta") if isinstance(ckpt, dict) else None
     if got != expected_meta:
-        want, have = _flatten(expected_meta), _flatten(got if isinstance(got, dict) else {})
+        want = dict(_leaves(expected_meta))
+        have = dict(_leaves(got if isinstance(got, dict) else {}))
         diff = [f"{k} {have.get(k)} there, {want.get(k)} here" for k in sorted(set(want) | set(have))
                 if want.get(k) != have.get(k)]
         raise Mismatch(path, "; ".join(diff[:4]) + ("; ..." if len(diff) > 4 else ""))

@@ -137,8 +137,8 @@ def test_draft_ks_fixes_the_arms_and_sizes_the_block():
 
 
 def test_rl_prompts_are_a_function_of_seed_and_step():
-    """Every rank draws the step's whole list and takes its shard; the bench's long-tail workload
-    relies on drawing the same list."""
+    """Every rank draws the step's whole list and takes its shard: the ranks must draw the same
+    list."""
     args = config.parse_args(TINY)
     cfg = config.task_of(args)
     prompts = train.rl.rl_problems(args, cfg, 3)
