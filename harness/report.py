@@ -1,11 +1,5 @@
-"""`python -m harness.report RUN [RUN ...]`, and step 7 of the run: the step's record, its log line,
-the ranks' timeline and the summary at the end.
-
-train.py prints one line per RL step (`log_step`), every --timeline-every steps the ranks' timeline
-(`render_timeline`, kept in that step's record too), and at the end the summary (`summary`). A
-step's record (`step_record`, one JSON line of metrics.jsonl) holds its times and shares, the
-drafter's figures, every response's length, how far apart the ranks finished and where the slowest
-rank's rollout time went by running-batch size.
+"""`python -m harness.report RUN [RUN ...]`, and step 7 of the run: the step's record (one JSON line
+of metrics.jsonl), its log line, every --timeline-every steps the ranks' timeline, and the summary.
 
 The summary reads the records only, so any finished run can be looked at again:
 
@@ -13,11 +7,10 @@ The summary reads the records only, so any finished run can be looked at again:
     python -m harness.report out out-off      # two or more runs of the same steps, compared
 
 A step's figures swing with its prompt mix, so the summary gives the first tenth of the run against
-the last. Two or more runs (A, B, ...) are compared the same way, figure by figure. Where the runs
-wrote the same responses at every step (equal `responses_digest`), each step did the same work in
-both, so a step's time ratio compares the methods free of the prompt mix: the report then pairs
-them step by step and prints the median of the per-step ratios (a median: one step slowed by a
-shared machine moves it little).
+the last, and compares runs (A, B, ...) the same way. Where the runs wrote the same responses at
+every step (equal `responses_digest`), each step did the same work in all, so the report also
+prints the median of the per-step time ratios (a median: one step slowed by a shared machine moves
+it little).
 
 Test: python -m pytest tests/test_report.py
 """
@@ -69,14 +62,13 @@ def step_record(s, step, result, stats):
              "idle_time": idle["seconds"], "drafter_steps": idle["steps"],
              "wait_to_update": update_start - stats.time, "drafter_skipped": idle["skipped"],
              "tokens": stats.tokens, "drafter_checksum": checksum(s.drafter),
-             "tail_share": stats.tail_share,
-             "buffer_tokens": s.buffer.tokens, "segments": segments, "by_batch": stats.by_batch}
+             "tail_share": stats.tail_share, "buffer_tokens": s.buffer.tokens,
+             "segments": segments, "by_batch": stats.by_batch}
     counts = {"tokens": stats.tokens, "sd_tokens": stats.sd_tokens,
               "sd_row_steps": stats.sd_row_steps, "accepted": stats.accepted,
-              "drafted": stats.drafted,
+              "drafted": stats.drafted, "response_tokens": sum(len(r.response) for r in finished),
               "choice": sum(s.task.choice_share(p, r.response) for p, r in zip(problems, finished)),
               "correct": sum(s.task.correct(p, r.response) for p, r in zip(problems, finished)),
-              "response_tokens": sum(len(r.response) for r in finished),
               **position_counts(stats, max(s.args.draft_ks))}
     # the top-1 counts were summed over ranks by the drafter sync (scheduler.start_drafter_sync)
     total = {**all_sum(counts, s.device), "top1_agree": agree, "top1_positions": positions}
@@ -98,7 +90,6 @@ def rank_record(step, local, total, all_rewards, responses, step_time, update_ti
     slowest = max(ranks, key=lambda r: r["rollout_time"])
     rollout_max, by_batch = slowest["rollout_time"], slowest["by_batch"]
     n_rows = all_rewards.numel()
-    lens = [len(r) for r in responses]
     rates = lambda a, b: total[a] / total[b] if total[b] else None  # noqa: E731
     per_position = lambda name: [int(v) for k, v in total.items() if k.startswith(name)]  # noqa
     return {
@@ -124,7 +115,7 @@ def rank_record(step, local, total, all_rewards, responses, step_time, update_ti
         # what the target writes: its mean length and the share of the task's choice
         "response_len": total["response_tokens"] / n_rows, "choice_share": total["choice"] / n_rows,
         # the long tail: every response's length (global row order)
-        "response_lens": lens,
+        "response_lens": [len(r) for r in responses],
         # how much earlier the fastest rank finished its rollout than the slowest: idle time
         "rank_spread": 1 - min(r["rollout_time"] for r in ranks) / rollout_max
         if rollout_max > 0 else 0.0,
