@@ -1,13 +1,10 @@
-"""Held-out evaluation, sharded over ranks, and the check that speculation changes no token.
+"""Held-out evaluation (train.py before and after RL), sharded over ranks; the check that
+speculation changes no token; the stale-drafter figures at the end of a run.
 
-`evaluate` decodes a list of problems (plain, or speculative with a drafter) and scores them by
-problem size. `evaluate_both` reports greedy accuracy and sampled accuracy at the rollouts'
-temperature (--eval-samples per problem, decoded speculatively with --tlt on: lossless, and
-faster, which pays for more samples and less noise), and at the end of a run counts the held-out
-responses in which speculative decoding differs from plain decoding, greedy and sampled with
-exact-token sampling. In float64 that count is 0 by construction; in float32 a pass of k + 1
-tokens may round differently from k + 1 one-token passes and flip a near-tie, so it is counted
-rather than asserted.
+The check counts the held-out responses in which speculative decoding differs from plain decoding,
+greedy and sampled with exact-token sampling. In float64 that count is 0 by construction; in
+float32 a pass of k + 1 tokens may round differently from k + 1 one-token passes and flip a
+near-tie, so it is counted rather than asserted.
 
 Test: python -m pytest tests/test_train.py   (a run prints both checks)
 """
@@ -60,13 +57,11 @@ def evaluate(model, task, problems, rank=0, world_size=1, drafter=None, temperat
 
 
 def evaluate_both(model, drafter, problems, args, task, rank, world_size, when, check=False):
-    """Greedy and sampled (temperature --temperature, as in the rollouts, --eval-samples per
-    problem) held-out accuracy. With --tlt on the sampling decodes speculatively: lossless, and
-    faster, which pays for more samples and so for less noise. With check, also counts the
-    responses in which speculative decoding differs from plain decoding, greedy and sampled
-    (exact-token sampling, one sample per problem). Speculation drafts k = max(--draft-ks) tokens:
-    the longest draft the run may use, which --block-size was checked against (the bandit's choice
-    differs by batch size and rank); with --draft-ks 0 the run never speculates, nor does this."""
+    """Greedy and sampled (--temperature, --eval-samples per problem) held-out accuracy; with --tlt
+    on the sampling decodes speculatively: lossless, and faster, which pays for more samples. With
+    check, also the check (one sample per problem). Speculation drafts k = max(--draft-ks) tokens,
+    the longest draft the run may use (--block-size was checked against it); with --draft-ks 0 the
+    run never speculates, nor does this."""
     if not problems:
         return {}
     k = max(args.draft_ks)
@@ -78,13 +73,11 @@ def evaluate_both(model, drafter, problems, args, task, rank, world_size, when, 
     print0(f"held-out accuracy {when} ({len(problems)} problems), greedy:  {format_accuracy(greedy)}")
     print0(f"held-out accuracy {when}, sampled at T={args.temperature:g}: {format_accuracy(sampled)}")
     print0(f"held-out response length {when}, sampled (tokens): {format_lengths(length)}")
-    if check and drafter is not None:  # lossless in practice: speculative decoding gives the plain responses, token for token
+    if check and drafter is not None:
         _, sd_greedy = evaluate(model, task, problems, rank, world_size, drafter=drafter, k=k)
         how = dict(temperature=args.temperature, seed=args.seed + 1, sampler="gumbel", k=k)
         _, plain_sampled = evaluate(model, task, problems, rank, world_size, **how)
         _, sd_sampled = evaluate(model, task, problems, rank, world_size, drafter=drafter, **how)
-        # float32 passes of different shapes (1 token, k + 1 tokens) round differently, so a near-tie
-        # argmax can flip and the response goes its own way from there: count rather than just say no
         for name, a, b in (("greedy", plain_out, sd_greedy), (f"sampled at T={args.temperature:g}", plain_sampled, sd_sampled)):
             print0(f"speculative vs plain decoding, {name}: {sum(x != y for x, y in zip(a, b))} of {len(a)} "
                    f"held-out responses differ")
