@@ -17,6 +17,7 @@ import dataclasses
 import json
 import os
 import random
+import shutil
 import statistics
 import subprocess
 import sys
@@ -44,10 +45,7 @@ def e2e_runs(args, root):
     records = {}
     for name, flags in VARIANTS.items():
         out = os.path.join(root, name)
-        os.makedirs(out, exist_ok=True)
-        for f in ("ckpt.pt", "metrics.jsonl"):  # a fresh RL run every time
-            if os.path.exists(os.path.join(out, f)):
-                os.remove(os.path.join(out, f))
+        shutil.rmtree(out, ignore_errors=True)  # a fresh RL run every time, in the bench's folder
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                f"--nproc_per_node={args.nproc}", "train.py", *args.train_flags, "--out-dir", out,
                "--warmup-dir", args.out_dir, "--rl-steps", str(args.e2e_steps),

@@ -25,12 +25,10 @@ from speculative import autoregressive_generate, speculative_generate
 @torch.no_grad()
 def evaluate(model, task, problems, rank=0, world_size=1, drafter=None, temperature=0.0, seed=0,
              sampler="gumbel", k=4, stats=None):
-    """Held-out accuracy (the share of right answers, Task.correct) by problem size and the mean
-    reward, and every generated response (token ids), all ranks together. Greedy by default;
-    with a drafter, decoding is speculative, which at temperature 0 must give exactly the same
-    tokens. At temperature > 0 problem j's key is derived from (seed, j), so with sampler
-    "gumbel" the tokens do not depend on the ranks or on the drafter; with "rejection" the
-    sampling is seeded per rank. k: the draft length of speculative decoding. stats: an
+    """Held-out accuracy (Task.correct's share) by problem size and the mean reward, and every
+    response (token ids), all ranks together. Greedy by default; with a drafter, speculative
+    (drafts of k). Problem j's key comes from (seed, j): with sampler "gumbel" the tokens do not
+    depend on the ranks or the drafter; "rejection" is seeded per rank. stats: an
     instrument.DecodeStats that counts this rank's decoding."""
     gen = torch.Generator(device=model.wte.weight.device).manual_seed(derive_seed(seed, rank, 0, Seed.EVAL))
     mine = list(range(rank, len(problems), world_size))
@@ -104,9 +102,9 @@ def early_step(args):
 
 def snapshot(model, drafter, step):
     """Host copies of the target's and the drafter's weights as they are at the start of `step`."""
-    def host(module):
-        return {name: t.detach().cpu().clone() for name, t in module.state_dict().items()}
-    return {"step": step, "model": host(model), "drafter": host(drafter)}
+    host = [{name: t.detach().cpu().clone() for name, t in m.state_dict().items()}
+            for m in (model, drafter)]
+    return {"step": step, "model": host[0], "drafter": host[1]}
 
 
 def most_played_k(metrics_path):

@@ -27,6 +27,7 @@ from harness.config import WARM_DRAFTER_STEPS
 from harness.distributed import all_sum, gather_ranks, print0
 from harness.evaluate import format_accuracy, format_lengths
 from harness.instrument import checksum
+from harness.warmup import expected_accepted
 
 TIMELINE_CHARS = {"plain": "#", "spec": "S", "train": "t", "wait": "."}
 LETTERS = "ABCDEFGHIJKLMNOPQRSTUVWXYZ"  # the compared runs' names
@@ -44,9 +45,8 @@ NEEDED = ("step", "step_time", "rollout_time", "update_time", "rollout_share", "
 
 def step_record(s, step, result, stats):
     """The step's metrics.jsonl record, and every rank's part (the timeline draws their segments).
-    Built by train.run after the step from what it handed back. s: train.RunState; result:
-    train.StepResult; stats: the instrument.RolloutStats that observed the step's rollout, made just
-    before the step: the timeline's segments are on its clock."""
+    s: train.RunState; result: train.StepResult; stats: the instrument.RolloutStats that observed
+    the step's rollout, made just before the step: the timeline's segments are on its clock."""
     problems, finished, idle, (agree, positions), update, times = result
     t_start, t_rollout, t_idle, t_update, t_end = times
     all_rewards, responses, (loss, clip, skipped) = update
@@ -176,15 +176,13 @@ def log_step(rec, ranks, args):
 
 
 def timeline_due(step, args):
-    """Whether a step's timeline is printed (and kept): every --timeline-every steps and the
-    last."""
+    """Whether a step's timeline is printed (and kept): every --timeline-every steps, the last."""
     return bool(args.timeline_every) and (step % args.timeline_every == 0
                                           or step == args.rl_steps - 1)
 
 
 def render_timeline(records, width=64):
-    """One text row per rank: '#' plain decoding, 'S' speculative, 't' drafter training,
-    '.' waiting."""
+    """One text row per rank: '#' plain decoding, 'S' speculative, 't' drafter training, '.' wait."""
     total = max((seg[2] for r in records for seg in r["segments"]), default=0.0) or 1.0
     lines = []
     for r in records:
@@ -244,8 +242,7 @@ def next_lines(args, world_size=2):
 
 
 def other_flags(argv, drop):
-    """The command line `argv` without the flags in `drop` and their values ("--flag value" or
-    "--flag=value")."""
+    """The command line `argv` without the flags in `drop` and their values (given either way)."""
     out, skip = [], False
     for a in argv:
         if skip:
@@ -402,11 +399,7 @@ def accept_len_at(rates, k=4):
     position: 1 + a1 + a1 a2 + ... + a1 ... ak. None without a rate at each of the k positions."""
     if len(rates) < k or None in rates[:k]:
         return None
-    out, kept = 1.0, 1.0
-    for a in rates[:k]:
-        kept *= a
-        out += kept
-    return out
+    return 1 + expected_accepted(rates[:k])
 
 
 def bandit_line(rec):
