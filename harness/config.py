@@ -174,9 +174,9 @@ def tlt_flags(p):
     """TLT itself: speculative decoding in the tail, what drafts there, the online drafter."""
     p.add_argument("--tlt", type=on_off, default=True, metavar="on|off", help="speculative decoding in the tail (off: plain baseline)")
     p.add_argument("--drafter-updates", type=on_off, default=True, metavar="on|off", help="train the drafter on idle ranks (off: frozen)")
-    p.add_argument("--drafter", default="learned", choices=DRAFTERS, help="what drafts in the tail: the learned "
-                   "EAGLE-style drafter (TLT); TLT-Base's model-free n-gram lookup in the row's own tokens; or the "
-                   "model-free lookup in the row's GRPO siblings")
+    p.add_argument("--drafter", default="learned", choices=DRAFTERS, help="what drafts in the tail: the "
+                   "learned EAGLE-style drafter (TLT); TLT-Base's model-free n-gram lookup in the row's "
+                   "own tokens; or the model-free lookup in the row's GRPO siblings")
     p.add_argument("--sd-threshold", type=int, default=64, help="speculative steps only when the running batch is at most this")
     p.add_argument("--draft-ks", default="0,1,2,3,4,6,8", help="draft lengths the bandit picks from (0: a plain "
                    "step); one value fixes k, e.g. to compare two drafters at the same k")

@@ -182,7 +182,7 @@ def timeline_due(step, args):
 
 
 def render_timeline(records, width=64):
-    """One text row per rank: '#' plain decoding, 'S' speculative, 't' drafter training, '.' wait."""
+    """One text row per rank: '#' plain decoding, 'S' speculative, 't' training, '.' waiting."""
     total = max((seg[2] for r in records for seg in r["segments"]), default=0.0) or 1.0
     lines = []
     for r in records:
