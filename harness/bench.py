@@ -1,6 +1,6 @@
 """python -m harness.bench: what speculative decoding and TLT buy, side by side on one machine.
 
-    python -m harness.bench          # plain vs speculative decoding by batch size; the long tail
+    python -m harness.bench          # plain vs speculative decoding by batch size
     python -m harness.bench --e2e    # RL steps: --tlt off, on, frozen drafter, model-free drafters
     python -m harness.bench --drift  # a target moved away from the drafter: frozen vs trained
 
@@ -11,8 +11,7 @@ Decoding: fresh prompts whose responses are longer than --max-new tokens, as a r
 are, so the batch size is what the table says; temperature 1.0, as in the rollouts; each cell the
 median of --repeats rounds in which plain decoding and every k take turns, so a slow spell of a
 shared machine hits them alike. c: the drafter's time per one-token forward over the target's.
-Long-tail rollouts: rank 0's prompts of the default run's first RL steps, plain and with TLT, the
-same prompts and keys, taking turns. --e2e and --drift: bench_e2e.py.
+--e2e and --drift: bench_e2e.py.
 """
 import argparse
 import json
@@ -27,9 +26,6 @@ from harness import config
 from harness import warmup
 from harness.bench_e2e import drift_bench, e2e_bench, generator
 from harness.common import OneLineParser, check_out_dir, machine, sync, wants_cuda
-from harness.instrument import RolloutStats
-from rl import step_rows
-from rollout import Bandit, rollout
 from speculative import autoregressive_generate, speculative_generate
 
 
@@ -44,8 +40,8 @@ def parse_args(argv=None):
     mode.add_argument("--e2e", action="store_true", help="the end-to-end RL comparison instead")
     mode.add_argument("--drift", action="store_true", help="the moved-target comparison instead")
     p.add_argument("--e2e-steps", type=int, default=30, help="RL steps per end-to-end run")
-    p.add_argument("--train-args", default="", help="train.py flags for the warm-ups, the long "
-                   "tail and every --e2e run, e.g. --train-args='--rl-lr 2e-4'")
+    p.add_argument("--train-args", default="", help="train.py flags for the warm-ups and every "
+                   "--e2e run, e.g. --train-args='--rl-lr 2e-4'")
     p.add_argument("--nproc", type=int, default=2, help="ranks per end-to-end run")
     args = p.parse_args(argv)
     try:
@@ -180,62 +176,6 @@ def decode_bench(args, task, model, drafter):
             "sampler": args.sampler, "temperature": 1.0}
 
 
-def tail_workload(args, task, model, drafter, n_steps=4):
-    """Rollouts of rank 0's prompts (2-rank sharding) of the run's first RL steps, plain vs TLT, the
-    same prompts and keys, taking turns. The bandit learns during one unmeasured TLT pass first, as
-    it would have during earlier RL steps."""
-    targs = args.targs
-    shards = [step_rows(targs, task, step, 0, 2)[0] for step in range(n_steps)]
-    shards = [(rows, [task.prompt_ids(p) for p in rows]) for rows in shards]
-    bandit = Bandit(targs.draft_ks)
-
-    def run(tlt, shard, seed):  # -> (its RolloutStats, mean reward, responses)
-        rows, prompts = shard
-        st = RolloutStats()
-        out = rollout(model, drafter if tlt else None, prompts, task.max_response_len,
-                      generator=generator(model, seed), sd_threshold=targs.sd_threshold,
-                      bandit=bandit, eos_id=task.eos_id, sampler=targs.sampler,
-                      keys=[seed * 10_000 + i for i in range(len(prompts))], observer=st)
-        st.finish(len(prompts))
-        reward = statistics.mean(task.reward(p, o.response) for p, o in zip(rows, out))
-        return st, reward, [o.response for o in out]
-    for i, shard in enumerate(shards):  # the bandit's warm-up
-        run(True, shard, 100 + i)
-    plain, tlt = [], []
-    for r in range(args.repeats):
-        for i, shard in enumerate(shards):
-            plain.append(run(False, shard, 10 * r + i))
-            tlt.append(run(True, shard, 10 * r + i))
-    return tail_report(targs, plain, tlt, n_steps, len(shards[0][0]))
-
-
-def tail_report(targs, plain, tlt, n_steps, n_rows):
-    """Prints and returns tail_workload's figures; plain, tlt: (stats, mean reward, responses) per
-    rollout, n_steps rollouts a round."""
-    rounds = range(0, len(plain), n_steps)
-    t_plain = statistics.median(sum(s.time for s, _, _ in plain[r:r + n_steps]) for r in rounds)
-    t_tlt = statistics.median(sum(s.time for s, _, _ in tlt[r:r + n_steps]) for r in rounds)
-    share = statistics.median(s.tail_share for s, _, _ in plain)
-    sd_row_steps = sum(s.sd_row_steps for s, _, _ in tlt)
-    accept = sum(s.sd_tokens for s, _, _ in tlt) / sd_row_steps if sd_row_steps else None
-    r_plain, r_tlt = (statistics.mean(r for _, r, _ in runs) for runs in (plain, tlt))
-    n = sum(len(resp) for _, _, resp in plain)
-    same = sum(a == b for p, t in zip(plain, tlt) for a, b in zip(p[2], t[2]))
-    print(f"\nlong-tail rollouts (rank 0's shards of the default run's first {n_steps} steps, "
-          f"{n_rows} rows each, sd threshold {targs.sd_threshold}): plain {t_plain:.2f}s, "
-          f"TLT {t_tlt:.2f}s, speedup {t_plain / t_tlt:.2f}x; TLT accept length {accept or 0:.2f}; "
-          f"tail share of the plain rollouts {100 * share:.0f}% (median; time after 90% of the "
-          "rows had finished)")
-    # lossless: with "gumbel" the same responses (up to float32 near-ties); "rejection": the same
-    # rewards in distribution
-    print(f"those rollouts ({n} samples each, sampler {targs.sampler}): mean reward plain "
-          f"{r_plain:.3f}, TLT {r_tlt:.3f}; {same} of {n} responses token-identical")
-    return {"steps": n_steps, "rows": n_rows, "plain_time": t_plain, "tlt_time": t_tlt,
-            "speedup": t_plain / t_tlt, "accept_len": accept, "tail_share": share,
-            "reward_plain": r_plain, "reward_tlt": r_tlt, "identical_responses": same,
-            "responses": n}
-
-
 def main(argv=None):
     args = parse_args(argv)
     task, model, drafter = load_models(args.targs)
@@ -248,7 +188,6 @@ def main(argv=None):
             result = drift_bench(args.targs, task, model, drafter)
         else:
             result = decode_bench(args, task, model, drafter)
-            result["rollout"] = tail_workload(args, task, model, drafter)
     print(json.dumps({**result, "dtype": args.targs.dtype, "machine": machine(device)}))
 
 

@@ -2,10 +2,10 @@
 holds up when the target moves. bench.py parses the flags and loads the warmed-up models.
 
 --e2e (`e2e_bench`): train.py runs from the same warm-ups and seed, each its own torchrun group
-(VARIANTS): --tlt off, on, on with a frozen drafter, on with each model-free drafter. Means and
-medians skip step 0 (first allocations). With exact-token sampling the runs generate the same
-tokens at every step, so step i of two runs is a pair, and the median of the per-step ratios
-compares the modes on the same work.
+(VARIANTS): --tlt off, on, on with a frozen drafter, on with each model-free drafter; their means
+(step 0, the first allocations, left out), then the report's comparison: with exact-token sampling
+the runs generate the same tokens at every step, so step i of two runs is a pair, and the median
+of the per-step ratios compares the modes on the same work.
 
 --drift (`drift_bench`): a copy of the target fine-tuned a little on other data, decoded with the
 warm-up drafter frozen and with a copy trained online on the moved target's rollouts.
@@ -17,6 +17,7 @@ import dataclasses
 import json
 import os
 import random
+import shutil
 import statistics
 import subprocess
 import sys
@@ -25,7 +26,9 @@ import time
 import torch
 
 from harness import warmup
-from drafter import Drafter, DrafterBuffer, make_optimizer, train_step
+from drafter import DrafterBuffer, make_optimizer, train_step
+from harness.evaluate import drafter_on
+from harness.report import compare
 from rollout import rollout
 from speculative import speculative_generate
 
@@ -34,7 +37,6 @@ VARIANTS = {
     "frozen": ["--tlt", "on", "--drafter-updates", "off"],
     "ngram": ["--tlt", "on", "--drafter", "ngram"],  # TLT-Base: the model-free drafter
     "sibling": ["--tlt", "on", "--drafter", "sibling"],  # the GRPO group's other responses
-    "sib+lrn": ["--tlt", "on", "--drafter", "sibling+learned"],  # learned until a row is alone
 }
 
 
@@ -43,10 +45,7 @@ def e2e_runs(args, root):
     records = {}
     for name, flags in VARIANTS.items():
         out = os.path.join(root, name)
-        os.makedirs(out, exist_ok=True)
-        for f in ("ckpt.pt", "metrics.jsonl"):  # a fresh RL run every time
-            if os.path.exists(os.path.join(out, f)):
-                os.remove(os.path.join(out, f))
+        shutil.rmtree(out, ignore_errors=True)  # a fresh RL run every time, in the bench's folder
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                f"--nproc_per_node={args.nproc}", "train.py", *args.train_flags, "--out-dir", out,
                "--warmup-dir", args.out_dir, "--rl-steps", str(args.e2e_steps),
@@ -62,7 +61,8 @@ def e2e_runs(args, root):
 
 
 def e2e_bench(args):
-    """The VARIANTS runs, from the warm-ups in args.out_dir, and their table -> {"e2e": figures}."""
+    """The VARIANTS runs, from the warm-ups in args.out_dir: their table, then harness.report's
+    comparison (A = --tlt off; step by step where the responses are the same) -> {"e2e": ...}."""
     records = e2e_runs(args, os.path.join(args.out_dir, "bench_e2e"))
 
     def mean(name, key):  # step 0 is left out: it pays for the first allocations
@@ -75,47 +75,20 @@ def e2e_bench(args):
               f"{mean(n, 'draft_time'):7.3f} {mean(n, 'update_time'):8.3f} "
               f"{100 * mean(n, 'rollout_share'):8.0f}% {mean(n, 'accept_len') or 0:10.2f} "
               f"{mean(n, 'reward'):7.3f}")
-    print("(means over steps 1..; draft s: the slowest rank's drafting; each run's acceptance by "
-          "draft position: python -m harness.report on its folder)")
+    print("(means over steps 1..; draft s: the slowest rank's drafting)")
+    print("\n".join(compare(list(records.values()), list(VARIANTS))))
     step = {n: mean(n, "step_time") for n in VARIANTS}
-    print("\nstep-time speedup over --tlt off, mean step: "
-          + ", ".join(f"{n} {step['off'] / step[n]:.2f}x" for n in list(VARIANTS)[1:]))
-    paired, other = paired_steps(records, args.sampler)
     return {"e2e": {
         "off_step_time": step["off"], "on_step_time": step["on"],
         "speedup": step["off"] / step["on"], "frozen_speedup": step["off"] / step["frozen"],
         "ngram_speedup": step["off"] / step["ngram"], "step_time": step,
         "rollout_time": {n: mean(n, "rollout_time") for n in VARIANTS},
-        "off_rollout_share": mean("off", "rollout_share"), "median_paired_speedup": paired,
-        "steps_with_other_responses": other, "steps": args.e2e_steps, "nproc": args.nproc,
-        "sampler": args.sampler}}
-
-
-def paired_steps(records, sampler):
-    """Step i of --tlt off against step i of each other run: the median of the per-step ratios,
-    and how many steps generated other responses (none, with exact-token sampling), printed."""
-    paired, other = {}, {}
-    for n in list(VARIANTS)[1:]:
-        ratios = sorted(a["step_time"] / b["step_time"]
-                        for a, b in zip(records["off"][1:], records[n][1:]))
-        paired[n] = statistics.median(ratios)
-        other[n] = sum(a["responses_digest"] != b["responses_digest"]
-                       for a, b in zip(records["off"], records[n]))
-        print(f"step-time speedup over --tlt off, step by step, {n}: median {paired[n]:.2f}x, "
-              f"from {ratios[0]:.2f}x to {ratios[-1]:.2f}x; {other[n]} of {len(records[n])} "
-              f"steps generated other responses (sampler {sampler})")
-    return paired, other
+        "off_rollout_share": mean("off", "rollout_share"), "steps": args.e2e_steps,
+        "nproc": args.nproc, "sampler": args.sampler}}
 
 
 def generator(model, seed):
     return torch.Generator(device=model.wte.weight.device).manual_seed(seed)
-
-
-def drafter_on(target, state):
-    """A drafter for `target` with the weights `state`, in eval mode."""
-    d = Drafter(target).to(target.wte.weight.device).eval()
-    d.load_state_dict(state)
-    return d
 
 
 def moved_target(targs, task, model, sft_steps, sft_lr, rng):
@@ -145,8 +118,8 @@ def drift_bench(targs, task, model, drafter, sft_steps=300, sft_lr=2e-3, n_seqs=
         for s in rollout(moved, None, prompts, task.max_response_len, eos_id=task.eos_id,
                          generator=gen):
             buffer.add(0, s.tokens, s.hidden, s.prompt_len)
-    frozen = drafter_on(moved, drafter.state_dict())
-    adapted = drafter_on(moved, drafter.state_dict()).train()
+    frozen = drafter_on(moved, drafter.state_dict(), drafter.n_layer)
+    adapted = drafter_on(moved, drafter.state_dict(), drafter.n_layer).train()
     opt = make_optimizer(adapted, targs.drafter_online_lr)
     for _ in range(online_steps):
         train_step(adapted, opt, buffer.sample(targs.drafter_batch, rng, moved.wte.weight.device))

@@ -10,8 +10,6 @@ A reader learning TLT may skip this file: it is plumbing, nothing in it knows ab
                                     by liveness (rank 0 beats meanwhile, up to --io-deadline) and follow
                                     its answer
     bandit_state, load_bandit       a rollout.Bandit's scores and random state, in a checkpoint
-    kept_name                       where a cache (the warm-ups) made by other settings is kept: one
-                                    file per key, never overwritten by another task's or setting's
 
 Test: python -m pytest tests/test_train.py tests/test_scheduler.py -k "checkpoint or finite or resume"
 """
@@ -31,8 +29,8 @@ def save_atomic(obj, path):
     """torch.save to a temporary file, on disk (fsync), then rename: the previous file stays until the
     new one is whole. The file holds a digest of its contents: a block zeroed by a crash or a disk
     still loads with torch.load, as zero weights, and only the digest tells (`load_checked`)."""
-    for name, t in _tensors(obj):
-        if t.is_floating_point() and not torch.isfinite(t).all():  # never let NaN weights replace good ones
+    for name, t in _leaves(obj):  # never let NaN weights replace good ones
+        if isinstance(t, torch.Tensor) and t.is_floating_point() and not torch.isfinite(t).all():
             raise RuntimeError(f"refusing to write {path}: {name} is not finite")
     tmp = f"{path}.tmp"
     with open(tmp, "wb") as f:
@@ -82,24 +80,13 @@ def _leaves(obj, prefix=""):
         yield prefix, obj
 
 
-def _tensors(obj):
-    return ((name, v) for name, v in _leaves(obj) if isinstance(v, torch.Tensor))
-
-
-def _flatten(d, prefix=""):
-    out = {}
-    for k, v in d.items():
-        out.update(_flatten(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
-    return out
-
-
 class Mismatch(SystemExit):
     """A checkpoint made with other settings; `diff` names the differences in one line."""
 
-    def __init__(self, path, diff, meta):
+    def __init__(self, path, diff):
         super().__init__(f"error: checkpoint {path} was made with a different config ({diff}); "
-                         f"delete it or use another --out-dir")  # a cache's is kept aside instead
-        self.diff, self.meta = diff, meta  # meta: what made the file
+                         f"delete it or use another --out-dir")
+        self.diff = diff
 
 
 def load_checked(path, expected_meta, folder="--out-dir"):
@@ -112,66 +99,42 @@ def load_checked(path, expected_meta, folder="--out-dir"):
     except Exception as e:  # truncated, zeroed, or not a checkpoint
         raise SystemExit(f"error: cannot read checkpoint {path} ({type(e).__name__}); {what}")
     digest = ckpt.pop("digest", None) if isinstance(ckpt, dict) else None
-    if digest is None and isinstance(ckpt, dict) and isinstance(ckpt.get("meta"), dict):
-        # an older version's file: refused, or, a cache, kept aside under a key of its own
-        raise Mismatch(path, "written before checkpoints held a digest", {**ckpt["meta"], "digest": None})
     if digest != contents_digest(ckpt):
         raise SystemExit(f"error: checkpoint {path} is damaged (its contents do not match the digest "
                          f"written with them); {what}")
     got = ckpt.get("meta") if isinstance(ckpt, dict) else None
     if got != expected_meta:
-        want, have = _flatten(expected_meta), _flatten(got if isinstance(got, dict) else {})
+        want = dict(_leaves(expected_meta))
+        have = dict(_leaves(got if isinstance(got, dict) else {}))
         diff = [f"{k} {have.get(k)} there, {want.get(k)} here" for k in sorted(set(want) | set(have))
                 if want.get(k) != have.get(k)]
-        raise Mismatch(path, "; ".join(diff[:4]) + ("; ..." if len(diff) > 4 else ""), got)
+        raise Mismatch(path, "; ".join(diff[:4]) + ("; ..." if len(diff) > 4 else ""))
     return ckpt
 
 
-def kept_name(path, meta):
-    """Where a cached file made with `meta` is kept once a file of other settings needs its name:
-    out/target_warmup.pt -> out/target_warmup.<digest of meta>.pt. One file per key: a run of another
-    task or setting in the same folder never replaces a warm-up, and a later run of the first settings
-    finds it again."""
-    digest = hashlib.sha256(json.dumps(meta, sort_keys=True, default=str).encode()).hexdigest()[:12]
-    root, ext = os.path.splitext(path)
-    return f"{root}.{digest}{ext}"
-
-
-def load_on_rank0(path, expected_meta, stale="error"):
+def load_on_rank0(path, expected_meta, cache=False):
     """`load_checked` on rank 0, its answer on every rank: the checkpoint, or None when there is none.
     Whether to load or to warm up (or resume) is one decision for all ranks (`from_rank0`),
     so only rank 0 needs to see the file. A refused file stops every rank, and rank 0 says why (`stop`).
-    With stale="keep" (a cache: the warm-ups) a file made with other settings is kept under its own
-    key (`kept_name`) instead; one kept earlier under this call's key takes the name back and is
-    loaded, else None: the caller makes it afresh. Each case says so in one line."""
+    With cache=True (the warm-ups) a file made with other settings is not reused: rank 0 says why in
+    one line and the answer is None, so the caller makes it afresh and writes it over that file."""
     found = None
     if (dist.get_rank() if dist.is_initialized() else 0) == 0 and os.path.exists(path):
         try:
             with beating(f"reading {path}"):  # the others wait for it by liveness, in from_rank0
-                found = load_checked(path, expected_meta, "--warmup-dir" if stale == "keep" else "--out-dir")
-        except Mismatch as e:
-            found = str(e) if stale != "keep" else swap_kept(path, expected_meta, e)
+                found = load_checked(path, expected_meta, "--warmup-dir" if cache else "--out-dir")
+        except Mismatch as e:  # a cache: made afresh; a run's checkpoint: refused
+            if cache:
+                print0(f"not reusing {path}: it was made from other traces or settings ({e.diff}); "
+                       f"making it afresh")
+            else:
+                found = str(e)
         except SystemExit as e:
             found = str(e)
     found = from_rank0(found)
     if isinstance(found, str):
         stop(found)
     return found
-
-
-def swap_kept(path, expected_meta, mismatch):
-    """Rank 0: keep the stale file at `path` under its own key; bring back and load the one kept
-    under `expected_meta`'s key, if there is one (None: make it afresh)."""
-    kept, wanted = kept_name(path, mismatch.meta), kept_name(path, expected_meta)
-    os.replace(path, kept)
-    if not os.path.exists(wanted):
-        print0(f"not reusing {path}: it was made from other traces or settings ({mismatch.diff}); kept it as "
-               f"{kept}; making it afresh")
-        return None
-    os.replace(wanted, path)
-    print0(f"{path} was made from other traces or settings ({mismatch.diff}); kept it as {kept} and reusing "
-           f"{path}, kept from an earlier run of these settings")
-    return load_checked(path, expected_meta)
 
 
 def bandit_state(bandit):

@@ -1,10 +1,7 @@
-"""The run's configuration: every flag of train.py in its group, their checks, and what the flags
-decide for the other files (the task, the forwards' precision). A task's settings are its
-dataclass fields (tasks/__init__.py): each becomes a flag here, so a new task needs no edit.
-
-train.py, bench.py (which rebuilds a run's models from its flags) and sample.py share it, so it is
-its own file; argparse with dashes and one help string per flag, grouped as --help shows them.
-A reader learning TLT can skim it: each flag's help says what it changes.
+"""train.py's flags (and bench.py's, which rebuilds a run's models from them): every flag in its
+group, their checks, and what they decide for the other files (the task, the forwards' precision).
+A task's settings are its dataclass fields (tasks/__init__.py): each becomes a flag here, so a new
+task needs no edit. Argparse with dashes and one help string per flag, grouped as --help shows them.
 
 Test: python -m pytest tests/test_train.py -k flags
 """
@@ -52,15 +49,10 @@ def model_config(args, task):
 
 
 def autocast(args, device):
-    """The forwards' precision. --dtype bfloat16: torch.autocast in bf16 on `device` (matrix products
-    and attention in bf16; weights, gradients and optimizer state stay float32, the master copy);
-    float32: a context that does nothing. The files that own them keep the rotation, the softmaxes,
-    the Gumbel noise and the checksums in float32. Backward passes run inside it too, which changes
-    nothing (each backward op runs in its forward op's dtype, inside the context or not).
-    Autocast's weight cache is off: it keeps one bf16 copy of each weight until the outermost context
-    exits, and the optimizer steps taken inside one (warm-ups, idle training, the GRPO update) change
-    the weights in place, so later forwards would read the stale copy (measured: they do). The price
-    is one cast per weight per forward."""
+    """The forwards' precision. --dtype bfloat16: torch.autocast in bf16 on `device` (weights,
+    gradients and optimizer state stay float32); float32: a context that does nothing. Its weight
+    cache is off: the optimizer steps taken inside one context (warm-ups, idle training, the GRPO
+    update) change the weights in place, and later forwards would read a stale bf16 copy."""
     return torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.dtype == "bfloat16", cache_enabled=False)
 
 
@@ -182,10 +174,9 @@ def tlt_flags(p):
     """TLT itself: speculative decoding in the tail, what drafts there, the online drafter."""
     p.add_argument("--tlt", type=on_off, default=True, metavar="on|off", help="speculative decoding in the tail (off: plain baseline)")
     p.add_argument("--drafter-updates", type=on_off, default=True, metavar="on|off", help="train the drafter on idle ranks (off: frozen)")
-    p.add_argument("--drafter", default="learned", choices=DRAFTERS, help="what drafts in the tail: the learned "
-                   "EAGLE-style drafter (TLT); TLT-Base's model-free n-gram lookup in the row's own tokens; the model-free "
-                   "lookup in the row's GRPO siblings; or the learned drafter until every running row is the last of its group, "
-                   "then the siblings")
+    p.add_argument("--drafter", default="learned", choices=DRAFTERS, help="what drafts in the tail: the "
+                   "learned EAGLE-style drafter (TLT); TLT-Base's model-free n-gram lookup in the row's "
+                   "own tokens; or the model-free lookup in the row's GRPO siblings")
     p.add_argument("--sd-threshold", type=int, default=64, help="speculative steps only when the running batch is at most this")
     p.add_argument("--draft-ks", default="0,1,2,3,4,6,8", help="draft lengths the bandit picks from (0: a plain "
                    "step); one value fixes k, e.g. to compare two drafters at the same k")

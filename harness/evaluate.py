@@ -1,13 +1,10 @@
-"""Held-out evaluation, sharded over ranks, and the check that speculation changes no token.
+"""Held-out evaluation (train.py before and after RL), sharded over ranks; the check that
+speculation changes no token; the stale-drafter figures at the end of a run.
 
-`evaluate` decodes a list of problems (plain, or speculative with a drafter) and scores them by
-problem size. `evaluate_both` reports greedy accuracy and sampled accuracy at the rollouts'
-temperature (--eval-samples per problem, decoded speculatively with --tlt on: lossless, and
-faster, which pays for more samples and less noise), and at the end of a run counts the held-out
-responses in which speculative decoding differs from plain decoding, greedy and sampled with
-exact-token sampling. In float64 that count is 0 by construction; in float32 a pass of k + 1
-tokens may round differently from k + 1 one-token passes and flip a near-tie, so it is counted
-rather than asserted.
+The check counts the held-out responses in which speculative decoding differs from plain decoding,
+greedy and sampled with exact-token sampling. In float64 that count is 0 by construction; in
+float32 a pass of k + 1 tokens may round differently from k + 1 one-token passes and flip a
+near-tie, so it is counted rather than asserted.
 
 Test: python -m pytest tests/test_train.py   (a run prints both checks)
 """
@@ -26,20 +23,18 @@ from speculative import autoregressive_generate, speculative_generate
 
 
 @torch.no_grad()
-def evaluate(model, task, problems, rank=0, world_size=1, drafter=None, temperature=0.0, seed=0, batch_size=64,
+def evaluate(model, task, problems, rank=0, world_size=1, drafter=None, temperature=0.0, seed=0,
              sampler="gumbel", k=4, stats=None):
-    """Held-out accuracy (the share of right answers, Task.correct) by problem size and the mean
-    reward, and every generated response (token ids), all ranks together. Greedy by default;
-    with a drafter, decoding is speculative, which at temperature 0 must give exactly the same
-    tokens. At temperature > 0 problem j's key is derived from (seed, j), so with sampler
-    "gumbel" the tokens do not depend on the ranks or on the drafter; with "rejection" the
-    sampling is seeded per rank. k: the draft length of speculative decoding. stats: an
+    """Held-out accuracy (Task.correct's share) by problem size and the mean reward, and every
+    response (token ids), all ranks together. Greedy by default; with a drafter, speculative
+    (drafts of k). Problem j's key comes from (seed, j): with sampler "gumbel" the tokens do not
+    depend on the ranks or the drafter; "rejection" is seeded per rank. stats: an
     instrument.DecodeStats that counts this rank's decoding."""
     gen = torch.Generator(device=model.wte.weight.device).manual_seed(derive_seed(seed, rank, 0, Seed.EVAL))
     mine = list(range(rank, len(problems), world_size))
     outputs = [None] * len(problems)
-    for i in range(0, len(mine), batch_size):
-        idx = mine[i:i + batch_size]
+    for i in range(0, len(mine), 64):  # 64 problems a batch
+        idx = mine[i:i + 64]
         prompts = [task.prompt_ids(problems[j]) for j in idx]
         max_new = task.response_len(max(problems[j].size for j in idx))
         how = dict(temperature=temperature, eos_id=task.eos_id, generator=gen, sampler=sampler,
@@ -60,13 +55,11 @@ def evaluate(model, task, problems, rank=0, world_size=1, drafter=None, temperat
 
 
 def evaluate_both(model, drafter, problems, args, task, rank, world_size, when, check=False):
-    """Greedy and sampled (temperature --temperature, as in the rollouts, --eval-samples per
-    problem) held-out accuracy. With --tlt on the sampling decodes speculatively: lossless, and
-    faster, which pays for more samples and so for less noise. With check, also counts the
-    responses in which speculative decoding differs from plain decoding, greedy and sampled
-    (exact-token sampling, one sample per problem). Speculation drafts k = max(--draft-ks) tokens:
-    the longest draft the run may use, which --block-size was checked against (the bandit's choice
-    differs by batch size and rank); with --draft-ks 0 the run never speculates, nor does this."""
+    """Greedy and sampled (--temperature, --eval-samples per problem) held-out accuracy; with --tlt
+    on the sampling decodes speculatively: lossless, and faster, which pays for more samples. With
+    check, also the check (one sample per problem). Speculation drafts k = max(--draft-ks) tokens,
+    the longest draft the run may use (--block-size was checked against it); with --draft-ks 0 the
+    run never speculates, nor does this."""
     if not problems:
         return {}
     k = max(args.draft_ks)
@@ -78,13 +71,11 @@ def evaluate_both(model, drafter, problems, args, task, rank, world_size, when, 
     print0(f"held-out accuracy {when} ({len(problems)} problems), greedy:  {format_accuracy(greedy)}")
     print0(f"held-out accuracy {when}, sampled at T={args.temperature:g}: {format_accuracy(sampled)}")
     print0(f"held-out response length {when}, sampled (tokens): {format_lengths(length)}")
-    if check and drafter is not None:  # lossless in practice: speculative decoding gives the plain responses, token for token
+    if check and drafter is not None:
         _, sd_greedy = evaluate(model, task, problems, rank, world_size, drafter=drafter, k=k)
         how = dict(temperature=args.temperature, seed=args.seed + 1, sampler="gumbel", k=k)
         _, plain_sampled = evaluate(model, task, problems, rank, world_size, **how)
         _, sd_sampled = evaluate(model, task, problems, rank, world_size, drafter=drafter, **how)
-        # float32 passes of different shapes (1 token, k + 1 tokens) round differently, so a near-tie
-        # argmax can flip and the response goes its own way from there: count rather than just say no
         for name, a, b in (("greedy", plain_out, sd_greedy), (f"sampled at T={args.temperature:g}", plain_sampled, sd_sampled)):
             print0(f"speculative vs plain decoding, {name}: {sum(x != y for x, y in zip(a, b))} of {len(a)} "
                    f"held-out responses differ")
@@ -111,16 +102,16 @@ def early_step(args):
 
 def snapshot(model, drafter, step):
     """Host copies of the target's and the drafter's weights as they are at the start of `step`."""
-    def host(module):
-        return {name: t.detach().cpu().clone() for name, t in module.state_dict().items()}
-    return {"step": step, "model": host(model), "drafter": host(drafter)}
+    host = [{name: t.detach().cpu().clone() for name, t in m.state_dict().items()}
+            for m in (model, drafter)]
+    return {"step": step, "model": host[0], "drafter": host[1]}
 
 
 def most_played_k(metrics_path):
     """The k of most speculative steps over the run's records (metrics.jsonl), or None. Each record
     counts the steps of every k up to max(--draft-ks), which a resumed run cannot change."""
     with open(metrics_path) as f:
-        counts = [r["sd_steps_by_k"] for r in map(json.loads, f) if "sd_steps_by_k" in r]
+        counts = [r["sd_steps_by_k"] for r in map(json.loads, f)]
     totals = [sum(column) for column in zip(*counts)]  # per k
     return max(range(1, len(totals)), key=totals.__getitem__) if sum(totals) else None
 
@@ -140,16 +131,19 @@ def stale_drafter(s, problems, metrics_path):
     k = gather_ranks(most_played_k(metrics_path) if s.rank == 0 else None)[0]  # rank 0's file
     if k is None:
         return None
-
-    def kept_drafter(target):  # the drafter of early["step"], on `target`'s embedding and head
-        d = Drafter(target, s.drafter.n_layer).to(s.drafter.in_proj.weight.device)
-        d.load_state_dict(early["drafter"])
-        return d
     then = copy.deepcopy(s.model)
     then.load_state_dict(early["model"])
-    pairs = ((then, kept_drafter(then)), (s.model, kept_drafter(s.model)), (s.model, s.drafter))
+    kept = [drafter_on(t, early["drafter"], s.drafter.n_layer) for t in (then, s.model)]
+    pairs = ((then, kept[0]), (s.model, kept[1]), (s.model, s.drafter))
     return {"step": early["step"], "k": k,
             "figures": [tokens_per_verify(s, target, d, problems, k) for target, d in pairs]}
+
+
+def drafter_on(target, state, n_layer=1):
+    """A drafter with the weights `state` on `target`'s embedding and head, in eval mode."""
+    d = Drafter(target, n_layer).to(target.wte.weight.device).eval()
+    d.load_state_dict(state)
+    return d
 
 
 def tokens_per_verify(s, target, drafter, problems, k):

@@ -35,10 +35,10 @@ def observers(*callbacks):
     return observe
 
 
-def liveness_observer(beat=None):
+def liveness_observer(beat):
     """The observer a run hands the core so that a long rollout still beats (liveness: slow, not
-    dead); None without a beat."""
-    return (lambda batch, step: beat()) if beat else None
+    dead)."""
+    return lambda batch, step: beat()
 
 
 @dataclass
@@ -57,12 +57,10 @@ class DecodeStats:
     accept_hist: dict = field(default_factory=dict)  # drafts accepted in one row-step -> count
     drafted_at: list = field(default_factory=list)  # per draft position: drafts decided there
     accepted_at: list = field(default_factory=list)  # per draft position: drafts accepted there
-    by_row: dict = field(default_factory=dict)  # original row -> [drafts decided, accepted]
     steps_by_k: list = field(default_factory=list)  # per k: speculative steps that drafted k
 
     def __post_init__(self):
-        self._pending = []  # (step, each slot's original row) not read yet
-        self._rows = None  # each slot's original row, as the next step finds them
+        self._pending = []  # steps whose device counts are not read yet
 
     def __call__(self, batch, step):
         if step is not None:  # None: the prefill
@@ -72,16 +70,15 @@ class DecodeStats:
                 self.drafted += step.k * step.batch_size
                 self.steps_by_k += [0] * (step.k + 1 - len(self.steps_by_k))
                 self.steps_by_k[step.k] += 1
-            self._pending.append((step, self._rows))
-        self._rows = None if batch is None else batch.ids  # compaction replaces the list
+            self._pending.append(step)
 
     def settle(self):
         """Read the pending device counts into the fields (one read); returns self."""
         if not self._pending:
             return self
-        flat = [t for s, _ in self._pending for t in (s.n_emitted, s.n_accepted) if t is not None]
+        flat = [t for s in self._pending for t in (s.n_emitted, s.n_accepted) if t is not None]
         values, i = torch.cat(flat).tolist(), 0  # sync: one read for all the steps
-        for s, rows in self._pending:
+        for s in self._pending:
             n_emitted, i = values[i:i + s.batch_size], i + s.batch_size
             self.tokens += sum(n_emitted)
             if not s.k:
@@ -91,28 +88,23 @@ class DecodeStats:
             self.accepted += sum(n_acc)
             for a in n_acc:
                 self.accept_hist[a] = self.accept_hist.get(a, 0) + 1
-            self._count_positions(n_emitted, n_acc, s.k, rows or [])
+            self._count_positions(n_emitted, n_acc, s.k)
         self._pending = []
         return self
 
-    def _count_positions(self, n_emitted, n_acc, k, rows):
+    def _count_positions(self, n_emitted, n_acc, k):
         """A row keeps its accepted drafts, then the target's token; where it ended on an accepted
         draft (n_emitted <= n_acc) the drafts after it were never decided."""
         grow = k - len(self.drafted_at)
         self.drafted_at += [0] * grow
         self.accepted_at += [0] * grow
-        for b, (emitted, acc) in enumerate(zip(n_emitted, n_acc)):
+        for emitted, acc in zip(n_emitted, n_acc):
             used = min(acc, emitted)
             for i in range(used):
                 self.drafted_at[i] += 1
                 self.accepted_at[i] += 1
-            decided = used + (emitted > acc and used < k)  # its first rejection was decided too
-            if decided > used:
+            if emitted > acc and used < k:  # its first rejection was decided too
                 self.drafted_at[used] += 1
-            if rows:
-                counts = self.by_row.setdefault(rows[b], [0, 0])
-                counts[0] += decided
-                counts[1] += used
 
     @property
     def accept_len(self):  # tokens per row per verify step: accepted drafts plus the target's
@@ -129,7 +121,6 @@ class RolloutStats(DecodeStats):
     time: float = 0.0
     prefill_time: float = 0.0
     tail_share: float = 0.0
-    draft_time: float = 0.0  # spent drafting, set by the caller (a TimedDrafter's lap)
     batch_sizes: list = field(default_factory=list)
     step_times: list = field(default_factory=list)
     spec_steps: list = field(default_factory=list)  # per step: whether it was speculative

@@ -1,4 +1,4 @@
-"""train.py --drafter ngram|sibling|sibling+learned: drafters that learn nothing, the baselines
+"""train.py --drafter ngram|sibling: drafters that learn nothing, the baselines
 the learned drafter must beat. Each offers the one method the speculative step calls,
 `propose(batch, k) -> (drafts (B, k), q)`, q None meaning deterministic proposals (a one-hot q),
 and reads only what speculative.RunningBatch offers a drafter: `tokens` (B, W), `n_tokens` (B,),
@@ -11,15 +11,14 @@ import weakref
 import torch
 import torch.nn.functional as F
 
-DRAFTERS = ("learned", "ngram", "sibling", "sibling+learned")  # --drafter: what drafts in the tail
-LEARNED = ("learned", "sibling+learned")  # the drafters whose learned part idle ranks train
+DRAFTERS = ("learned", "ngram", "sibling")  # --drafter: what drafts in the tail
+LEARNED = ("learned",)  # the drafters that idle ranks train
 MAX_SIBLINGS = 15  # a row's siblings, at most: a GRPO group of 16 in full (bounds the lookup)
 
 
 def proposer(name, drafter):
     """What drafts for --drafter `name`; `drafter` is the learned one."""
-    made = {"ngram": NgramDrafter, "sibling": SiblingDrafter,
-            "sibling+learned": lambda: SiblingOrLearned(drafter)}
+    made = {"ngram": NgramDrafter, "sibling": SiblingDrafter}
     return made[name]() if name in made else drafter
 
 
@@ -66,8 +65,7 @@ class GroupTexts:
         for i, g in enumerate(self.group):
             members.setdefault(g, []).append(i)
         rows = [[i for i in members[g] if i != b][:MAX_SIBLINGS] for b, g in enumerate(self.group)]
-        self.n_siblings = [len(r) for r in rows]
-        S = max(1, max(self.n_siblings))
+        S = max(1, max(len(r) for r in rows))
         padded = [r + [-1] * (S - len(r)) for r in rows]
         self.siblings = torch.tensor(padded, dtype=torch.long, device=device)  # (B, S)
         self.waiting = list(range(B))  # the rows whose text is not stored yet
@@ -85,12 +83,6 @@ class GroupTexts:
             self.texts[row, :n].copy_(done.tokens)
             self.text_len[row].fill_(n)
         self.waiting = waiting
-
-    def all_finished(self, running):
-        """Whether every running row (original ids) has siblings and all of them have finished,
-        i.e. no two running rows share a group."""
-        groups = [self.group[i] for i in running]
-        return len(set(groups)) == len(groups) and all(self.n_siblings[i] for i in running)
 
     def now(self, row_id, tokens, n_tokens):
         """Every text, the running rows' (original ids row_id (B,)) as they are now: (B, W), (B,)"""
@@ -157,15 +149,3 @@ class SiblingDrafter:
         last = batch.tokens.gather(1, n[:, None] - 1).expand(B, k)
         return torch.where(length[:, None] > 0, drafts, last), length
 
-
-class SiblingOrLearned:
-    """`--drafter sibling+learned`: the learned drafter while any running row has a sibling still
-    running (or none), sibling drafts once every running row is the last of its group, when they
-    cost no forward pass. The choice reads only the host's `ids`: both verify rules stay exact."""
-
-    def __init__(self, learned, max_match=16):
-        self.learned, self.siblings = learned, SiblingDrafter(max_match)
-
-    def propose(self, batch, k, noise=None):
-        tail = self.siblings.groups(batch).all_finished(batch.ids)
-        return (self.siblings if tail else self.learned).propose(batch, k, noise)

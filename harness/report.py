@@ -1,11 +1,5 @@
-"""`python -m harness.report RUN [RUN ...]`, and step 7 of the run: the step's record, its log line,
-the ranks' timeline and the summary at the end.
-
-train.py prints one line per RL step (`log_step`), every --timeline-every steps the ranks' timeline
-(`render_timeline`, kept in that step's record too), and at the end the summary (`summary`). A
-step's record (`step_record`, one JSON line of metrics.jsonl) holds its times and shares, the
-drafter's figures, every response's length, how far apart the ranks finished and where the slowest
-rank's rollout time went by running-batch size.
+"""`python -m harness.report RUN [RUN ...]`, and step 7 of the run: the step's record (one JSON line
+of metrics.jsonl), its log line, every --timeline-every steps the ranks' timeline, and the summary.
 
 The summary reads the records only, so any finished run can be looked at again:
 
@@ -13,11 +7,10 @@ The summary reads the records only, so any finished run can be looked at again:
     python -m harness.report out out-off      # two or more runs of the same steps, compared
 
 A step's figures swing with its prompt mix, so the summary gives the first tenth of the run against
-the last. Two or more runs (A, B, ...) are compared the same way, figure by figure. Where the runs
-wrote the same responses at every step (equal `responses_digest`), each step did the same work in
-both, so a step's time ratio compares the methods free of the prompt mix: the report then pairs
-them step by step and prints the median of the per-step ratios (a median: one step slowed by a
-shared machine moves it little).
+the last, and compares runs (A, B, ...) the same way. Where the runs wrote the same responses at
+every step (equal `responses_digest`), each step did the same work in all, so the report also
+prints the median of the per-step time ratios (a median: one step slowed by a shared machine moves
+it little).
 
 Test: python -m pytest tests/test_report.py
 """
@@ -34,6 +27,7 @@ from harness.config import WARM_DRAFTER_STEPS
 from harness.distributed import all_sum, gather_ranks, print0
 from harness.evaluate import format_accuracy, format_lengths
 from harness.instrument import checksum
+from harness.warmup import expected_accepted
 
 TIMELINE_CHARS = {"plain": "#", "spec": "S", "train": "t", "wait": "."}
 LETTERS = "ABCDEFGHIJKLMNOPQRSTUVWXYZ"  # the compared runs' names
@@ -42,7 +36,8 @@ LETTERS = "ABCDEFGHIJKLMNOPQRSTUVWXYZ"  # the compared runs' names
 NEEDED = ("step", "step_time", "rollout_time", "update_time", "rollout_share", "slowest_wait",
           "tail_share", "reward", "accept_len", "accept_rate", "sd_token_frac", "drafter_top1",
           "drafted_at", "accepted_at", "bandit_best", "response_len", "choice_share",
-          "skipped_update", "drafter_skipped")
+          "skipped_update", "drafter_skipped", "drafter_steps", "ranks", "rank_spread",
+          "rollout_by_batch", "response_lens")
 
 
 # -----------------------------------------------------------------------------
@@ -50,40 +45,36 @@ NEEDED = ("step", "step_time", "rollout_time", "update_time", "rollout_share", "
 
 def step_record(s, step, result, stats):
     """The step's metrics.jsonl record, and every rank's part (the timeline draws their segments).
-    Built by train.run after the step from what it handed back. s: train.RunState; result:
-    train.StepResult; stats: the instrument.RolloutStats that observed the step's rollout, made just
-    before the step: the timeline's segments are on its clock."""
+    s: train.RunState; result: train.StepResult; stats: the instrument.RolloutStats that observed
+    the step's rollout, made just before the step: the timeline's segments are on its clock."""
     problems, finished, idle, (agree, positions), update, times = result
     t_start, t_rollout, t_idle, t_update, t_end = times
     all_rewards, responses, (loss, clip, skipped) = update
     stats.finish(len(finished), end=t_rollout)
-    stats.draft_time = s.rollout_drafter.lap() if s.rollout_drafter else 0.0
     idle_start, update_start = t_idle - stats.started, t_update - stats.started  # stats' clock
     busy = idle["busy"]
     segments = stats.segments + ([["train", idle_start + busy[0], idle_start + busy[1]]]
                                  if busy else [])
     segments.append(["wait", segments[-1][2] if segments else idle_start,
                      idle_start + idle["seconds"]])
-    local = {"rank": s.rank, "rollout_time": stats.time, "draft_time": stats.draft_time,
+    draft_time = s.rollout_drafter.lap() if s.rollout_drafter else 0.0  # a TimedDrafter's
+    local = {"rank": s.rank, "rollout_time": stats.time, "draft_time": draft_time,
              "idle_time": idle["seconds"], "drafter_steps": idle["steps"],
              "wait_to_update": update_start - stats.time, "drafter_skipped": idle["skipped"],
              "tokens": stats.tokens, "drafter_checksum": checksum(s.drafter),
-             "rows": len(finished), "tail_share": stats.tail_share,
-             "buffer_tokens": s.buffer.tokens, "segments": segments, "by_batch": stats.by_batch}
+             "tail_share": stats.tail_share, "buffer_tokens": s.buffer.tokens,
+             "segments": segments, "by_batch": stats.by_batch}
     counts = {"tokens": stats.tokens, "sd_tokens": stats.sd_tokens,
               "sd_row_steps": stats.sd_row_steps, "accepted": stats.accepted,
-              "drafted": stats.drafted,
+              "drafted": stats.drafted, "response_tokens": sum(len(r.response) for r in finished),
               "choice": sum(s.task.choice_share(p, r.response) for p, r in zip(problems, finished)),
               "correct": sum(s.task.correct(p, r.response) for p, r in zip(problems, finished)),
-              "response_tokens": sum(len(r.response) for r in finished),
               **position_counts(stats, max(s.args.draft_ks))}
     # the top-1 counts were summed over ranks by the drafter sync (scheduler.start_drafter_sync)
     total = {**all_sum(counts, s.device), "top1_agree": agree, "top1_positions": positions}
     rec, ranks = rank_record(step, local, total, all_rewards, responses, t_end - t_start,
                              t_end - t_update, timeline=timeline_due(step, s.args))
-    rec.update(loss=loss, clip_frac=clip, skipped_update=skipped, drafter_lr=idle["lr"],
-               drafter_depth=idle["depth"], recent_top1=idle["recent_top1"],
-               bandit_best=best_arms(s.bandit))
+    rec.update(loss=loss, clip_frac=clip, skipped_update=skipped, bandit_best=best_arms(s.bandit))
     return rec, ranks
 
 
@@ -99,7 +90,6 @@ def rank_record(step, local, total, all_rewards, responses, step_time, update_ti
     slowest = max(ranks, key=lambda r: r["rollout_time"])
     rollout_max, by_batch = slowest["rollout_time"], slowest["by_batch"]
     n_rows = all_rewards.numel()
-    lens = [len(r) for r in responses]
     rates = lambda a, b: total[a] / total[b] if total[b] else None  # noqa: E731
     per_position = lambda name: [int(v) for k, v in total.items() if k.startswith(name)]  # noqa
     return {
@@ -118,16 +108,14 @@ def rank_record(step, local, total, all_rewards, responses, step_time, update_ti
         "accept_len": rates("sd_tokens", "sd_row_steps"),
         "accept_rate": rates("accepted", "drafted"),
         "drafter_top1": rates("top1_agree", "top1_positions"),
-        "drafter_top1_positions": int(total["top1_positions"]),
         # per draft position: drafts decided there (the earlier ones accepted) and accepted
         "drafted_at": per_position("drafted_at"), "accepted_at": per_position("accepted_at"),
         # the speculative steps that drafted k tokens a row, k = 0 .. max k (0: none), all ranks
         "sd_steps_by_k": per_position("steps_k"),
         # what the target writes: its mean length and the share of the task's choice
         "response_len": total["response_tokens"] / n_rows, "choice_share": total["choice"] / n_rows,
-        # the long tail: every response's length (global row order), the median and the longest
-        "response_lens": lens, "response_median": statistics.median(lens),
-        "response_max": max(lens),
+        # the long tail: every response's length (global row order)
+        "response_lens": [len(r) for r in responses],
         # how much earlier the fastest rank finished its rollout than the slowest: idle time
         "rank_spread": 1 - min(r["rollout_time"] for r in ranks) / rollout_max
         if rollout_max > 0 else 0.0,
@@ -188,15 +176,13 @@ def log_step(rec, ranks, args):
 
 
 def timeline_due(step, args):
-    """Whether a step's timeline is printed (and kept): every --timeline-every steps and the
-    last."""
+    """Whether a step's timeline is printed (and kept): every --timeline-every steps, the last."""
     return bool(args.timeline_every) and (step % args.timeline_every == 0
                                           or step == args.rl_steps - 1)
 
 
 def render_timeline(records, width=64):
-    """One text row per rank: '#' plain decoding, 'S' speculative, 't' drafter training,
-    '.' waiting."""
+    """One text row per rank: '#' plain decoding, 'S' speculative, 't' training, '.' waiting."""
     total = max((seg[2] for r in records for seg in r["segments"]), default=0.0) or 1.0
     lines = []
     for r in records:
@@ -256,8 +242,7 @@ def next_lines(args, world_size=2):
 
 
 def other_flags(argv, drop):
-    """The command line `argv` without the flags in `drop` and their values ("--flag value" or
-    "--flag=value")."""
+    """The command line `argv` without the flags in `drop` and their values (given either way)."""
     out, skip = [], False
     for a in argv:
         if skip:
@@ -272,20 +257,16 @@ def other_flags(argv, drop):
 # -----------------------------------------------------------------------------
 # the summary: first tenth of the run against the last
 
-def tenths(history, key):
-    """The mean of a figure over the first tenth of the steps and over the last (where it is not
-    null) -> (first, last), None for a tenth without it."""
-    n = max(1, len(history) // 10)
-
-    def mean(part):
-        vals = [h[key] for h in part if h.get(key) is not None]
-        return sum(vals) / len(vals) if vals else None
-    return mean(history[:n]), mean(history[-n:])
-
-
 def trend(history, key, fmt):
-    first, last = tenths(history, key)
-    return "n/a" if first is None or last is None else f"{fmt(first)} -> {fmt(last)}"
+    """A figure's mean over the first tenth of the steps -> over the last (where it is not null);
+    "n/a" where a tenth lacks it."""
+    n, means = max(1, len(history) // 10), []
+    for part in (history[:n], history[-n:]):
+        vals = [h[key] for h in part if h.get(key) is not None]
+        if not vals:
+            return "n/a"
+        means.append(sum(vals) / len(vals))
+    return f"{fmt(means[0])} -> {fmt(means[1])}"
 
 
 def summary(history, acc0, acc1, total_time, task, stale=None):
@@ -313,8 +294,7 @@ def record_lines(history, task):
     history = sorted(history, key=lambda h: h["step"])
     n = max(1, len(history) // 10)
     mean = lambda key: statistics.mean(h[key] for h in history)  # noqa: E731
-    k4 = [accept_len_at(by_position(part)[0]) for part in (history[:n], history[-n:])]
-    lines = [f"  RL steps              {len(history)} (A -> B: the first {n} steps' mean -> the "
+    return [f"  RL steps              {len(history)} (A -> B: the first {n} steps' mean -> the "
              f"last {n} steps')",
              f"  mean step time        {mean('step_time'):.3f}s (rollout "
              f"{mean('rollout_time'):.3f}s, update {mean('update_time'):.3f}s, "
@@ -328,8 +308,8 @@ def record_lines(history, task):
              f"(teacher-forced, on each step's fresh rows before training on them)",
              f"  accept length         {trend(history, 'accept_len', '{:.2f}'.format)} tokens per "
              f"verify step, as the bandit played k",
-             f"  at k = 4              " + ("n/a" if None in k4 else f"{k4[0]:.2f} -> {k4[1]:.2f}")
-             + " tokens per verify step, from the acceptance by position",
+             f"  at k = 4              {k4_trend(history)} tokens per verify step, from the "
+             f"acceptance by position",
              f"  accepted by position  {positions_line(history)}",
              f"  bandit's k per batch  {bandit_line(history[-1])} (rank 0, the end of the run)",
              f"  accuracy              {trend(history, 'accuracy', '{:.1%}'.format)} right "
@@ -337,7 +317,6 @@ def record_lines(history, task):
              length_line(history, task.choice if task else None),
              f"  skipped updates       {sum(h['skipped_update'] for h in history)} of the target, "
              f"{sum(h['drafter_skipped'] for h in history)} drafter steps (not finite)"]
-    return lines
 
 
 def length_line(history, choice):
@@ -350,7 +329,7 @@ def long_tail_lines(history):
     """How far apart the ranks finished, the steps with idle-time training, where the slowest
     rank's rollout time went by batch size, and the response lengths' long tail."""
     lines = []
-    spreads = [h["rank_spread"] for h in history if len(h.get("ranks", ())) > 1]
+    spreads = [h["rank_spread"] for h in history if len(h["ranks"]) > 1]
     if spreads:
         trained = sum(h["drafter_steps"] > 0 for h in history)
         lines += [f"  rank spread           the fastest rank finished its rollout "
@@ -358,18 +337,14 @@ def long_tail_lines(history):
                   f"  idle-time training    in {trained} of {len(history)} steps "
                   f"({trained / len(history):.0%}), {sum(h['drafter_steps'] for h in history)} "
                   f"drafter steps in all"]
-    if all(h.get("rollout_by_batch") for h in history):
-        lines.append(f"  rollout by batch size {batch_shares(history)} (of the slowest rank's "
-                     f"time)")
-    have = [h for h in history if "response_lens" in h]
-    if have:
-        d = length_distribution([x for h in have for x in h["response_lens"]])
-        ratio = statistics.median(h["response_max"] / h["response_median"] for h in have)
-        lines += [f"  response lengths      median {d['median']:g}, p90 {d['p90']}, max {d['max']} "
-                  f"tokens; the longest 5% hold {d['top5_share']:.0%} of the tokens",
-                  f"  longest / median      {ratio:.2f} (a step's longest response over its "
-                  f"median, median over steps)"]
-    return lines
+    d = length_distribution([x for h in history for x in h["response_lens"]])
+    ratio = statistics.median(max(h["response_lens"]) / statistics.median(h["response_lens"])
+                              for h in history)
+    return lines + [f"  rollout by batch size {batch_shares(history)} (of the slowest rank's time)",
+                    f"  response lengths      median {d['median']:g}, p90 {d['p90']}, max "
+                    f"{d['max']} tokens; the longest 5% hold {d['top5_share']:.0%} of the tokens",
+                    f"  longest / median      {ratio:.2f} (a step's longest response over its "
+                    f"median, median over steps)"]
 
 
 def length_distribution(lengths):
@@ -396,20 +371,27 @@ def batch_shares(history):
 
 
 def by_position(records):
-    """Acceptance at each draft position summed over records -> ([rate or None], [drafts])."""
+    """Acceptance at each draft position summed over records -> [rate, or None where none]."""
     drafted = [sum(c) for c in zip(*(r["drafted_at"] for r in records))]
     accepted = [sum(c) for c in zip(*(r["accepted_at"] for r in records))]
-    return [a / d if d else None for a, d in zip(accepted, drafted)], drafted
+    return [a / d if d else None for a, d in zip(accepted, drafted)]
 
 
 def positions_line(history):
     """Acceptance at each draft position (given the earlier drafts were accepted), first tenth
     against last: a drafter going stale loses its later positions first."""
     n = max(1, len(history) // 10)
-    (first, _), (last, _) = by_position(history[:n]), by_position(history[-n:])
+    first, last = by_position(history[:n]), by_position(history[-n:])
     cell = lambda r: "-" if r is None else f"{r:.0%}"  # noqa: E731
     cells = [f"{cell(a)} -> {cell(b)}" for a, b in zip(first, last)]
     return " | ".join(cells) + " (draft 1, 2, ...)" if cells else "no drafts"
+
+
+def k4_trend(history):
+    """Tokens per verify step at k = 4 from the acceptance by position, first tenth -> last."""
+    n = max(1, len(history) // 10)
+    k4 = [accept_len_at(by_position(part)) for part in (history[:n], history[-n:])]
+    return "n/a" if None in k4 else f"{k4[0]:.2f} -> {k4[1]:.2f}"
 
 
 def accept_len_at(rates, k=4):
@@ -417,11 +399,7 @@ def accept_len_at(rates, k=4):
     position: 1 + a1 + a1 a2 + ... + a1 ... ak. None without a rate at each of the k positions."""
     if len(rates) < k or None in rates[:k]:
         return None
-    out, kept = 1.0, 1.0
-    for a in rates[:k]:
-        kept *= a
-        out += kept
-    return out
+    return 1 + expected_accepted(rates[:k])
 
 
 def bandit_line(rec):
@@ -460,10 +438,8 @@ def compare(runs, names):
     for key, label, fmt in COMPARED:
         lines += [f"  {label:16s}{c} {trend(run, key, fmt.format)}"
                   for c, run in zip(LETTERS, runs)]
-    for c, run in zip(LETTERS, runs):
-        k4 = [accept_len_at(by_position(part)[0]) for part in (run[:n], run[-n:])]
-        figure = "n/a" if None in k4 else f"{k4[0]:.2f} -> {k4[1]:.2f}"
-        lines.append(f"  at k = 4        {c} {figure} tokens per verify step")
+    lines += [f"  at k = 4        {c} {k4_trend(run)} tokens per verify step"
+              for c, run in zip(LETTERS, runs)]
     return lines + pairing_lines(runs)
 
 

@@ -14,12 +14,11 @@ Test: python -m pytest tests/test_sample.py
 import argparse
 import os
 import random
-import statistics
-import time
 
 import torch
 
 import tasks
+from harness.bench import interleaved
 from harness.common import OneLineParser, machine
 from drafter import Drafter
 from model import GPT, GPTConfig
@@ -84,12 +83,7 @@ def main(argv=None):
                 target, drafter, prompts, max_new, k=args.k, generator=gen(), **how)}
     print(f"serving {args.out_dir}/ckpt.pt (RL step {args.ckpt['step'] + 1}) "
           f"on {machine(torch.device('cpu'))}")
-    times, outs = {name: [] for name in runs}, {}
-    for _ in range(args.repeats):  # the modes take turns, so a slow spell hits them alike
-        for name, fn in runs.items():
-            t0 = time.perf_counter()
-            outs[name] = fn()
-            times[name].append(time.perf_counter() - t0)
+    times, outs = interleaved(runs, args.repeats)  # medians; the modes take turns
     responses = outs["plain decoding"][0]
     for prompt, q, r in zip(prompts, args.problems, responses):
         verdict = "right" if task.correct(q, r) else "WRONG"
@@ -97,9 +91,9 @@ def main(argv=None):
     n_tokens = sum(len(r) for r in responses)
     print(f"\n{len(prompts)} prompts, {n_tokens} tokens, all at once, temperature "
           f"{args.temperature}, {args.sampler}, median of {args.repeats}:")
-    base = n_tokens / statistics.median(times["plain decoding"])
+    base = n_tokens / times["plain decoding"]
     for name, (out, st) in outs.items():
-        tok_s = sum(len(r) for r in out) / statistics.median(times[name])
+        tok_s = sum(len(r) for r in out) / times[name]
         same = sum(a == b for a, b in zip(out, responses))
         accept = (f", {st['accept_len']:.2f} tokens per verify step (k = {args.k})"
                   if st.get("accept_len") else "")

@@ -8,8 +8,8 @@ target's samples of RL prompts until its plateau on held-out samples, not to a s
 it does not depend on where a noisy schedule happened to stop on a newcomer's machine.
 
 Each is saved in --warmup-dir with what made it (its "meta": the task, the shapes, the recipe and
-seeds) and reused by any later run whose meta matches; one made by other settings is kept under a
-name of its own (checkpoint.kept_name).
+seeds) and reused by any later run whose meta matches; one made by other settings is made afresh
+over it, with a line saying why.
 
 Test: python -m pytest tests/test_train.py tests/test_drafter.py
 """
@@ -318,7 +318,7 @@ def prepare_models(args, task, warmup_task, ddp, rank, world_size, device):
     model.zero_grad(set_to_none=True)
     path = os.path.join(args.warmup_dir, "target_warmup.pt")
     meta = model_meta(args, config, warmup_task)
-    cached = load_on_rank0(path, meta, stale="keep")
+    cached = load_on_rank0(path, meta, cache=True)
     if cached:
         model.load_state_dict(cached["model"])
         print0(f"reusing the warmed-up target from {path}")
@@ -332,7 +332,7 @@ def prepare_models(args, task, warmup_task, ddp, rank, world_size, device):
         return model, drafter
     path = os.path.join(args.warmup_dir, "drafter_warmup.pt")
     meta = drafter_meta(args, config, task, warmup_task)
-    cached = load_on_rank0(path, meta, stale="keep")
+    cached = load_on_rank0(path, meta, cache=True)
     if cached:
         drafter.load_state_dict(cached["drafter"])
         print0(f"reusing the warmed-up drafter from {path}")

@@ -120,9 +120,8 @@ def greedy_setup():
 
 def every_drafter(learned):
     """Each kind of drafter the speculative step takes, by its --drafter name."""
-    from harness.model_free import NgramDrafter, SiblingDrafter, SiblingOrLearned
-    return {"learned": learned, "ngram": NgramDrafter(n=1), "sibling": SiblingDrafter(max_match=4),
-            "sibling+learned": SiblingOrLearned(learned, max_match=4)}
+    from harness.model_free import NgramDrafter, SiblingDrafter
+    return {"learned": learned, "ngram": NgramDrafter(n=1), "sibling": SiblingDrafter(max_match=4)}
 
 
 # ----------------------------------------------------------------------------- gloo processes

@@ -11,7 +11,7 @@ import torch
 
 from harness.instrument import DecodeStats
 from conftest import N_NEW, every_drafter, make_greedy_setup
-from harness.model_free import NgramDrafter, SiblingDrafter, SiblingOrLearned
+from harness.model_free import NgramDrafter, SiblingDrafter
 from speculative import RunningBatch, autoregressive_generate, speculative_generate
 
 
@@ -81,23 +81,19 @@ def test_sibling_drafter_takes_the_longest_match_then_the_closest_from_siblings_
 def test_groups_are_the_rows_of_one_prompt_and_their_texts_outlive_them(greedy_setup):
     """What a SiblingDrafter reads of a running batch's GRPO groups: the other rows with its prompt,
     never the row itself; a finished row's text stays as it ended, a running row's is read as it
-    is now; all_finished is whether no two running rows share a prompt (and every one has a
-    sibling: a row alone in its group has nothing to copy)."""
+    is now."""
     target, _, pool, _, eos = greedy_setup
     a, b = pool[0], pool[1]
     prompts = [a, b, a, b, a]
     drafter = SiblingDrafter()
     gen = RunningBatch(target, prompts, N_NEW, temperature=1.0, eos_id=eos, sampler="gumbel",
                        keys=[5, 6, 7, 8, 9])
-    done = lambda g: drafter.groups(g).all_finished(g.ids)  # noqa: E731
     groups = drafter.groups(gen)
     assert groups.siblings.tolist() == [[2, 4], [3, -1], [0, 4], [1, -1], [0, 2]]
-    assert not done(gen)
     seen = set()
     while gen.compact() > 0:
         running = gen.ids
-        assert done(gen) == (len({tuple(prompts[i]) for i in running}) == len(running))
-        seen.add(done(gen))
+        seen.add(len(running))
         assert drafter.groups(gen) is groups  # made once per batch
         texts, lens = groups.now(torch.tensor(running), gen.tokens, gen.n_tokens)
         for i in range(5):  # every text is the row's tokens: as they are now, or as the row ended
@@ -107,12 +103,11 @@ def test_groups_are_the_rows_of_one_prompt_and_their_texts_outlive_them(greedy_s
                 now = gen.results[i].tokens
             assert texts[i, :lens[i]].tolist() == now.tolist()
         gen.plain_step()
-    assert seen == {False, True}  # the rows finish at different times
+    assert len(seen) > 1  # the rows finish at different times
     alone = RunningBatch(target, [a, b], N_NEW, temperature=1.0, eos_id=eos, sampler="gumbel",
                          keys=[1, 2])
     assert drafter.groups(alone) is not groups  # a new batch: new texts
     assert drafter.groups(alone).siblings.tolist() == [[-1], [-1]]
-    assert not drafter.groups(alone).all_finished(alone.ids)
 
 
 def test_ngram_drafter_proposes_what_followed_the_last_match():
@@ -126,7 +121,7 @@ def test_ngram_drafter_proposes_what_followed_the_last_match():
     assert drafts[2].tolist() == [3, 3, 3]  # the latest earlier "3 3" (at 2): 3, 3 (clamped)
 
 
-@pytest.mark.parametrize("name", ["learned", "ngram", "sibling", "sibling+learned"])
+@pytest.mark.parametrize("name", ["learned", "ngram", "sibling"])
 @pytest.mark.parametrize("sampler,temperature",
                          [("gumbel", 1.0), ("gumbel", 0.0), ("rejection", 0.0)])
 def test_every_drafter_is_lossless(greedy_setup, name, sampler, temperature):
