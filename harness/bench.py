@@ -4,14 +4,10 @@
     python -m harness.bench --e2e    # RL steps: --tlt off, on, frozen drafter, model-free drafters
     python -m harness.bench --drift  # a target moved away from the drafter: frozen vs trained
 
-Each loads the warm-ups from --out-dir (made first if absent, with train.py's defaults plus
---train-args and a drafter warmed up to its plateau), prints a table and ends with one JSON line.
-
-Decoding: fresh prompts whose responses are longer than --max-new tokens, as a rollout's tail rows
-are, so the batch size is what the table says; temperature 1.0, as in the rollouts; each cell the
-median of --repeats rounds in which plain decoding and every k take turns, so a slow spell of a
-shared machine hits them alike. c: the drafter's time per one-token forward over the target's.
---e2e and --drift: bench_e2e.py.
+Each loads the warm-ups from --out-dir (made first if absent), prints a table and ends with one
+JSON line. Decoding: fresh prompts longer than --max-new tokens, so the batch size is the table's;
+each cell the median of --repeats rounds in which every k takes turns. c: the drafter's time per
+one-token forward over the target's. --e2e and --drift: bench_e2e.py.
 """
 import argparse
 import json

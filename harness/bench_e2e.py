@@ -1,14 +1,10 @@
 """python -m harness.bench --e2e and --drift: what TLT buys over whole RL steps, and how the drafter
-holds up when the target moves. bench.py parses the flags and loads the warmed-up models.
+holds up when the target moves.
 
---e2e (`e2e_bench`): train.py runs from the same warm-ups and seed, each its own torchrun group
-(VARIANTS): --tlt off, on, on with a frozen drafter, on with each model-free drafter; their means
-(step 0, the first allocations, left out), then the report's comparison: with exact-token sampling
-the runs generate the same tokens at every step, so step i of two runs is a pair, and the median
-of the per-step ratios compares the modes on the same work.
-
---drift (`drift_bench`): a copy of the target fine-tuned a little on other data, decoded with the
-warm-up drafter frozen and with a copy trained online on the moved target's rollouts.
+--e2e: train.py runs from the same warm-ups (VARIANTS), then the report's comparison: the runs write
+the same tokens at every step, so the median of the per-step ratios compares the modes on the same
+work. --drift: a copy of the target fine-tuned on other data, drafted for by the warm-up drafter
+frozen and by a copy trained online on the moved target's rollouts.
 
 Test: python -m pytest tests/test_bench_e2e.py
 """

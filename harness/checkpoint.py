@@ -1,17 +1,12 @@
-"""Checkpoints: written atomically and only when finite, read back with their contents and settings
-checked, and rank 0's reads and writes waited for by liveness.
+"""The run's checkpoints and the warm-ups' caches: written atomically and only when finite, read back
+with their contents and settings checked. Plumbing a learner may skip.
 
-A reader learning TLT may skip this file: it is plumbing, nothing in it knows about the technique.
+save_atomic / load_checked: a kill mid-write leaves the previous file; a torn or damaged file (its
+contents' digest) or one made with other settings is refused in one line. save_on_rank0 /
+load_on_rank0: only rank 0 touches the file, the others wait by liveness and follow its answer.
+bandit_state / load_bandit: a Bandit in a checkpoint. keep_records: a resumed run's records.
 
-    save_atomic, load_checked       one process: a kill mid-write leaves the previous file; a file that is
-                                    torn, damaged (its contents' digest, written with it, does not match)
-                                    or made with other settings is refused with one line
-    save_on_rank0, load_on_rank0    several ranks: only rank 0 touches the file; the others wait for it
-                                    by liveness (rank 0 beats meanwhile, up to --io-deadline) and follow
-                                    its answer
-    bandit_state, load_bandit       a rollout.Bandit's scores and random state, in a checkpoint
-
-Test: python -m pytest tests/test_train.py tests/test_scheduler.py -k "checkpoint or finite or resume"
+Test: python -m pytest tests/test_train.py tests/test_faults.py
 """
 import hashlib
 import json

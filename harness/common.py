@@ -1,14 +1,11 @@
-"""What the harness shares that is neither distributed nor checkpoints: timing, command lines, folders.
+"""train.py's and the commands' start: command lines, --device, the folders, the machine's name.
+Plumbing a learner may skip.
 
-nanochat keeps such helpers in one small common module; so does this project, so that each concept
-file holds its concept and nothing else. Nothing here knows about models or the technique, and a
-reader learning TLT may skip this file (and distributed.py, liveness.py, checkpoint.py with it).
+OneLineParser and on_off (bad input: one error line), wants_cuda (--device), sync and machine
+(timing sees a GPU's queued work; what a figure was measured on), check_out_dir (--out-dir and
+--warmup-dir written to, and one folder for every machine).
 
-    sync, machine                          timing: the clock must see a GPU's queued work; the hardware
-    OneLineParser, on_off, wants_cuda      command lines: one clear error line; --device
-    check_out_dir                          --out-dir and --warmup-dir: written to, one folder for every machine
-
-Test: python -m pytest tests/test_train.py   (a run uses every one of them)
+Test: python -m pytest tests/test_train.py tests/test_distributed.py
 """
 import argparse
 import contextlib

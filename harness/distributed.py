@@ -1,19 +1,13 @@
-"""Distributed start: torchrun or a single process on the same code path, and the helpers every rank uses.
+"""Every step of a run under torchrun (or one process, on the same code path): the start and the
+collectives every rank uses. Plumbing a learner may skip.
 
-A reader learning TLT may skip this file: it is plumbing, nothing in it knows about models or the technique.
+compute_init joins the group (NCCL or gloo; `connected`: a group that cannot connect fails in one
+line naming GLOO_SOCKET_IFNAME) or runs as rank 0 of 1; agree_prefix keeps a restarted group off a
+dead group's keys; all_sum, gather_ranks; wrap_ddp puts the target's gradient buckets in their final
+order at once; print0, stop (one error line from rank 0). Waits where ranks arrive far apart
+(COLLECTIVE_TIMEOUT_S, TLT_COLLECTIVE_TIMEOUT) are liveness.py's.
 
-    COLLECTIVE_TIMEOUT_S   how long a collective that the ranks reach together may take (TLT_COLLECTIVE_TIMEOUT)
-    compute_init           joins the process group under torchrun (NCCL or gloo), else rank 0 of 1; returns its store
-    connected              a group that cannot connect: one line naming GLOO_SOCKET_IFNAME
-    agree_prefix           a restarted group never reads a dead group's keys in the rendezvous store
-    multi_rank, all_sum    more than one rank?; per-step figures summed over ranks
-    gather_ranks           every rank's record, on every rank
-    wrap_ddp               the target under DDP, its gradient buckets in their final order at once
-    print0, stop           print on rank 0 only; end every rank, with one error line from rank 0
-
-Waits where ranks arrive far apart (slow is not dead) are liveness.py's; checkpoints are checkpoint.py's.
-
-Test: python -m pytest tests/test_scheduler.py -k groups   (successive groups on one store, a stale hello)
+Test: python -m pytest tests/test_scheduler.py tests/test_distributed.py
 """
 import datetime
 import os
@@ -90,20 +84,12 @@ def connected(make_group):
 
 
 def agree_prefix(store, rank, world_size, poll_s=0.05):
-    """A store prefix that every rank of this group agrees on and that no earlier group used.
-
-    After an elastic agent restarts the workers, the store still holds the dead group's keys (its
-    ranks' addresses, their liveness counters); a new group that read them would dial dead ranks.
-    TORCHELASTIC_RESTART_COUNT cannot name the group: the agent does not bump it when it restarts
-    the workers for nodes joining or leaving, and a node that joins counts its own restarts. So rank
-    0 draws a fresh token and hands it to each rank by a handshake that stale keys cannot fool:
-
-        rank r > 0:  posts a fresh nonce at hello/r, waits for welcome/<nonce>, confirms at <token>/here/r
-        rank 0:      answers every nonce it finds at hello/r, until each rank has confirmed under the token
-
-    Only the live rank r knows its nonce, so only the live rank 0 can answer it; rank 0 may answer a
-    dead rank's stale nonce too, which is harmless, and stops only on a confirmation under its own
-    fresh token. Each waits at most COLLECTIVE_TIMEOUT_S (the rendezvous timeout) for the other."""
+    """A store prefix that every rank of this group agrees on and that no earlier group used: after
+    an elastic restart the store still holds the dead group's keys (addresses, liveness counters), and
+    TORCHELASTIC_RESTART_COUNT cannot name the group (not bumped for nodes joining or leaving). So rank
+    0 draws a fresh token and hands it over by a handshake stale keys cannot fool: rank r > 0 posts a
+    fresh nonce at hello/r, waits for welcome/<nonce>, confirms at <token>/here/r; rank 0 answers every
+    nonce until each rank has confirmed under its token. Each waits at most COLLECTIVE_TIMEOUT_S."""
     if rank > 0:
         nonce = uuid.uuid4().hex
         store.set(f"tlt/hello/{rank}", nonce)
@@ -161,14 +147,10 @@ def stop(message):
 
 
 def wrap_ddp(model):
-    """`model` under DistributedDataParallel, its gradient buckets already rebuilt.
-
-    DDP lays a bucket's gradients out in parameter order, then, after the first backward, in the
-    order that backward made them; and on more than two ranks the layout decides the order in which
-    each element is summed over ranks. A resumed run's DDP is new at its first update where the
-    uninterrupted run's is not: on 4 ranks the two targets then differed in the last bit. One
-    backward of a zero loss here (its gradients dropped) records that order, and DDP's next forward,
-    the first update's, rebuilds the buckets by it, in every run."""
+    """`model` under DistributedDataParallel, its gradient buckets already rebuilt: DDP reorders them
+    after the first backward, and on more than two ranks the layout decides each element's summation
+    order, so a resumed run's first update differed in the last bit. One zero-loss backward here
+    records the order, and the next forward rebuilds the buckets by it, in every run."""
     net = torch.nn.parallel.DistributedDataParallel(model, forward_sync_buffers=False)  # rotary tables: fixed
     device = next(model.parameters()).device
     (net(torch.zeros(1, 1, dtype=torch.long, device=device))[0].sum() * 0).backward()

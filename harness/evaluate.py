@@ -117,14 +117,11 @@ def most_played_k(metrics_path):
 
 
 def stale_drafter(s, problems, metrics_path):
-    """What a drafter frozen early in RL would cost by the end, for the run of train.RunState `s`:
-    tokens per verify step at the k the bandit played most, sampled on the held-out problems (the
-    rollouts' temperature, exact-token sampling, one sample each), for (1) the drafter of
-    s.early["step"] drafting for the target of that step, (2) the same drafter drafting for the
-    final target, (3) the run's final drafter drafting for the final target. (1) -> (2) is the
-    target's move alone, (2) -> (3) what idle-time training won back. -> {"step", "k", "figures":
-    [(1), (2), (3)]}, or None where there is nothing to measure (no learned drafter, no snapshot,
-    no held-out problems, no speculative step)."""
+    """What a drafter frozen early in RL costs by the end: tokens per verify step at the k the
+    bandit played most, on the held-out problems (one exact-token sample each), for (1) the drafter
+    of s.early["step"] drafting for that step's target, (2) the same drafter for the final target,
+    (3) the final drafter for the final target: (1) -> (2) the target's move, (2) -> (3) what idle
+    training won back. -> {"step", "k", "figures": [(1), (2), (3)]}, or None (nothing to measure)."""
     args, early = s.args, s.early
     if not (args.tlt and args.drafter in LEARNED) or early is None or not problems:
         return None

@@ -1,47 +1,23 @@
-"""Kill a rank anywhere, and check that the resumed run is the run it would have been.
+"""python -m harness.faults: kill a rank anywhere, and check that the resumed run is the run it would
+have been (with exact-token sampling the tokens depend only on the weights and the seeds).
 
-    python -m harness.faults                                  # 24 trials on 2 ranks, each phase 3 times
-    python -m harness.faults --nproc 4 --trials 8             # on 4 ranks, each phase once
-    python -m harness.faults --nnodes 2 --trials 16           # 2 agents (nodes), 1 rank each: a rank, a node
+    python -m harness.faults                        # 24 trials on 2 ranks, each phase 3 times
+    python -m harness.faults --nproc 4 --trials 8   # on 4 ranks, each phase once
+    python -m harness.faults --nnodes 2 --trials 16 # 2 agents (nodes), 1 rank each: a rank, a node
     python -m harness.faults --phases update,checkpoint-write --trials 4 -- --rl-steps 10 ...
 
-With exact-token sampling a rollout's tokens depend only on the target's weights and the seeds. So a
-run that dies and is restarted by `torchrun --max-restarts` from its last checkpoint must write the
-same responses at every step, and end with the same target bit for bit, as a run that never died.
-The drafter may differ (idle training follows the clock), and it never changes a token.
-
-The command runs train.py once without a fault: the reference. The flags are the smoke run's sizes,
-or those given after `--`. Then each trial runs the same flags under `torchrun --max-restarts=1`,
-and one rank SIGKILLs itself at a random moment inside one phase. That moment is a random call of
-the phase's function, after a random part of that call's length in the reference run (up to 80%
-of it; if this call is quicker still, at its last instant). With --nnodes 2 the trials run as two
-torchrun agents on this machine (c10d on localhost; the reference as one): the victim is a rank on
-the second node, killed by itself or, in a phase it never enters, by the rank in it; each phase's
-second turn kills that node (its agent, its ranks with it) and starts it again, as a scheduler
-replaces a node (with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: else torch 2.13's new agent waits
-forever for the address rank 0's agent posted in the first round). The phases and their functions:
-
-    target-warmup     harness.warmup.warmup_target
-    drafter-warmup    harness.warmup.warmup_drafter
-    evaluation        train.evaluate_both (before or after RL)
-    rollout           train.roll_out
-    idle-loop         train.idle_train (a rank that finishes last passes through in a moment)
-    drafter-sync      from train.start_drafter_sync to the return of the finish it hands back (the
-                      sync overlaps the update)
-    update            train.update_target
-    checkpoint-write  harness.checkpoint.save_atomic on rank 0 (the warm-up caches and ckpt.pt)
-
-Checks, per trial: the job finished (exit 0); metrics.jsonl holds every RL step exactly once; the
-responses at every step are the reference's (`responses_digest`); the final target in ckpt.pt is
-the reference's, bit for bit; the warm-up caches load (`checkpoint.load_checked`) and are the
-reference's, bit for bit. A trial that is not about a warm-up (a kill in one, or in the writing of
-its cache) starts from copies of the reference's warm-up caches. The table goes to stdout and to <out-dir>/trials.jsonl; the exit code
-is 1 if any check failed.
-
-How a rank kills itself: torchrun runs this module (`-m harness.faults`) on every rank, with the
-trial's plan in the environment (TLT_FAULT). It wraps the phases' functions, records each call's
-length, and runs train.main. Only the first attempt (TORCHELASTIC_RESTART_COUNT 0) is killed; the
-group that torchrun restarts, and a replaced node, run plainly.
+It runs train.py once without a fault (the reference; the quick try's sizes, or the flags after
+`--`), then each trial under `torchrun --max-restarts=1`: one rank SIGKILLs itself at a random
+moment of a phase (a random call of the phase's function, PHASES, after a random part of up to 80%
+of that call's reference length). With --nnodes 2, two torchrun agents on this machine: the victim
+is a rank of the second node, or, each phase's second turn, that node's agent, started again as a
+scheduler replaces a node (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, else torch 2.13's new agent never
+joins). Checks: the job finished; every RL step logged once; the reference's responses at every
+step; its final target and warm-up caches bit for bit. A trial not about a warm-up starts from
+copies of the reference's caches. The table goes to stdout and <out-dir>/trials.jsonl; exit 1 if
+any check failed. torchrun runs this module on every rank with the trial's plan in TLT_FAULT: it
+wraps the phases' functions, records each call's length and runs train.main; only the first
+attempt (TORCHELASTIC_RESTART_COUNT 0) is killed.
 
 Test: python -m pytest tests/test_faults.py
 """

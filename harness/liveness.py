@@ -1,16 +1,12 @@
-"""Slow is not dead: the waits of ranks that arrive far apart, judged by progress, not by a fixed time.
+"""Every wait of a multi-rank run where ranks arrive far apart: slow is not dead, judged by progress,
+not by a fixed time. Plumbing a learner may skip.
 
-A reader learning TLT may skip this file: it is plumbing. It keeps a multi-rank run going through
-long-tail rollouts, uneven evaluation shards and rank 0's checkpoint I/O, and fails it fast, naming
-the rank, when one is dead or hung.
+Liveness: every rank beats in the rendezvous store while it works, a waiting rank watches the
+counters and fails fast, naming a rank that is dead or hung. until_all_arrive and watched_barrier
+(the idle loop's barrier), wait_for_all (asleep, before a collective), beat and beating (progress
+from a loop, or from a thread for one long call), from_rank0 (a decision taken once).
 
-    Liveness          every rank beats in the rendezvous store while it works; a waiting rank watches the counters
-    until_all_arrive  a barrier that yields while it waits (idle ranks train the drafter meanwhile)
-    wait_for_all      the same, asleep: before a collective that ranks may reach far apart
-    beat, beating     signs of progress: from a loop, or from a background thread for one long call, up to a deadline
-    from_rank0        rank 0's object on every rank (decisions taken once), its broadcast waited for by liveness
-
-Test: python -m pytest tests/test_scheduler.py   (the "slow is not dead" section)
+Test: python -m pytest tests/test_liveness.py tests/test_scheduler.py
 """
 import contextlib
 import datetime
@@ -32,27 +28,18 @@ IO_DEADLINE_S = float(os.environ.get("TLT_IO_DEADLINE", 1800))
 
 
 class Liveness:
-    """Tells a slow rank from a dead one. A long-tail rollout, an evaluation shard, a checkpoint
-    written by rank 0 can take minutes on a real model, so a rank that waits for the others must not
-    give up after a fixed time; it gives up when a peer stops making progress. Every rank bumps its
-    own counter in the rendezvous store while it works (`beat`: each decoding step, each idle step;
-    at most once every `every_s`), and a waiting rank reads counters (`check`, as often) and raises,
-    naming the rank, when one has not moved for `timeout_s` seconds by the waiting rank's own clock.
+    """Tells a slow rank from a dead one: a long-tail rollout, an evaluation shard or rank 0's
+    checkpoint can take minutes on a real model, so a waiting rank gives up when a peer stops making
+    progress, not after a fixed time. Every rank bumps its counter in the rendezvous store while it
+    works (`beat`, at most once every `every_s`); a waiting rank reads counters (`check`) and raises,
+    naming the rank, when one has not moved for `timeout_s` s. Rank 0 watches every peer, the others
+    rank 0 alone; rank 0 posts its verdict in the store, so every rank's log names the silent rank.
 
-    Reads that do not grow as W^2: rank 0 watches every peer, the others watch rank 0 alone. When
-    rank 0 finds a silent peer it posts its verdict in the store before it fails, and the others fail
-    with the same message at their next check (or at once, when rank 0's exit breaks the barrier), so
-    every rank's log names the silent rank. A silent rank 0 is caught by all the others.
-
-    The waits (`until_all_arrive`, `from_rank0`'s broadcast) run in a gloo group of their own (under
-    NCCL too) with a timeout of days once it has connected (within timeout_s), since liveness is judged
-    here; every other collective keeps the default group's short timeout, as ranks reach those
-    together, right after such a wait. A killed rank
-    closes its connections and fails the wait at once; a hung one (stopped, deadlocked) stops beating.
-    io_deadline_s: how long `beating` beats for one call (see there).
-
-    A process has one rendezvous store, so one Liveness: the last one made is `Liveness.current`,
-    which `wait_for_all`, `beat`, `beating` and `from_rank0` use, so that no file has to pass it around."""
+    The waits run in a gloo group of their own (under NCCL too), with a timeout of days once it has
+    connected (within timeout_s), since liveness is judged here; other collectives keep the default
+    group's short timeout. A killed rank fails the wait at once; a hung one stops beating.
+    io_deadline_s: how long `beating` beats for one call. The last Liveness made is
+    `Liveness.current`, which `wait_for_all`, `beat`, `beating` and `from_rank0` use."""
 
     current = None
 
@@ -144,16 +131,11 @@ def watched_barrier(liveness=None, timeout_s=COLLECTIVE_TIMEOUT_S):
 
 
 def until_all_arrive(liveness=None, grace_s=0.0, timeout_s=COLLECTIVE_TIMEOUT_S):
-    """Wait until every rank has got here, however long that takes while they make progress; yields
-    once per turn while some have not, so that the caller can use the time (the idle barrier trains
-    the drafter, `wait_for_all` sleeps); what it yields, called, says whether they all have now,
-    for a turn that can stop midway. A single process returns at once.
-
-    With a Liveness (`liveness`, else `Liveness.current`) this rank beats and checks every turn, and
-    fails once a watched rank has been silent for its timeout; without one (ranks joined without the
-    rendezvous store), after timeout_s or the default group's timeout, the sooner. grace_s: first wait this long without a turn, so that
-    the last rank to arrive, which sees the barrier complete within moments, starts nothing that the
-    others would wait for."""
+    """Wait until every rank has got here, however long, while they make progress; yields once a turn
+    while some have not (the idle barrier trains the drafter, `wait_for_all` sleeps); what it yields,
+    called, says whether they all have now. With a Liveness this rank beats and checks every turn;
+    without one, it fails after timeout_s or the default group's timeout. grace_s: first wait this long
+    without a turn, so that the last rank, which sees the barrier complete at once, starts nothing."""
     if not multi_rank():
         return
     t0 = time.perf_counter()
@@ -181,14 +163,10 @@ def beat():
 
 @contextlib.contextmanager
 def beating(what="in one long call"):
-    """Beat from a background thread while the block runs, for at most the Liveness's io_deadline_s
-    (--io-deadline): for one long call that cannot beat from inside (rank 0's torch.save or torch.load
-    of a big checkpoint, a first CUDA step). Within the deadline a rank that hangs inside the block
-    still looks alive; past it, it falls silent and the waiting ranks fail, naming it and, from what
-    it posted, `what` it was doing and the deadline: a hung file system or driver ends the run, and a
-    save that is only slower than the deadline is a flag to raise, not a hang. A rank that dies or is
-    stopped stops beating at once, its thread with it. Wraps only calls that end, never a loop that
-    waits on others."""
+    """Beat from a thread while the block runs, for at most --io-deadline: one long call that cannot
+    beat from inside (rank 0's torch.save or load, a first CUDA step). Past the deadline it falls
+    silent and the waiting ranks fail, naming it and `what` it was doing; a rank that dies stops
+    beating at once. Wraps only calls that end, never a loop that waits on others."""
     live, stop = Liveness.current, threading.Event()
     if live is None:
         yield
@@ -217,14 +195,10 @@ def _wait_watched(work):
 
 
 def from_rank0(obj):
-    """Rank 0's `obj` on every rank. Decisions that must agree (load or warm up, resume) are taken
-    once, on rank 0, and followed by all: a file that one rank sees and another does not (no shared
-    filesystem, a copy still being written) cannot send the ranks down different paths.
-
-    Rank 0 may come late (it read a checkpoint): the ranks first wait for it by liveness. The object
-    can be a whole checkpoint, whose pickling and sending may outlast TLT_COLLECTIVE_TIMEOUT, so with
-    a Liveness the broadcast runs in the waits' group too, every rank beating and watching (rank 0
-    from a thread while it pickles): slow fails nobody, a dead or hung peer is still caught."""
+    """Rank 0's `obj` on every rank: decisions that must agree (load or warm up, resume) are taken once,
+    so a file one rank sees and another does not cannot split them. The ranks wait for a late rank 0 by
+    liveness, and with a Liveness the broadcast (maybe a whole checkpoint) runs in the waits' group,
+    every rank beating and watching: slow fails nobody, a dead or hung peer is still caught."""
     if not multi_rank():
         return obj
     wait_for_all()

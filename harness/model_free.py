@@ -1,8 +1,7 @@
-"""train.py --drafter ngram|sibling: drafters that learn nothing, the baselines
-the learned drafter must beat. Each offers the one method the speculative step calls,
-`propose(batch, k) -> (drafts (B, k), q)`, q None meaning deterministic proposals (a one-hot q),
-and reads only what speculative.RunningBatch offers a drafter: `tokens` (B, W), `n_tokens` (B,),
-`ids` (each row's original index), `prompts` and `results` (a FinishedRow once a row ends).
+"""train.py --drafter ngram|sibling: drafters that learn nothing, the baselines the learned drafter
+must beat. Each offers the one method the speculative step calls, `propose(batch, k, noise) ->
+(drafts (B, k), q)`, q None meaning deterministic proposals (a one-hot q), and reads only what
+speculative.RunningBatch offers a drafter (tokens, n_tokens, ids, prompts, results).
 
 Test: python -m pytest tests/test_model_free.py
 """
@@ -91,14 +90,11 @@ class GroupTexts:
 
 
 class SiblingDrafter:
-    """Drafts from the row's GRPO group (`--drafter sibling`). GRPO samples G responses per prompt,
-    and in the tail the rows still running are the last of their groups: their siblings have
-    written the same problem out already. For each row, find in every sibling's text (a finished
-    one in full, a running one up to where it is) the place whose preceding tokens match the row's
-    own last tokens the longest, up to max_match, and propose the k tokens that follow there; among
-    equally long matches, the place closest to the row's own position. No match: the row's last
-    token again. Brute force on the device, no host read. A group dealt over several ranks drafts
-    from the siblings on its own rank only."""
+    """Drafts from the row's GRPO group (`--drafter sibling`): in the tail the rows still running are
+    the last of their groups, whose siblings wrote the same problem out. For each row, the place in a
+    sibling's text whose preceding tokens match the row's last ones longest (up to max_match), and the
+    k tokens after it; no match: the row's last token again. On the device, no host read; a group dealt
+    over ranks drafts from the siblings on its own rank only."""
 
     def __init__(self, max_match=16):
         self.max_match = max_match

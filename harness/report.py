@@ -1,16 +1,12 @@
-"""`python -m harness.report RUN [RUN ...]`, and step 7 of the run: the step's record (one JSON line
-of metrics.jsonl), its log line, every --timeline-every steps the ranks' timeline, and the summary.
-
-The summary reads the records only, so any finished run can be looked at again:
+"""python -m harness.report RUN [RUN ...], and step 7 of the run: the step's record (a line of
+metrics.jsonl), its log line, the ranks' timeline every --timeline-every steps, and the summary.
 
     python -m harness.report out              # a run's --out-dir, or the path of its metrics.jsonl
     python -m harness.report out out-off      # two or more runs of the same steps, compared
 
-A step's figures swing with its prompt mix, so the summary gives the first tenth of the run against
-the last, and compares runs (A, B, ...) the same way. Where the runs wrote the same responses at
-every step (equal `responses_digest`), each step did the same work in all, so the report also
-prints the median of the per-step time ratios (a median: one step slowed by a shared machine moves
-it little).
+The summary gives the first tenth of the run against the last (a step's figures swing with its
+prompt mix), and compares runs the same way. Where runs wrote the same responses at every step
+(`responses_digest`), it also prints the median of the per-step time ratios.
 
 Test: python -m pytest tests/test_report.py
 """

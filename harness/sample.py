@@ -1,13 +1,10 @@
-"""python -m harness.sample: serve a finished run, its target drafted by the drafter that idle ranks
-trained, a by-product of RL used as it would be for serving.
+"""python -m harness.sample: serve a finished run, its target drafted by the drafter idle ranks trained.
 
     python -m harness.sample --out-dir out "a3 b7 c1:" "a9 b2:"   # these (the running sum's)
     python -m harness.sample --out-dir out                        # 16 held-out prompts
 
-It loads <out-dir>/ckpt.pt, prints each prompt's response and whether its answer is right, then
-times plain and speculative decoding of the same prompts, taking turns --repeats times. With
-exact-token sampling (the default) both write the same tokens, which it counts, so tokens per
-second compare like with like. Bad input gets one line starting with "error:" and exit code 2.
+Each response and whether it is right, then plain and speculative decoding of the same prompts
+timed in turns (with exact-token sampling both write the same tokens, which it counts).
 
 Test: python -m pytest tests/test_sample.py
 """

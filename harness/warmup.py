@@ -1,15 +1,10 @@
-"""train.py's first step, before RL (and the bench's): the warm-ups, cached.
+"""train.py's first step, before RL (and the bench's): the warm-ups, cached in --warmup-dir.
 
 The target trains on the task's warm-up traces (next-token loss), its merged tokens' embeddings
-started as the sums of their parts and its problems moving from mostly small ones to the RL mix
-(--warmup-alpha -> --warmup-alpha-end), so that every seed learns the task's look-up. The drafter,
-when --drafter-warmup-steps asks for one (by default idle ranks build it during RL), trains on the
-target's samples of RL prompts until its plateau on held-out samples, not to a step count, so that
-it does not depend on where a noisy schedule happened to stop on a newcomer's machine.
-
-Each is saved in --warmup-dir with what made it (its "meta": the task, the shapes, the recipe and
-seeds) and reused by any later run whose meta matches; one made by other settings is made afresh
-over it, with a line saying why.
+started as the sums of their parts, its problems moving from small ones to the RL mix. The drafter,
+when --drafter-warmup-steps asks for one, trains on the target's samples until its plateau on
+held-out samples, not to a step count. Each is saved with what made it (its "meta") and reused by a
+run whose meta matches; one made by other settings is made afresh, with a line saying why.
 
 Test: python -m pytest tests/test_train.py tests/test_drafter.py
 """
