@@ -149,9 +149,9 @@ def drafter_schedule(top1, online_lr, cold_lr, max_depth):
     """The rule: the further the drafter's recent top-1 falls below TOP1_GENTLE, the harder the idle
     ranks train it -> (learning rate, chained passes). At TOP1_GENTLE and above (or not yet scored):
     online_lr, max_depth passes; at TOP1_HARDEST and below: cold_lr, teacher-forced (a drafter that
-    misses the first token learns that before its own chains); geometric and linear in between. A
-    drafter built from nothing sits at the hard end until it drafts well, one warmed up near the
-    gentle end; a top-1 that falls pushes either harder."""
+    misses the first token learns that before its own chains); geometric and linear in between.
+    Once scored (step 0 is not), a drafter built from nothing sits at the hard end until it drafts
+    well, one warmed up near the gentle end; a top-1 that falls pushes either harder."""
     hard = 0.0 if top1 is None else (TOP1_GENTLE - top1) / (TOP1_GENTLE - TOP1_HARDEST)
     hard = min(1.0, max(0.0, hard))
     return online_lr * (cold_lr / online_lr) ** hard, 1 + round((max_depth - 1) * (1 - hard))

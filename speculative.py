@@ -9,7 +9,7 @@ One speculative step, for every running row at once:
    them. Rolling the rejected drafts back is assigning the cache lengths.
 
 In reading order: the running batch and its two steps; the decoding loop (`decode`, also the
-rollout's); exact-token sampling, the default, and its noise; then, beside the default step, the
+rollout's); exact-token sampling (train.py's default) and its noise; then, beside that, the
 reference rule and the generate functions that the evaluation, the bench and the tests call.
 
 The batch's sampler, chosen once per batch, picks every token and verifies the drafts, so no step
@@ -54,8 +54,8 @@ class RunningBatch:
 
     A drafter's contract with the batch: `propose` reads tokens, hidden, n_tokens and the target's
     cache's size and dtype (and ids, prompts and results), draws its drafts with the batch's
-    `sampler` and the step's noise, and writes only `draft_cache`, its own per-row state, which
-    `compact` keeps in step with the rows."""
+    `sampler` (under "rejection", from its generator) and the step's noise, and writes only
+    `draft_cache`, its own per-row state, which `compact` keeps in step with the rows."""
 
     def __init__(self, target, prompts, max_new_tokens, *, max_draft=0, **sampling):
         sampling = Sampling(**sampling)

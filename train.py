@@ -4,11 +4,11 @@ and TLT rollouts.
     python train.py                                    # one process, CPU or one GPU
     torchrun --standalone --nproc_per_node=2 train.py  # several ranks
 
-The step first: `rl_step` and the three functions under it are one RL step on one rank, in the
-README's seven steps. Below them, the run around the step, which a learner may skip: the flags,
-the cached warm-ups (harness/warmup.py), --rl-steps of `rl_step`, each step's record (rank 0 logs a
-line and appends it to <out-dir>/metrics.jsonl), a checkpoint every --ckpt-every steps, from which
-rerunning the same command resumes, and the summary.
+The step first: after the two records it uses (`RunState`, `StepResult`), `rl_step` and the three
+functions under it are one RL step on one rank, in the README's seven steps. Below them, the run
+around the step, which a learner may skip: the flags, the cached warm-ups (harness/warmup.py),
+--rl-steps of `rl_step`, each step's record (rank 0 logs a line and appends it to
+<out-dir>/metrics.jsonl), a checkpoint every --ckpt-every steps (rerunning resumes), the summary.
 """
 import copy
 import json
