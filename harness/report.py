@@ -308,8 +308,8 @@ def record_lines(history, task):
              f"acceptance by position",
              f"  accepted by position  {positions_line(history)}",
              f"  bandit's k per batch  {bandit_line(history[-1])} (rank 0, the end of the run)",
-             f"  accuracy              {trend(history, 'accuracy', '{:.1%}'.format)} right "
-             f"answers; mean reward {trend(history, 'reward', '{:.3f}'.format)}",
+             f"  accuracy              {trend(history, 'accuracy', '{:.1%}'.format)} (right "
+             f"answers), mean reward {trend(history, 'reward', '{:.3f}'.format)}",
              length_line(history, task.choice if task else None),
              f"  skipped updates       {sum(h['skipped_update'] for h in history)} of the target, "
              f"{sum(h['drafter_skipped'] for h in history)} drafter steps (not finite)"]

@@ -99,7 +99,7 @@ summary
   at k = 4              n/a tokens per verify step, from the acceptance by position
   accepted by position  80% -> 80% | 50% -> 50% (draft 1, 2, ...)
   bandit's k per batch  1: 4, 3-4: 0 (rank 0, the end of the run)
-  accuracy              2.5% -> 92.5% right answers; mean reward 0.400 -> 0.400
+  accuracy              2.5% -> 92.5% (right answers), mean reward 0.400 -> 0.400
   response length       40.5 -> 58.5 tokens, single steps 0% -> 10%
   skipped updates       0 of the target, 3 drafter steps (not finite)
   greedy  before RL     overall  50.0% | 1-2  75.0%

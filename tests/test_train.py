@@ -141,10 +141,14 @@ def test_rl_prompts_are_a_function_of_seed_and_step():
     list."""
     args = config.parse_args(TINY)
     cfg = config.task_of(args)
-    prompts = train.rl.rl_problems(args, cfg, 3)
-    assert prompts == train.rl.rl_problems(args, cfg, 3) and len(prompts) == args.prompts_per_step
-    assert prompts != train.rl.rl_problems(args, cfg, 4)
-    assert prompts != train.rl.rl_problems(config.parse_args(TINY + ["--rl-seed", "7"]), cfg, 3)
+    G = args.group_size
+
+    def problems(a, step):
+        return train.rl.step_rows(a, cfg, step, 0, 1)[0][::G]  # each problem G times in a row
+    prompts = problems(args, 3)
+    assert prompts == problems(args, 3) and len(prompts) == args.prompts_per_step
+    assert prompts != problems(args, 4)
+    assert prompts != problems(config.parse_args(TINY + ["--rl-seed", "7"]), 3)
 
 
 def test_mismatched_or_corrupt_checkpoint_is_refused_and_left_alone(tmp_path):
