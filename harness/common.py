@@ -1,7 +1,7 @@
 """train.py's and the commands' start: command lines, --device, the folders, the machine's name.
 Plumbing a learner may skip.
 
-OneLineParser and on_off (bad input: one error line), wants_cuda (--device), sync and machine
+OneLineParser, leave and on_off (bad input: one error line from rank 0), wants_cuda (--device), sync and machine
 (timing sees a GPU's queued work; what a figure was measured on), check_out_dir (--out-dir and
 --warmup-dir written to, and one folder for every machine).
 
@@ -12,6 +12,8 @@ import contextlib
 import os
 import platform
 import socket
+import sys
+import time
 import uuid
 
 import torch
@@ -42,12 +44,26 @@ def on_off(v):
     return v == "on"
 
 
+LEAVE_S = 30.0  # how long a rank other than 0 waits before it leaves a job that stops
+
+
+def leave(code, message):
+    """End this rank when every rank stops for the same reason: rank 0 prints `message` and exits
+    with `code`; the others exit with it silently, LEAVE_S later. torchrun stops every rank as soon
+    as one exits with an error, so a rank that left first could stop rank 0 before it said why."""
+    if int(os.environ.get("RANK", 0)) == 0:
+        sys.stderr.write(message)
+        raise SystemExit(code)
+    time.sleep(LEAVE_S)  # torchrun stops this rank once rank 0 has left
+    raise SystemExit(code)
+
+
 class OneLineParser(argparse.ArgumentParser):
     """Bad input: one clear line on stderr and exit code 2 (argparse's default prints the usage too),
     from rank 0 only under torchrun: every rank parses the same flags."""
 
     def error(self, message):
-        self.exit(2, f"error: {message} (see --help)\n" if int(os.environ.get("RANK", 0)) == 0 else None)
+        leave(2, f"error: {message} (see --help)\n")
 
 
 def wants_cuda(device_arg):
@@ -92,4 +108,4 @@ def check_out_dir(*folders, store=None):
         with contextlib.suppress(OSError):  # not written: the error says why
             os.remove(probe)
     if problem:
-        raise SystemExit(f"error: {problem}" if rank == 0 else 1)
+        leave(1, f"error: {problem}\n")

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.rendezvous import rendezvous
 
-from harness.common import wants_cuda
+from harness.common import leave, wants_cuda
 
 # seconds: how long a rank may go without a sign of progress while its peers wait for it (Liveness:
 # they then fail, naming it), and how long a collective that the ranks reach together may take
@@ -143,7 +143,7 @@ def print0(*a, **kw):
 def stop(message):
     """End this rank with exit code 1 when every rank stops for the same reason (a refused flag or
     file): rank 0 prints `message`, the others nothing, so the job says it once, without a traceback."""
-    raise SystemExit(message if int(os.environ.get("RANK", 0)) == 0 else 1)
+    leave(1, message + "\n")
 
 
 def wrap_ddp(model):
