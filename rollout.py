@@ -39,7 +39,7 @@ class Bandit:
     step stalled by the machine, many times its usual length, sink an arm's score until the arm
     is played again, which an arm that looks bad rarely is.) The window is short because the best
     arm moves as the drafter improves. An arm's first play only marks it tried, as it pays one-time
-    costs."""
+    costs: in each bucket every arm is played twice before arms are compared."""
 
     def __init__(self, arms=ARMS, epsilon=0.1, window=8, seed=0):
         self.arms, self.epsilon, self.window = tuple(arms), epsilon, window
@@ -94,7 +94,7 @@ def rollout(target, drafter, prompts, max_new_tokens, *, sd_threshold=64, bandit
     """Generate for every prompt -> results[i], row i's speculative.FinishedRow (tokens, hidden
     states, response). With drafter None it decodes plainly. `sampling` takes speculative.Sampling's
     fields by name; with "gumbel" the tokens depend on neither the drafter, the threshold nor the
-    bandit. observer(batch, step) runs after the prefill (step None) and each step."""
+    bandit (up to a near-tie that passes of different widths round apart). observer(batch, step) runs after the prefill (step None) and each step."""
     if not prompts:
         return []
     bandit = bandit if bandit is not None else Bandit()

@@ -26,10 +26,9 @@ import torch.distributed as dist
 import rl
 from harness.checkpoint import (bandit_state, keep_records, load_bandit, load_on_rank0,
                                save_on_rank0)
-from harness.common import check_out_dir, machine
+from harness.common import check_out_dir, machine, stop
 from harness.config import autocast, model_config, parse_args, task_of
-from harness.distributed import (COLLECTIVE_TIMEOUT_S, compute_init, gather_ranks, print0, stop,
-                                 wrap_ddp)
+from harness.distributed import COLLECTIVE_TIMEOUT_S, compute_init, gather_ranks, print0, wrap_ddp
 from drafter import DrafterBuffer, make_optimizer
 from harness.evaluate import early_step, evaluate_both, snapshot, stale_drafter
 from harness.instrument import RolloutStats, TimedDrafter, observers, liveness_observer
@@ -57,8 +56,12 @@ class RunState:
     rank: int
     world_size: int
     device: torch.device
-    rollout_drafter: object  # what the rollout drafts with (None: plain decoding only)
-    barrier: object  # makes the idle loop's async barrier
+    # what the rollout drafts with: `drafter` (or --drafter's model-free one), its proposals timed
+    # by the harness; None: plain decoding only (--tlt off)
+    rollout_drafter: object
+    # makes the idle loop's async barrier: dist.barrier(async_op=True), which the harness also
+    # watches for a rank that has died
+    barrier: object
     top1: RecentTop1  # the drafter's top-1 agreement on fresh rows, lately
     ref_model: torch.nn.Module = None  # the frozen warm-up target, for --kl-coef
     early: dict = None  # the models at evaluate.early_step, for the stale drafter
@@ -74,77 +77,77 @@ class StepResult(NamedTuple):
     times: tuple  # (start, rollout end, idle start, update start, end): time.perf_counter()
 
 
-def rl_step(step, s, observer=None):
+def rl_step(step, state, observer=None):
     """One RL step on this rank, in the README's seven steps -> StepResult. observer: the
     harness's, called after every decoding step."""
-    args, t0 = s.args, time.perf_counter()
+    args, t0 = state.args, time.perf_counter()
     # 1. this rank's rows of the step's global batch, each with its key
-    problems, keys, _ = rl.step_rows(args, s.task, step, s.rank, s.world_size)
+    problems, keys, _ = rl.step_rows(args, state.task, step, state.rank, state.world_size)
     # 2. roll out: plain decoding steps while the running batch is large, speculative in the tail
-    finished = roll_out(s, step, problems, keys, observer)
+    finished = roll_out(state, step, problems, keys, observer)
     t_rollout = time.perf_counter()
-    rewards = torch.tensor([s.task.reward(p, r.response)
+    rewards = torch.tensor([state.task.reward(p, r.response)
                             for p, r in zip(problems, finished)]).tolist()  # float32, as logged
     # 3-5. the rows to the drafter; idle time for it until the last rank arrives; the drafter sync
     t_idle = time.perf_counter()
-    idle, finish_sync = idle_phase(s, step, finished)
+    idle, finish_sync = idle_phase(state, step, finished)
     # 6. advantages over the global batch, one GRPO update of the target under DDP
-    t_update, update = update_target(s, finished, rewards)
+    t_update, update = update_target(state, finished, rewards)
     top1 = finish_sync()  # the averaged drafter is in; the top-1 counts summed over ranks
-    s.top1.add(*top1)
-    if s.device.type == "cuda":
+    state.top1.add(*top1)
+    if state.device.type == "cuda":
         torch.cuda.synchronize()  # sync: the optimizer step may still be queued
     # 7. (in `run`) the step's record, logged by rank 0
     times = (t0, t_rollout, t_idle, t_update, time.perf_counter())
     return StepResult(problems, finished, idle, top1, update, times)
 
 
-def roll_out(s, step, problems, keys, observer):
+def roll_out(state, step, problems, keys, observer):
     """Step 2: this rank's rollout -> its finished rows (speculative.FinishedRow)."""
-    args = s.args
-    seed = rl.derive_seed(args.rl_seed, s.rank, step, rl.Seed.ROLLOUT)
-    gen = torch.Generator(device=s.device).manual_seed(seed)
-    prompts = [s.task.prompt_ids(p) for p in problems]
-    return rollout(s.model, s.rollout_drafter, prompts, s.task.max_response_len,
-                   sd_threshold=args.sd_threshold, bandit=s.bandit, observer=observer,
-                   temperature=args.temperature, eos_id=s.task.eos_id, generator=gen,
+    args = state.args
+    seed = rl.derive_seed(args.rl_seed, state.rank, step, rl.Seed.ROLLOUT)
+    gen = torch.Generator(device=state.device).manual_seed(seed)
+    prompts = [state.task.prompt_ids(p) for p in problems]
+    return rollout(state.model, state.rollout_drafter, prompts, state.task.max_response_len,
+                   sd_threshold=args.sd_threshold, bandit=state.bandit, observer=observer,
+                   temperature=args.temperature, eos_id=state.task.eos_id, generator=gen,
                    sampler=args.sampler, keys=keys)
 
 
-def idle_phase(s, step, finished):
+def idle_phase(state, step, finished):
     """Steps 3-5: the finished rows into the drafter buffer; on idle time, until the last rank
     arrives, the drafter scored on them, then trained; the weighted sync started -> (idle stats,
     its finish)."""
-    args = s.args
+    args = state.args
     learned = args.tlt and args.drafter in LEARNED
     train_drafter = learned and args.drafter_updates
     if train_drafter:
-        s.buffer.add_rows(step, finished)
-    recent, counts = s.top1.mean(), [0, 0]  # this rank's top-1 counts: agreeing, positions
+        state.buffer.add_rows(step, finished)
+    recent, counts = state.top1.mean(), [0, 0]  # this rank's top-1 counts: agreeing, positions
     lr, depth = drafter_schedule(recent, args.drafter_online_lr, args.drafter_cold_lr,
                                  args.drafter_depth)
-    for g in s.d_opt.param_groups:
+    for g in state.d_opt.param_groups:
         g["lr"] = lr
     scoring = deque()  # pieces of top-1 scoring on the fresh rows, before any training
     if learned:
-        scoring = top1_pieces(s.drafter, finished, counts, args.drafter_idle_tokens)
+        scoring = top1_pieces(state.drafter, finished, counts, args.drafter_idle_tokens)
     work = IdleWork(train_drafter, args.drafter_batch, depth, args.drafter_idle_tokens)
-    rng = random.Random(rl.derive_seed(args.rl_seed, s.rank, step, rl.Seed.DRAFTER_TRAINING))
-    steps, skipped, seconds, busy = idle_train(s.drafter, s.d_opt, s.buffer, rng, work, scoring,
-                                               barrier=s.barrier)
-    finish_sync = start_drafter_sync(s.drafter, steps if train_drafter else 0, counts)
+    rng = random.Random(rl.derive_seed(args.rl_seed, state.rank, step, rl.Seed.DRAFTER_TRAINING))
+    steps, skipped, seconds, busy = idle_train(state.drafter, state.d_opt, state.buffer, rng, work,
+                                               scoring, barrier=state.barrier)
+    finish_sync = start_drafter_sync(state.drafter, steps if train_drafter else 0, counts)
     return dict(steps=steps, skipped=skipped, seconds=seconds, busy=busy, lr=lr, depth=depth,
                 recent_top1=recent), finish_sync
 
 
-def update_target(s, finished, rewards):
+def update_target(state, finished, rewards):
     """Step 6: every rank's rewards and finished rows, advantages per group, one GRPO update on
     the rows with a gradient, re-dealt by tokens -> (its start, (rewards, responses, figures))."""
-    args = s.args
+    args = state.args
     part = (rewards, [r.tokens.tolist() for r in finished], [r.prompt_len for r in finished])
     everyone = [part]  # every rank's part, in rank order
-    if s.world_size > 1:
-        everyone = [None] * s.world_size
+    if state.world_size > 1:
+        everyone = [None] * state.world_size
         dist.all_gather_object(everyone, part)
     t_update = time.perf_counter()  # the update's first collective is done: every rank is here
     all_rewards = torch.tensor([r for theirs in everyone for r in theirs[0]], dtype=torch.float64)
@@ -152,15 +155,15 @@ def update_target(s, finished, rewards):
     plens = [x for theirs in everyone for x in theirs[2]]
     adv = rl.group_advantages(all_rewards, args.group_size)
     active = [i for i in range(len(seqs)) if args.kl_coef > 0 or adv[i] != 0]  # zero adds zero
-    deal = rl.deal_by_tokens([len(seqs[i]) for i in active], s.world_size)
-    ours = [active[j] for j in deal[s.rank]]
-    cfg = rl.GRPOConfig(s.task.pad_id, args.update_tokens, args.rl_epochs, args.clip_eps,
+    deal = rl.deal_by_tokens([len(seqs[i]) for i in active], state.world_size)
+    ours = [active[j] for j in deal[state.rank]]
+    cfg = rl.GRPOConfig(state.task.pad_id, args.update_tokens, args.rl_epochs, args.clip_eps,
                         args.kl_coef, args.temperature)
-    s.model.train()
+    state.model.train()
     n_total = sum(len(q) - p for q, p in zip(seqs, plens))
-    update = rl.grpo_update(s.net, s.opt, [seqs[i] for i in ours], [plens[i] for i in ours],
-                            adv[ours], cfg, n_total, s.ref_model)
-    s.model.eval()
+    update = rl.grpo_update(state.net, state.opt, [seqs[i] for i in ours], [plens[i] for i in ours],
+                            adv[ours], cfg, n_total, state.ref_model)
+    state.model.eval()
     return t_update, (all_rewards, [q[p:] for q, p in zip(seqs, plens)], update)
 
 
@@ -188,7 +191,7 @@ def main(argv=None):
 
 def run(args, rank, world_size, device):
     t_run, task = time.time(), task_of(args)
-    print0(f"{world_size} rank(s) on {machine(device)}")
+    print0(f"{world_size} rank(state) on {machine(device)}")
     meta = rl_meta(args, model_config(args, task), task)
     ckpt_path, metrics_path = (os.path.join(args.out_dir, f) for f in ("ckpt.pt", "metrics.jsonl"))
     ck = load_on_rank0(ckpt_path, meta)  # refused: the run stops before it writes anything
@@ -197,8 +200,8 @@ def run(args, rank, world_size, device):
         model, drafter = prepare_models(args, task, task_of(args, warmup=True),
                                         dist.is_initialized(), rank, world_size, device)
         acc0 = evaluate_both(model, drafter, problems, args, task, rank, world_size, "before RL")
-    s = new_state(args, task, model, drafter, rank, world_size, device)
-    start = resume(ckpt_path, ck, s)
+    state = new_state(args, task, model, drafter, rank, world_size, device)
+    start = resume(ckpt_path, ck, state)
     if rank == 0:  # every step appears once: drop records past the checkpoint
         keep_records(metrics_path, start)
         with open(os.path.join(args.out_dir, "task.json"), "w") as f:  # harness.report reads it
@@ -206,22 +209,22 @@ def run(args, rank, world_size, device):
     print0(plan_line(args, world_size))
     for step in range(start, args.rl_steps):
         if step == early_step(args):
-            s.early = snapshot(model, drafter, step)
+            state.early = snapshot(model, drafter, step)
         stats = RolloutStats()  # counts and times the rollout from outside; its clock starts here
         with autocast(args, device):  # rollout, drafter training, GRPO update
-            result = rl_step(step, s, observers(stats, liveness_observer(beat)))
-        rec, ranks = step_record(s, step, result, stats)
+            result = rl_step(step, state, observers(stats, liveness_observer(beat)))
+        rec, ranks = step_record(state, step, result, stats)
         del result  # its rows hold hidden states: not kept through the next rollout
         if rank == 0:
             with open(metrics_path, "a") as f:
                 f.write(json.dumps(rec) + "\n")
         log_step(rec, ranks, args)
         if (step + 1) % args.ckpt_every == 0 or step == args.rl_steps - 1:
-            save(ckpt_path, meta, step, s)
+            save(ckpt_path, meta, step, state)
     with autocast(args, device):
         acc1 = evaluate_both(model, drafter, problems, args, task, rank, world_size, "after RL",
                              check=True)
-        stale = stale_drafter(s, problems, metrics_path)
+        stale = stale_drafter(state, problems, metrics_path)
     if rank == 0 and start < args.rl_steps:  # the records read back: none is held while it runs
         with open(metrics_path) as f:
             records = [r for r in map(json.loads, f) if r["step"] >= start]
@@ -256,30 +259,30 @@ def rl_meta(args, config, task):
             "task_code": task.code}
 
 
-def save(path, meta, step, s):
-    bandits = gather_ranks(bandit_state(s.bandit))
-    save_on_rank0({"meta": meta, "step": step, "model": s.model.state_dict(),
-                   "drafter": s.drafter.state_dict(), "opt": s.opt.state_dict(),
-                   "d_opt": s.d_opt.state_dict(), "bandits": bandits,
-                   "recent_top1": s.top1.recent, "early": s.early},
+def save(path, meta, step, state):
+    bandits = gather_ranks(bandit_state(state.bandit))
+    save_on_rank0({"meta": meta, "step": step, "model": state.model.state_dict(),
+                   "drafter": state.drafter.state_dict(), "opt": state.opt.state_dict(),
+                   "d_opt": state.d_opt.state_dict(), "bandits": bandits,
+                   "recent_top1": state.top1.recent, "early": state.early},
                   path)
 
 
-def resume(path, ck, s):
+def resume(path, ck, state):
     """Take up the RL checkpoint `ck` (None: none) -> the first step to run. Ranks a checkpoint
     from fewer ranks did not have start their bandits fresh."""
     if not ck:
         return 0
     refused = None
     try:
-        s.model.load_state_dict(ck["model"])
-        s.drafter.load_state_dict(ck["drafter"])
-        s.opt.load_state_dict(ck["opt"])
-        s.d_opt.load_state_dict(ck["d_opt"])
-        if s.rank < len(ck["bandits"]):
-            load_bandit(s.bandit, ck["bandits"][s.rank])
-        s.top1.recent = ck["recent_top1"]
-        s.early = ck.get("early")  # none in a checkpoint from before it was kept
+        state.model.load_state_dict(ck["model"])
+        state.drafter.load_state_dict(ck["drafter"])
+        state.opt.load_state_dict(ck["opt"])
+        state.d_opt.load_state_dict(ck["d_opt"])
+        if state.rank < len(ck["bandits"]):
+            load_bandit(state.bandit, ck["bandits"][state.rank])
+        state.top1.recent = ck["recent_top1"]
+        state.early = ck.get("early")  # none in a checkpoint from before it was kept
     except (KeyError, TypeError, ValueError, RuntimeError) as e:  # an older layout of the state
         refused = (f"error: checkpoint {path} does not fit this version of the code "
                    f"({type(e).__name__}: {e}); delete it or use another --out-dir")

@@ -94,8 +94,7 @@ def interleaved(runs, repeats, device=torch.device("cpu")):
 
 @torch.no_grad()
 def forward_time(model, drafter=None, repeats=200):
-    """Best-of-5 time of a one-token forward with a cache at batch 1, of the target or (given) of
-    the drafter."""
+    """Best-of-5 time of a one-token forward with a cache at batch 1, of the target or the drafter."""
     device = model.wte.weight.device
     x = torch.zeros(1, 1, dtype=torch.long, device=device)
     h = torch.zeros(1, 1, model.config.n_embd, device=device)
@@ -161,8 +160,7 @@ def decode_bench(args, task, model, drafter):
     for B in args.batches:
         r = decode_row(args, model, drafter, prompts[:B], keys[:B])
         cells = " ".join(f"{v['tok_s']:7.0f} ({v['accept_len']:.2f})" for v in r["per_k"].values())
-        print(f"{B:5d} {r['ar_tok_s']:11.0f} {cells} {r['best_k']:6d} {r['speedup']:6.2f}x",
-              flush=True)
+        print(f"{B:5d} {r['ar_tok_s']:11.0f} {cells} {r['best_k']:6d} {r['speedup']:6.2f}x", flush=True)
         rows.append(r)
     crossover = next((r["batch"] for r in rows if r["speedup"] <= 1), None)
     print(f"crossover: speculation stops paying at batch {crossover}" if crossover else

@@ -16,7 +16,8 @@ from collections import deque
 import torch
 import torch.distributed as dist
 
-from harness.distributed import print0, stop
+from harness.common import stop
+from harness.distributed import print0
 from harness.liveness import beating, from_rank0, wait_for_all
 
 

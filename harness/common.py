@@ -1,9 +1,9 @@
 """train.py's and the commands' start: command lines, --device, the folders, the machine's name.
 Plumbing a learner may skip.
 
-OneLineParser, leave and on_off (bad input: one error line from rank 0), wants_cuda (--device), sync and machine
-(timing sees a GPU's queued work; what a figure was measured on), check_out_dir (--out-dir and
---warmup-dir written to, and one folder for every machine).
+OneLineParser, stop and on_off (bad input: one error line, from rank 0), wants_cuda
+(--device), sync and machine (timing sees a GPU's queued work; what a figure was measured on),
+check_out_dir (--out-dir and --warmup-dir written to, and one folder for every machine).
 
 Test: python -m pytest tests/test_train.py tests/test_distributed.py
 """
@@ -25,11 +25,8 @@ def machine(device):
     if device.type == "cuda":
         return f"{torch.cuda.get_device_name(device)}, torch {torch.__version__}"
     cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
-    except OSError:  # not Linux
-        pass
+    with contextlib.suppress(OSError), open("/proc/cpuinfo") as f:  # no such file: not Linux
+        cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
     return f"{cpu}, {os.cpu_count()} cores, {torch.get_num_threads()} torch thread(s) per rank, torch {torch.__version__}"
 
 
@@ -44,17 +41,15 @@ def on_off(v):
     return v == "on"
 
 
-LEAVE_S = 30.0  # how long a rank other than 0 waits before it leaves a job that stops
-
-
-def leave(code, message):
-    """End this rank when every rank stops for the same reason: rank 0 prints `message` and exits
-    with `code`; the others exit with it silently, LEAVE_S later. torchrun stops every rank as soon
-    as one exits with an error, so a rank that left first could stop rank 0 before it said why."""
+def stop(message, code=1):
+    """End this rank when every rank stops for the same reason (a refused flag, file or folder): rank
+    0 prints `message`, the others nothing, so the job says it once, without a traceback. torchrun
+    stops every rank once one exits with an error, so the others leave 30 s later: first, they could
+    have rank 0 stopped before it had said why."""
     if int(os.environ.get("RANK", 0)) == 0:
-        sys.stderr.write(message)
-        raise SystemExit(code)
-    time.sleep(LEAVE_S)  # torchrun stops this rank once rank 0 has left
+        print(message, file=sys.stderr)
+    elif "TORCHELASTIC_RUN_ID" in os.environ:  # set by torchrun
+        time.sleep(30)  # torchrun stops this rank once rank 0 has left
     raise SystemExit(code)
 
 
@@ -63,7 +58,7 @@ class OneLineParser(argparse.ArgumentParser):
     from rank 0 only under torchrun: every rank parses the same flags."""
 
     def error(self, message):
-        leave(2, f"error: {message} (see --help)\n")
+        stop(f"error: {message} (see --help)", code=2)
 
 
 def wants_cuda(device_arg):
@@ -108,4 +103,4 @@ def check_out_dir(*folders, store=None):
         with contextlib.suppress(OSError):  # not written: the error says why
             os.remove(probe)
     if problem:
-        leave(1, f"error: {problem}\n")
+        stop(f"error: {problem}")

@@ -4,8 +4,8 @@ collectives every rank uses. Plumbing a learner may skip.
 compute_init joins the group (NCCL or gloo; `connected`: a group that cannot connect fails in one
 line naming GLOO_SOCKET_IFNAME) or runs as rank 0 of 1; agree_prefix keeps a restarted group off a
 dead group's keys; all_sum, gather_ranks; wrap_ddp puts the target's gradient buckets in their final
-order at once; print0, stop (one error line from rank 0). Waits where ranks arrive far apart
-(COLLECTIVE_TIMEOUT_S, TLT_COLLECTIVE_TIMEOUT) are liveness.py's.
+order at once; print0. Waits where ranks arrive far apart (COLLECTIVE_TIMEOUT_S,
+TLT_COLLECTIVE_TIMEOUT) are liveness.py's.
 
 Test: python -m pytest tests/test_scheduler.py tests/test_distributed.py
 """
@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.rendezvous import rendezvous
 
-from harness.common import leave, wants_cuda
+from harness.common import wants_cuda
 
 # seconds: how long a rank may go without a sign of progress while its peers wait for it (Liveness:
 # they then fail, naming it), and how long a collective that the ranks reach together may take
@@ -138,12 +138,6 @@ def print0(*a, **kw):
     if int(os.environ.get("RANK", 0)) == 0:
         print(*a, **kw, flush=True)
 
-
-
-def stop(message):
-    """End this rank with exit code 1 when every rank stops for the same reason (a refused flag or
-    file): rank 0 prints `message`, the others nothing, so the job says it once, without a traceback."""
-    leave(1, message + "\n")
 
 
 def wrap_ddp(model):

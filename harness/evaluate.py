@@ -150,6 +150,5 @@ def tokens_per_verify(s, target, drafter, problems, k):
     evaluate(target, s.task, problems, s.rank, s.world_size, drafter=drafter, k=k,
              temperature=s.args.temperature, seed=s.args.seed + 2, stats=stats)
     stats.settle()  # sync: its counts
-    total = all_sum({"tokens": stats.sd_tokens, "steps": stats.sd_row_steps},
-                    target.wte.weight.device)
+    total = all_sum({"tokens": stats.sd_tokens, "steps": stats.sd_row_steps}, target.wte.weight.device)
     return total["tokens"] / max(total["steps"], 1)

@@ -64,8 +64,8 @@ RUN = ["--rl-steps", "20", "--max-n", "4", "--block-size", "64", "--n-layer", "2
 class Phases:
     """Wraps every phase's function. Each call is named by (phase, where, n): where the run is
     ("before RL", "step 7": after this process's 8th rollout, "after RL") and n, its count there
-    from 0. A call's length is
-    appended to <out-dir>/phases.rank<r>.jsonl; the call the plan names arms a SIGKILL."""
+    from 0. A call's length is appended to <out-dir>/phases.rank<r>.jsonl; the call the plan names
+    arms a SIGKILL."""
 
     def __init__(self, plan, rank, first_attempt):
         self.plan = plan if first_attempt and plan.get("rank") == rank else None

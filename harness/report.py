@@ -74,8 +74,7 @@ def step_record(s, step, result, stats):
     return rec, ranks
 
 
-def rank_record(step, local, total, all_rewards, responses, step_time, update_time,
-                timeline=False):
+def rank_record(step, local, total, all_rewards, responses, step_time, update_time, timeline=False):
     """The record from this rank's `local` part and the sums over ranks, and every rank's part.
     responses: every response's token ids in global row order; timeline: whether the record keeps
     every rank's timeline segments (they are long: only on the steps whose timeline is printed)."""

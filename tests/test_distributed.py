@@ -2,7 +2,9 @@
 folder check): the README's several-machines command writes the run that one agent of the same
 world size writes, bit for bit; a folder that is not one for every node, a write test that two nodes
 could share and a gloo group that cannot connect each end in one clear line. Real processes: seconds."""
+import contextlib
 import datetime
+import io
 import json
 import os
 import socket
@@ -70,11 +72,13 @@ def _first_ranks_of_two_machines(rank, port, tmp):
     store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=30))
     said = {}
     for trial, folder in (("shared", "both"), ("not shared", f"node{rank}")):
+        err = io.StringIO()
         try:
-            common.check_out_dir(os.path.join(tmp, folder), store=dist.PrefixStore(trial, store))
+            with contextlib.redirect_stderr(err):
+                common.check_out_dir(os.path.join(tmp, folder), store=dist.PrefixStore(trial, store))
             said[trial] = ""
         except SystemExit as e:
-            said[trial] = str(e.code)
+            said[trial] = err.getvalue().strip() or str(e.code)
     dist.init_process_group("gloo", store=dist.PrefixStore("group", store), rank=rank, world_size=2)
     t0 = time.time()
     if rank == 0:

@@ -59,7 +59,7 @@ def test_the_reading_table_gives_each_named_definition_its_true_length_and_its_t
             assert name in defs, f"row {number}: {file} has no {name}"
             assert defs[name] == count, f"{file} {name}: the README says {count}, the code {defs[name]}"
         path_total += sum(counts)
-    stated = re.search(r"\(([\d,]+) lines of code\)", section)
+    stated = re.search(r"\(([\d,]+) lines, docstrings and comments included\)", section)
     assert stated, "the reading section states no total"
     assert int(stated.group(1).replace(",", "")) == path_total
 
