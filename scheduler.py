@@ -9,10 +9,11 @@ it works for the drafter, one short piece at a time:
     while not arrived.is_completed():       # preemption: the last rank's arrival
         one piece of drafter work
 
-That is how idle time becomes drafter training, with torch.distributed alone. A piece is short
-(scoring a few fresh rows, or one drafter step that can stop between its passes), because the last
-rank waits for the piece in flight. The last rank itself mostly does none: it finds the barrier
-complete within the grace; when the round trip takes longer, it may run a piece before it leaves.
+That is idle time turned into drafter training with torch.distributed alone (the run's barrier, from
+the harness, also watches for dead ranks). A piece is short
+(scoring a few fresh rows, or one drafter step that can stop between its passes): the last rank
+waits for the piece in flight. The last rank itself mostly does none: it finds the barrier complete
+within the grace; when the round trip takes longer, it may run a piece before it leaves.
 
 Then every rank holds the same drafter again. The weights are averaged, weighted by each rank's
 local drafter steps, in one all-reduce that overlaps the target's update. Each rank's AdamW moments
@@ -128,9 +129,8 @@ TOP1_STEPS = 5  # RL steps whose figures make the recent top-1
 
 class RecentTop1:
     """The drafter's top-1 agreement with the target on fresh rows over the last TOP1_STEPS scored
-    steps (a step with nothing scored is not one of them). Each rank scores its own rows on idle
-    time, before it trains on them (the slowest rank's mostly go unscored); the sync sums the
-    counts over ranks."""
+    steps (a step with nothing scored is not one of them). Each rank scores its fresh rows on idle
+    time, before any training (the slowest rank's mostly go unscored); the sync sums the counts."""
 
     def __init__(self):
         self.recent = []  # [agreeing, positions] per RL step, summed over ranks
