@@ -75,16 +75,25 @@ def swap(ball, pair):
 @dataclass(frozen=True)
 class Problem:
     swaps: tuple  # e.g. ("AB", "BC"): the cups each swap exchanges
+    rounds: int = 0  # 0: the swaps once; r > 0: done r times over, the prompt says "*r"
 
     @property
     def size(self):
         return len(self.swaps)
 
     @property
+    def steps(self):
+        """Every swap in the order it is done: (round marker or "", label, cups)."""
+        if not self.rounds:
+            return [("", LABELS[i], pair) for i, pair in enumerate(self.swaps)]
+        return [(f"{r + 1}:" if i == 0 else "", LABELS[i], pair)
+                for r in range(self.rounds) for i, pair in enumerate(self.swaps)]
+
+    @property
     def balls(self):
-        """Where the ball is after each swap."""
+        """Where the ball is after each step."""
         out, ball = [], START
-        for pair in self.swaps:
+        for _, _, pair in self.steps:
             ball = swap(ball, pair)
             out.append(ball)
         return out
@@ -94,16 +103,17 @@ class Problem:
         return self.balls[-1] if self.swaps else START
 
     def prompt(self):
-        return " ".join(LABELS[i] + pair for i, pair in enumerate(self.swaps)) + "?"
+        swaps = " ".join(LABELS[i] + pair for i, pair in enumerate(self.swaps))
+        return swaps + (f" *{self.rounds}" if self.rounds else "") + "?"
 
     def response(self, rng=None, outright=0.0):
         """The swaps followed one at a time, then the answer. Given an rng, a warm-up trace: before
         each swap, the answer outright instead with probability `outright`."""
         steps = []
-        for label, pair, ball in zip(LABELS, self.swaps, self.balls):
+        for (marker, label, pair), ball in zip(self.steps, self.balls):
             if rng and rng.random() < outright:
                 break
-            steps.append(f"{label}{pair}={ball}")
+            steps.append(f"{marker}{label}{pair}={ball}")
         return " ".join(steps + [f">{self.answer}"])
 
 
@@ -116,6 +126,9 @@ class ShellGame(Task):
     outright: float = field(default=0.15, metadata={
         "help": "warm-up traces: the probability, before every swap, of the answer outright (>C) "
                 "instead of the swap (bBC=C)"})
+    rounds: str = field(default="once", metadata={
+        "help": 'the swaps done once, or "n": as many times over as there are swaps (n swaps, n '
+                'rounds, n^2 steps written: a response quadratic in the problem\'s size)'})
 
     name = "shell_game"
     choice = "swaps written"
@@ -125,10 +138,11 @@ class ShellGame(Task):
     def __post_init__(self):  # NaN fails every rule
         super().__post_init__()
         self.check(("max_n", 1 <= self.max_n <= len(LABELS), f"in 1..{len(LABELS)}"),
-                   ("outright", 0 <= self.outright < 1, "in [0, 1)"))
+                   ("outright", 0 <= self.outright < 1, "in [0, 1)"),
+                   ("rounds", self.rounds in ("once", "n"), 'once or n'))
 
     def problem(self, rng, size):
-        return Problem(tuple(rng.choice(PAIRS) for _ in range(size)))
+        return Problem(tuple(rng.choice(PAIRS) for _ in range(size)), size if self.rounds == "n" else 0)
 
     def prompt_ids(self, problem):
         return encode(problem.prompt())
@@ -146,17 +160,19 @@ class ShellGame(Task):
         p, r = encode(problem.prompt()), encode(problem.response(rng, self.outright)) + [EOS_ID]
         return p + r, len(p)
 
-    @staticmethod
-    def response_len(n):  # the longest response (single swaps only), <|eos|> included
-        return 6 * n + 3  # every swap: "bBC=C " is 6 tokens, ">C" 2, then <|eos|>
+    def response_len(self, n):  # the longest response (every swap followed), <|eos|> included
+        if self.rounds == "once":
+            return 6 * n + 3  # every swap: "bBC=C " is 6 tokens, ">C" 2, then <|eos|>
+        return n * 6 * n + sum(len(str(r)) + 1 for r in range(1, n + 1)) + 3  # and "12:" a round
 
     @property
-    def max_prompt_len(self):
-        return 2 * self.max_n  # a merged swap and a space (the last: "?") each
+    def max_prompt_len(self):  # a merged swap and a space (the last: "?") each, and " *12"
+        return 2 * self.max_n + (0 if self.rounds == "once" else 2 + len(str(self.max_n)))
 
     def choice_share(self, problem, response_ids):
         """The share of the problem's swaps that the response followed before its answer."""
-        return min(1.0, len(re.findall(r"[a-z][A-C]{2}=", self.decode(response_ids))) / problem.size)
+        written = len(re.findall(r"[a-z][A-C]{2}=", self.decode(response_ids)))
+        return min(1.0, written / (problem.size * max(problem.rounds, 1)))
 
     def parse(self, text):
         return parse_prompt(text)
@@ -168,10 +184,12 @@ class ShellGame(Task):
 
 
 def parse_prompt(prompt):
-    """Prompt text ("aAB bBC?", labels a, b, c, ... in order) -> Problem, or None. Never raises."""
-    m = isinstance(prompt, str) and re.fullmatch(r"[a-z](AB|AC|BC)(?: [a-z](?:AB|AC|BC))*\?", prompt)
+    """Prompt text ("aAB bBC?", labels a, b, c, ... in order; "aAB bBC *2?": done twice) -> Problem,
+    or None. Never raises."""
+    m = isinstance(prompt, str) and re.fullmatch(r"[a-z](AB|AC|BC)(?: [a-z](?:AB|AC|BC))*(?: \*(\d+))?\?",
+                                                 prompt)
     if not m:
         return None
     pairs = tuple(re.findall(r"[a-z](AB|AC|BC)", prompt))
-    problem = Problem(pairs) if len(pairs) <= len(LABELS) else None
+    problem = Problem(pairs, int(m.group(2) or 0)) if len(pairs) <= len(LABELS) else None
     return problem if problem is not None and problem.prompt() == prompt else None
