@@ -75,7 +75,7 @@ def swap(ball, pair):
 @dataclass(frozen=True)
 class Problem:
     swaps: tuple  # e.g. ("AB", "BC"): the cups each swap exchanges
-    rounds: int = 0  # 0: the swaps once; r > 0: done r times over, the prompt says "*r"
+    rounds: bool = False  # in rounds: round r follows the first r swaps; the prompt ends " *?"
 
     @property
     def size(self):
@@ -86,8 +86,8 @@ class Problem:
         """Every swap in the order it is done: (round marker or "", label, cups)."""
         if not self.rounds:
             return [("", LABELS[i], pair) for i, pair in enumerate(self.swaps)]
-        return [(f"{r + 1}:" if i == 0 else "", LABELS[i], pair)
-                for r in range(self.rounds) for i, pair in enumerate(self.swaps)]
+        return [(f"{r}:" if i == 0 else "", LABELS[i], self.swaps[i])
+                for r in range(1, self.size + 1) for i in range(r)]
 
     @property
     def balls(self):
@@ -104,14 +104,15 @@ class Problem:
 
     def prompt(self):
         swaps = " ".join(LABELS[i] + pair for i, pair in enumerate(self.swaps))
-        return swaps + (f" *{self.rounds}" if self.rounds else "") + "?"
+        return swaps + (" *" if self.rounds else "") + "?"
 
     def response(self, rng=None, outright=0.0):
         """The swaps followed one at a time, then the answer. Given an rng, a warm-up trace: before
-        each swap, the answer outright instead with probability `outright`."""
+        each swap (in rounds, before each round), the answer outright instead with probability
+        `outright`."""
         steps = []
         for (marker, label, pair), ball in zip(self.steps, self.balls):
-            if rng and rng.random() < outright:
+            if rng and (marker or not self.rounds) and rng.random() < outright:
                 break
             steps.append(f"{marker}{label}{pair}={ball}")
         return " ".join(steps + [f">{self.answer}"])
@@ -124,11 +125,11 @@ class ShellGame(Task):
     alpha: float = field(default=1.0, metadata={
         "help": "tail exponent of the problem sizes, P(n) ~ n^-alpha (smaller: a heavier tail)"})
     outright: float = field(default=0.15, metadata={
-        "help": "warm-up traces: the probability, before every swap, of the answer outright (>C) "
-                "instead of the swap (bBC=C)"})
+        "help": "warm-up traces: the probability, before every swap (in rounds: every round), "
+                "of the answer outright (>C) instead of the swap (bBC=C)"})
     rounds: str = field(default="once", metadata={
-        "help": 'the swaps done once, or "n": as many times over as there are swaps (n swaps, n '
-                'rounds, n^2 steps written: a response quadratic in the problem\'s size)'})
+        "help": 'the swaps followed once, or "growing": in rounds, round r following the first r '
+                'swaps (n(n+1)/2 steps written: a response quadratic in the problem\'s size)'})
 
     name = "shell_game"
     choice = "swaps written"
@@ -139,10 +140,10 @@ class ShellGame(Task):
         super().__post_init__()
         self.check(("max_n", 1 <= self.max_n <= len(LABELS), f"in 1..{len(LABELS)}"),
                    ("outright", 0 <= self.outright < 1, "in [0, 1)"),
-                   ("rounds", self.rounds in ("once", "n"), 'once or n'))
+                   ("rounds", self.rounds in ("once", "growing"), 'once or growing'))
 
     def problem(self, rng, size):
-        return Problem(tuple(rng.choice(PAIRS) for _ in range(size)), size if self.rounds == "n" else 0)
+        return Problem(tuple(rng.choice(PAIRS) for _ in range(size)), self.rounds == "growing")
 
     def prompt_ids(self, problem):
         return encode(problem.prompt())
@@ -163,16 +164,16 @@ class ShellGame(Task):
     def response_len(self, n):  # the longest response (every swap followed), <|eos|> included
         if self.rounds == "once":
             return 6 * n + 3  # every swap: "bBC=C " is 6 tokens, ">C" 2, then <|eos|>
-        return n * 6 * n + sum(len(str(r)) + 1 for r in range(1, n + 1)) + 3  # and "12:" a round
+        return 3 * n * (n + 1) + sum(len(str(r)) + 1 for r in range(1, n + 1)) + 3  # "12:" a round
 
     @property
-    def max_prompt_len(self):  # a merged swap and a space (the last: "?") each, and " *12"
-        return 2 * self.max_n + (0 if self.rounds == "once" else 2 + len(str(self.max_n)))
+    def max_prompt_len(self):  # a merged swap and a space (the last: "?") each; in rounds " *"
+        return 2 * self.max_n + (0 if self.rounds == "once" else 2)
 
     def choice_share(self, problem, response_ids):
         """The share of the problem's swaps that the response followed before its answer."""
         written = len(re.findall(r"[a-z][A-C]{2}=", self.decode(response_ids)))
-        return min(1.0, written / (problem.size * max(problem.rounds, 1)))
+        return min(1.0, written / len(problem.steps))
 
     def parse(self, text):
         return parse_prompt(text)
@@ -184,12 +185,11 @@ class ShellGame(Task):
 
 
 def parse_prompt(prompt):
-    """Prompt text ("aAB bBC?", labels a, b, c, ... in order; "aAB bBC *2?": done twice) -> Problem,
+    """Prompt text ("aAB bBC?", labels a, b, c, ... in order; "aAB bBC *?": in rounds) -> Problem,
     or None. Never raises."""
-    m = isinstance(prompt, str) and re.fullmatch(r"[a-z](AB|AC|BC)(?: [a-z](?:AB|AC|BC))*(?: \*(\d+))?\?",
-                                                 prompt)
+    m = isinstance(prompt, str) and re.fullmatch(r"[a-z](AB|AC|BC)(?: [a-z](?:AB|AC|BC))*( \*)?\?", prompt)
     if not m:
         return None
     pairs = tuple(re.findall(r"[a-z](AB|AC|BC)", prompt))
-    problem = Problem(pairs, int(m.group(2) or 0)) if len(pairs) <= len(LABELS) else None
+    problem = Problem(pairs, m.group(2) is not None) if len(pairs) <= len(LABELS) else None
     return problem if problem is not None and problem.prompt() == prompt else None

@@ -37,12 +37,12 @@ def test_the_format_on_an_example():
     assert TASKS["shell_game"] is ShellGame and DEFAULT.choice == "swaps written"
 
 
-def test_rounds_n_does_the_swaps_n_times_over_marking_each_round():
-    p = Problem(("AB", "BC"), rounds=2)  # the ball: A -> B -> C, then -> C (AB leaves it) -> B
-    assert p.prompt() == "aAB bBC *2?" and p.balls == ["B", "C", "C", "B"] and p.answer == "B"
-    assert p.response() == "1:aAB=B bBC=C 2:aAB=C bBC=B >B"
-    assert ShellGame(rounds="n").problem(random.Random(0), 3).rounds == 3
-    assert DEFAULT.problem(random.Random(0), 3).rounds == 0  # the default: once, no "*"
+def test_in_growing_rounds_round_r_follows_the_first_r_swaps_marking_each_round():
+    p = Problem(("AB", "BC", "AC"), rounds=True)  # the ball: A -> B | -> A -> A | -> B -> C -> A
+    assert p.prompt() == "aAB bBC cAC *?" and p.balls == ["B", "A", "A", "B", "C", "A"]
+    assert p.response() == "1:aAB=B 2:aAB=A bBC=A 3:aAB=B bBC=C cAC=A >A" and p.answer == "A"
+    assert ShellGame(rounds="growing").problem(random.Random(0), 3).rounds
+    assert not DEFAULT.problem(random.Random(0), 3).rounds  # the default: once, no "*"
 
 
 def test_the_encoding_is_in_process_and_merges_every_labelled_swap_of_the_prompt(no_network):
@@ -134,8 +134,8 @@ def test_choice_share_is_the_share_of_the_swaps_followed():
     assert share(p.response()) == 1.0 and share(">C") == 0.0 and share("") == 0.0
     assert share("aAB=B bBC=C >C") == pytest.approx(2 / 5)
     assert share(p.response().split(">")[0] + "fAB=A >C") == 1.0  # never above 1
-    q = Problem(("AB", "BC"), rounds=2)
-    assert DEFAULT.choice_share(q, ids_of("1:aAB=B bBC=C >C")) == pytest.approx(2 / 4)  # every round's
+    q = Problem(("AB", "BC"), rounds=True)  # 1 + 2 steps
+    assert DEFAULT.choice_share(q, ids_of("1:aAB=B 2:aAB=A >C")) == pytest.approx(2 / 3)  # every round's
 
 
 # ----------------------------------------------------------------------------- parse
@@ -149,8 +149,8 @@ def test_parse_round_trips_and_rejects_what_is_no_problem():
                  " ".join(f"{c}AB" for c in task.LABELS) + " aAB?"):
         assert DEFAULT.parse(text) is None, repr(text)
     assert DEFAULT.parse("aAB bBC cAC?") == Problem(("AB", "BC", "AC"))
-    assert DEFAULT.parse("aAB bBC *2?") == Problem(("AB", "BC"), 2)
-    for text in ("aAB *0?", "aAB *02?", "aAB*2?", "aAB *?", "*2?", "aAB *2 bBC?"):
+    assert DEFAULT.parse("aAB bBC *?") == Problem(("AB", "BC"), True)
+    for text in ("aAB *2?", "aAB*?", "aAB **?", "*?", "aAB * bBC?"):
         assert DEFAULT.parse(text) is None, repr(text)
 
 
@@ -166,17 +166,17 @@ def test_response_len_bounds_every_trace_and_following_every_swap_reaches_it():
     assert DEFAULT.max_seq_len + 8 <= 256  # the default --block-size, with the longest draft
 
 
-def test_with_rounds_n_the_length_is_quadratic_and_a_twentieth_of_the_responses_hold_a_quarter():
-    """n swaps done n times over: response_len bounds every trace and the full response reaches it;
-    over 20,000 sampled sizes at --max-n 7 --alpha 1.5, the longest 5% of the full responses hold
-    at least a quarter of their tokens (measured: 0.28)."""
-    cfg, rng = ShellGame(rounds="n", max_n=12), random.Random(12)
+def test_in_growing_rounds_the_length_is_quadratic_and_a_twentieth_of_the_responses_hold_a_quarter():
+    """n swaps in n growing rounds: response_len bounds every trace and the full response reaches it;
+    over 20,000 sampled sizes at --max-n 8 --alpha 1.5, the longest 5% of the full responses hold
+    at least a quarter of their tokens (measured: 0.26)."""
+    cfg, rng = ShellGame(rounds="growing", max_n=12), random.Random(12)
     for p in by_size(cfg, per_size=3, seed=12):
         assert len(ids_of(p.response())) + 1 == cfg.response_len(p.size)
         assert len(ids_of(p.response(rng, cfg.outright))) + 1 <= cfg.response_len(p.size)
-    assert len(ids_of(Problem(("AB",) * 12, 12).prompt())) == cfg.max_prompt_len
-    assert [cfg.response_len(n) for n in (1, 2, 3)] == [11, 31, 63]  # 6 n^2 + 2 n + 3
-    small = ShellGame(rounds="n", max_n=7, alpha=1.5)
+    assert len(ids_of(Problem(("AB",) * 12, True).prompt())) == cfg.max_prompt_len
+    assert [cfg.response_len(n) for n in (1, 2, 3)] == [11, 25, 45]  # 3 n (n + 1) + 2 n + 3 to n = 9
+    small = ShellGame(rounds="growing", max_n=8, alpha=1.5)
     lengths = np.sort([small.response_len(small.sample(rng).size) for _ in range(20_000)])[::-1]
     assert lengths[:1000].sum() / lengths.sum() >= 0.25
 
@@ -211,8 +211,24 @@ def test_warm_up_traces_follow_the_first_swaps_then_answer():
     assert ids[:plen] == DEFAULT.prompt_ids(Problem(("AB", "BC"))) and ids[-1] == task.EOS_ID
 
 
+
+def test_in_rounds_warm_up_traces_choose_before_each_round():
+    """In growing rounds a trace answers outright only where a round would begin ("2:"), with
+    probability `outright` each time: whole rounds, then the answer."""
+    cfg, rng, seen = ShellGame(rounds="growing", outright=0.3), random.Random(13), Counter()
+    for _ in range(3000):
+        p = cfg.sample(rng)
+        steps, answer = p.response(rng, cfg.outright).rsplit(">", 1)
+        full, rounds = p.response(), steps.count(":")
+        assert full.startswith(steps) and answer == p.answer
+        assert full[len(steps):].startswith((f"{rounds + 1}:", ">"))  # a round's end, or the answer
+        seen["round"] += rounds
+        seen["outright"] += rounds < p.size
+    share = seen["outright"] / (seen["round"] + seen["outright"])
+    assert abs(share - 0.3) < 0.03, seen  # over a thousand choices: about 3 sigma
+
 @pytest.mark.parametrize("kwargs", [dict(max_n=0), dict(max_n=27), dict(outright=1.0), dict(outright=-0.1),
-                                    dict(outright=float("nan")), dict(min_n=13), dict(rounds="twice")])
+                                    dict(outright=float("nan")), dict(min_n=13), dict(rounds="n")])
 def test_bad_settings_are_refused(kwargs):
     with pytest.raises(ValueError):
         ShellGame(**kwargs)
