@@ -26,6 +26,17 @@ warm-up traces also jump over several items at once. Here a jump, "dAB=B" right 
 would be written as a step is, and RL's updates on its guessed cup spoiled the steps written the
 same way: RESULTS.md.)
 
+In rounds (--rounds growing), the swaps are followed again and again, round r following the first
+r swaps, so a response grows with the square of the problem's size:
+
+    prompt:    aAB bBC cAC *?
+    response:  1:aAB=B 2:aAB=A bBC=A 3:aAB=B bBC=C cAC=A >A<|eos|>
+
+and a warm-up trace chooses before each round ("2:") rather than before each swap. (n rounds of all n
+swaps would give the answer away: the n swaps make one permutation of three cups, which done n times
+over is itself, its inverse or no move at all; for odd n itself, so the ball ends where the first
+round left it. A trial that did so learned that shortcut, and its responses shortened under RL.)
+
 The long tail: n follows a power law P(n) ~ n^-1 on 1..12, so most problems are a few swaps and a
 few are many: a step's longest response is about three times its median (2.9, the median over the
 default run's steps), and one prompt's samples differ in length by their choices. Simplified on purpose: three cups (a guess is right a third of
