@@ -17,7 +17,8 @@ The warm-up traces choose before every swap: the swap, or the answer outright (p
 `outright`), so that a trace of many swaps usually stops early, as base models answer quickly.
 Rewarded only for the final answer, RL should shift the choice toward following every swap, so
 that the responses lengthen, most on the longest problems. The choice is one token (the next label,
-or ">"), so RL moves the target at that token while the steps after it stay what they were.
+or ">"; in rounds, the round's number or ">"), so RL moves the target at that token while the steps
+after it stay what they were.
 
 Beside the running sum (tasks/running_sum.py), the same lesson in another dress: state tracking
 rather than arithmetic, letters rather than digits, three characters merged per prompt item rather
@@ -34,8 +35,8 @@ r swaps, so a response grows with the square of the problem's size:
 
 and a warm-up trace chooses before each round ("2:") rather than before each swap. (n rounds of all n
 swaps would give the answer away: the n swaps make one permutation of three cups, which done n times
-over is itself, its inverse or no move at all; for odd n itself, so the ball ends where the first
-round left it. A trial that did so learned that shortcut, and its responses shortened under RL.)
+over is itself, its inverse or no move at all; for odd n itself (an odd number of swaps is itself
+a swap, of order 2), so the ball ends where the first round left it. A trial that did so learned that shortcut, and its responses shortened under RL.)
 
 The long tail: n follows a power law P(n) ~ n^-1 on 1..12, so most problems are a few swaps and a
 few are many: a step's longest response is about three times its median (2.9, the median over the
@@ -143,7 +144,6 @@ class ShellGame(Task):
                 'swaps (n(n+1)/2 steps written: a response quadratic in the problem\'s size)'})
 
     name = "shell_game"
-    choice = "swaps written"
     size_buckets = SIZE_BUCKETS
     encoding = ENC
 
@@ -181,13 +181,21 @@ class ShellGame(Task):
     def max_prompt_len(self):  # a merged swap and a space (the last: "?") each; in rounds " *"
         return 2 * self.max_n + (0 if self.rounds == "once" else 2)
 
+    @property
+    def choice(self):
+        return "rounds written" if self.rounds == "growing" else "swaps written"
+
     def choice_share(self, problem, response_ids):
-        """The share of the problem's swaps that the response followed before its answer."""
-        written = len(re.findall(r"[a-z][A-C]{2}=", self.decode(response_ids)))
-        return min(1.0, written / len(problem.steps))
+        """The share of the problem's swaps (in rounds: of its rounds) that the response followed
+        before its answer."""
+        text = self.decode(response_ids)
+        written = len(re.findall(r"\d+:" if problem.rounds else r"[a-z][A-C]{2}=", text))
+        return min(1.0, written / problem.size)
 
     def parse(self, text):
-        return parse_prompt(text)
+        """A prompt of this task's kind (in rounds or once, as --rounds says), or None."""
+        problem = parse_prompt(text)
+        return problem if problem and problem.rounds == (self.rounds == "growing") else None
 
     def merges(self):
         """Each labelled swap "bBC" and its parts "b", "B" and "C": see harness.warmup's --merge-init."""
