@@ -33,10 +33,14 @@ r swaps, so a response grows with the square of the problem's size:
     prompt:    aAB bBC cAC *?
     response:  1:aAB=B 2:aAB=A bBC=A 3:aAB=B bBC=C cAC=A >A<|eos|>
 
-and a warm-up trace chooses before each round ("2:") rather than before each swap. (n rounds of all n
-swaps would give the answer away: the n swaps make one permutation of three cups, which done n times
-over is itself, its inverse or no move at all; for odd n itself (an odd number of swaps is itself
-a swap, of order 2), so the ball ends where the first round left it. A trial that did so learned that shortcut, and its responses shortened under RL.)
+A warm-up trace, with probability `outright`, answers outright before one of its rounds drawn
+uniformly (before the first: at once); else it follows every round. So the traces keep many of the
+long responses the target must learn to write, and RL moves the choice at a round's first token. (A
+choice before each round, as before each swap, left too few long traces: the target copied late
+swaps' cups wrong, and RL learned to answer early. And n rounds of all n swaps would give the answer
+away: the n swaps make one permutation of three cups, which done n times over is itself, its
+inverse or no move at all; for odd n itself (an odd number of swaps is a swap, of order 2), so the
+ball ends where the first round left it. Trials of both are in RESULTS.md.)
 
 The long tail: n follows a power law P(n) ~ n^-1 on 1..12, so most problems are a few swaps and a
 few are many: a step's longest response is about three times its median (2.9, the median over the
@@ -120,11 +124,12 @@ class Problem:
 
     def response(self, rng=None, outright=0.0):
         """The swaps followed one at a time, then the answer. Given an rng, a warm-up trace: before
-        each swap (in rounds, before each round), the answer outright instead with probability
-        `outright`."""
+        each swap, the answer outright instead with probability `outright`; in rounds, with
+        probability `outright` the answer outright before a round drawn uniformly."""
+        stop = rng.randint(1, self.size) if rng and self.rounds and rng.random() < outright else None
         steps = []
         for (marker, label, pair), ball in zip(self.steps, self.balls):
-            if rng and (marker or not self.rounds) and rng.random() < outright:
+            if marker == f"{stop}:" or (rng and not self.rounds and rng.random() < outright):
                 break
             steps.append(f"{marker}{label}{pair}={ball}")
         return " ".join(steps + [f">{self.answer}"])
@@ -137,8 +142,9 @@ class ShellGame(Task):
     alpha: float = field(default=1.0, metadata={
         "help": "tail exponent of the problem sizes, P(n) ~ n^-alpha (smaller: a heavier tail)"})
     outright: float = field(default=0.15, metadata={
-        "help": "warm-up traces: the probability, before every swap (in rounds: every round), "
-                "of the answer outright (>C) instead of the swap (bBC=C)"})
+        "help": "warm-up traces: the probability, before every swap, of the answer outright (>C) "
+                "instead of the swap (bBC=C); in rounds, of the answer outright before a round drawn "
+                "at random"})
     rounds: str = field(default="once", metadata={
         "help": 'the swaps followed once, or "growing": in rounds, round r following the first r '
                 'swaps (n(n+1)/2 steps written: a response quadratic in the problem\'s size)'})

@@ -217,20 +217,20 @@ def test_warm_up_traces_follow_the_first_swaps_then_answer():
     assert ids[:plen] == DEFAULT.prompt_ids(Problem(("AB", "BC"))) and ids[-1] == task.EOS_ID
 
 
-def test_in_rounds_warm_up_traces_choose_before_each_round():
-    """In growing rounds a trace answers outright only where a round would begin ("2:"), with
-    probability `outright` each time: whole rounds, then the answer."""
-    cfg, rng, seen = ShellGame(rounds="growing", outright=0.3), random.Random(13), Counter()
+def test_in_rounds_a_warm_up_trace_answers_outright_before_a_round_drawn_uniformly():
+    """In growing rounds, with probability `outright` a trace answers outright where a round would
+    begin ("2:"), the round drawn uniformly; else it follows every round."""
+    cfg, rng, stopped = ShellGame(rounds="growing", outright=0.3), random.Random(13), []
     for _ in range(3000):
-        p = cfg.sample(rng)
+        p = cfg.problem(rng, 5)
         steps, answer = p.response(rng, cfg.outright).rsplit(">", 1)
         full, rounds = p.response(), steps.count(":")
         assert full.startswith(steps) and answer == p.answer
         assert full[len(steps):].startswith((f"{rounds + 1}:", ">"))  # a round's end, or the answer
-        seen["round"] += rounds
-        seen["outright"] += rounds < p.size
-    share = seen["outright"] / (seen["round"] + seen["outright"])
-    assert abs(share - 0.3) < 0.018, seen  # about 6,000 choices: about 3 sigma
+        if rounds < p.size:
+            stopped.append(rounds)
+    assert abs(len(stopped) / 3000 - 0.3) < 0.025  # 3 sigma
+    assert Counter(stopped).keys() == {0, 1, 2, 3, 4} and abs(np.mean(stopped) - 2) < 0.15  # 3 sigma
 
 
 @pytest.mark.parametrize("kwargs", [dict(max_n=0), dict(max_n=27), dict(outright=1.0), dict(outright=-0.1),
