@@ -1,20 +1,20 @@
-"""The adaptive rollout engine: plain decoding while the batch is big, speculative in the tail.
+"""The adaptive rollout engine: speculative decoding where it pays, in the tail of small batches.
 
 One rollout generates every row of a rank's shard in one running batch:
 
     prefill each distinct prompt once, copy it to its rows -> while rows remain:
-        running batch > threshold  -> plain step (one token per row)
+        running batch > threshold  -> plain step (none at train.py's default, above a rank's rows)
         running batch <= threshold -> the bandit picks k for this batch size;
                                       k = 0 is a plain step, k > 0 a speculative one
         drop the rows that finished (compaction: the batch and both caches shrink)
 
-A speculative step verifies k + 1 tokens per row, so it pays only where a decoding step costs
-mostly its fixed overheads (kernel launches, weight reads): when the running batch is small. Where
-it stops paying depends on the hardware, the drafter's acceptance and the batch size, so the engine
-measures instead of guessing. An epsilon-greedy bandit per power-of-two batch size scores each k
-by the tokens per second it delivered. The switch to speculation costs no second target pass: the
-drafter catches up from the hidden states the running batch records for every token, and the same
-states go to the drafter's buffer.
+A speculative step verifies k + 1 tokens per row, so it pays only where a decoding step costs mostly
+its fixed overheads (kernel launches, weight reads): when the running batch is small. Where it stops
+paying depends on the hardware, the drafter's acceptance and the batch size, so the engine measures
+instead of guessing. An epsilon-greedy bandit per power-of-two batch size scores each k by the
+tokens per second it delivered. The switch to speculation costs no second target pass: the drafter
+catches up from the hidden states the running batch records for every token, and the same states go
+to the drafter's buffer.
 
 The decoding loop is `speculative.decode`; the engine is the policy it asks for k each step
 (`TailPolicy`). The harness counts and times a rollout with the observer the loop calls each step.

@@ -8,9 +8,9 @@ One speculative step, for every running row at once:
 3. accept: each row keeps its own number of drafts (ragged acceptance) and one target token after
    them. Rolling the rejected drafts back is assigning the cache lengths.
 
-In reading order: the running batch and its two steps; the decoding loop (`decode`, also the
-rollout's); exact-token sampling (train.py's default) and its noise; then, beside that, the
-reference rule and the generate functions that the evaluation, the bench and the tests call.
+In reading order: the running batch and its two steps; the decoding loop (`decode`); exact-token
+sampling (train.py's default), its noise, and `Sampling` (a batch's sampler, from the flags); then,
+beside that, the reference rule and the generate functions for the evaluation, bench and tests.
 
 The batch's sampler, chosen once per batch, picks every token and verifies the drafts, so no step
 branches on the rule. Both rules keep the emitted tokens distributed exactly as the target's own:
@@ -248,8 +248,8 @@ def mix32(x):  # Wellons' 32-bit "lowbias32" hash, on int64 tensors holding 32-b
 
 def gumbel_seeds(keys, positions):
     """keys (B,) int64 >= 0, positions (B, T) -> (B, T) 32-bit seeds: the position's hash, then the
-    key's low and high halves mixed in, one round each. Every bit of the 64-bit key reaches every
-    seed, and rows a few positions apart never share a shifted stream."""
+    key's low and high halves mixed in, one round each. Every bit of the key (an int64 >= 0: 63
+    bits) reaches every seed, and rows a few positions apart never share a shifted stream."""
     seed = mix32(positions + 0x632BE5AB)  # (B, T)
     seed = mix32(seed ^ (keys & MASK32)[:, None])
     return mix32(seed ^ (keys >> 32)[:, None])

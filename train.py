@@ -70,7 +70,7 @@ class RunState:
 class StepResult(NamedTuple):
     """What one RL step hands back to `run`, which makes the step's record from it."""
     problems: list  # this rank's problems
-    finished: list  # their finished rows (speculative.FinishedRow), one per problem
+    finished: list  # their finished rows (speculative.FinishedRow), one per row
     idle: dict  # what this rank's idle time did
     top1: tuple  # the drafter's top-1 counts (agreeing, positions), summed over ranks
     update: tuple  # (every reward, every response, (loss, clip fraction, skipped))
@@ -83,7 +83,7 @@ def rl_step(step, state, observer=None):
     args, t0 = state.args, time.perf_counter()
     # 1. this rank's rows of the step's global batch, each with its key
     problems, keys, _ = rl.step_rows(args, state.task, step, state.rank, state.world_size)
-    # 2. roll out: plain decoding steps while the running batch is large, speculative in the tail
+    # 2. roll out: each decoding step plain or speculative, the bandit choosing k per batch size
     finished = roll_out(state, step, problems, keys, observer)
     t_rollout = time.perf_counter()
     rewards = torch.tensor([state.task.reward(p, r.response)
@@ -191,7 +191,7 @@ def main(argv=None):
 
 def run(args, rank, world_size, device):
     t_run, task = time.time(), task_of(args)
-    print0(f"{world_size} rank(state) on {machine(device)}")
+    print0(f"{world_size} rank(s) on {machine(device)}")
     meta = rl_meta(args, model_config(args, task), task)
     ckpt_path, metrics_path = (os.path.join(args.out_dir, f) for f in ("ckpt.pt", "metrics.jsonl"))
     ck = load_on_rank0(ckpt_path, meta)  # refused: the run stops before it writes anything

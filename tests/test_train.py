@@ -77,7 +77,7 @@ def test_single_process_run_then_resume(tmp_path):
         # speculative steps by k: one count per k in 0..max k, none at k = 0 (a plain step)
         assert len(m["sd_steps_by_k"]) == 9 and m["sd_steps_by_k"][0] == 0
     assert sum(sum(m["sd_steps_by_k"]) for m in recs) > 0
-    assert "held-out accuracy after RL" in r.stdout and "summary" in r.stdout
+    assert "1 rank(s) on " in r.stdout and "held-out accuracy after RL" in r.stdout and "summary" in r.stdout
     assert "speculative vs plain decoding, greedy: 0 of 4 held-out responses differ" in r.stdout
     assert "speculative vs plain decoding, sampled at T=1: " in r.stdout
     assert "tail share" in r.stdout and "  stale drafter         " in r.stdout
