@@ -9,7 +9,7 @@ for x_{t+2}. To draft several tokens it feeds its predicted state back in place 
 The embedding and LM head are the target's, read through a plain attribute and detached: this
 module neither trains nor saves them (GRPO trains them; the drafter reads the target's latest).
 The loss is EAGLE's: smooth-L1 on h_{t+1} (weight 1.0: a whole vector of signal per position)
-plus a soft cross-entropy against the target's distribution (0.1: the part that decides
+plus a soft cross-entropy against the target's distribution at T = 1 (0.1: the part that decides
 acceptance), on response positions only, one sequence per padded row.
 
 Teacher forcing alone shows the drafter only real states: it would be good for one token and guess

@@ -49,7 +49,7 @@ class RunningBatch:
     Row b is prompt ids[b]. It holds tokens[b, :n_tokens[b]], prompt then response; its last token
     is *pending*: sampled but not yet read by the target, so the target's cache holds n_tokens - 1
     positions. hidden[b, j] is the target's state after reading tokens[b, j]. When a row finishes
-    it leaves every tensor and cache (`compact`), so the batch really shrinks, and its FinishedRow
+    it leaves every tensor and cache (`compact`), so each step's work shrinks, and its FinishedRow
     goes to results[ids[b]].
 
     A drafter's contract with the batch: `propose` reads tokens, hidden, n_tokens and the target's
