@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 @dataclass
 class GPTConfig:
-    vocab_size: int = 778   # train.py sets the task's
+    vocab_size: int = 778   # the run sets the task's (harness.config.model_config)
     block_size: int = 256   # longest prompt + response (+ draft) the model and its cache hold
     n_layer: int = 12
     n_head: int = 4

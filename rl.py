@@ -8,7 +8,7 @@ the rollout's temperature T, log softmax(z / T), so the policy that sampled is t
     ratio_t = exp(logp_t - logp_old_t)
     loss    = -mean_t min(ratio_t * A, clip(ratio_t, 1 - eps, 1 + eps) * A)   [+ beta * KL_t]
 
-One optimizer step per rollout (the default) makes the ratio 1: REINFORCE with a group baseline.
+One step per rollout (the default) makes the ratio 1: REINFORCE with a group-normalised advantage.
 KL to a frozen reference (the k3 estimator) is off by default: the exact reward cannot be hacked.
 
 Test: python -m pytest tests/test_rl.py

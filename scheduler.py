@@ -9,11 +9,11 @@ it works for the drafter, one short piece at a time:
     while not arrived.is_completed():       # preemption: the last rank's arrival
         one piece of drafter work
 
-That is idle time turned into drafter training with torch.distributed alone (the run's barrier, from
-the harness, also watches for dead ranks). A piece is short (scoring a few fresh rows, or one
-drafter step that can stop between its passes): the last rank waits for the piece in flight. The
-last rank itself mostly does none: it finds the barrier complete within the grace; when the round
-trip takes longer, it may run a piece before it leaves.
+That is idle time turned into drafter training with torch.distributed alone (the run's,
+`harness.liveness.watched_barrier`, is on a group of its own and also watches for dead ranks). A
+piece is short (scoring a few fresh rows, or one drafter step that can stop between its passes): the
+last rank waits for the piece in flight. The last rank itself mostly does none: it finds the barrier
+complete within the grace; when the round trip takes longer, it may run a piece before it leaves.
 
 Then every rank holds the same drafter again. The weights are averaged, weighted by each rank's
 local drafter steps, in one all-reduce that overlaps the target's update. Each rank's AdamW moments
