@@ -18,12 +18,12 @@ branches on the rule. Both rules keep the emitted tokens distributed exactly as 
   rejection the next token comes from normalise(max(p - q, 0)) (Leviathan et al.; Chen et al. 2023).
 - "gumbel" (`verify_gumbel`), exact-token: the token at position t is argmax(logits / T + g), with
   Gumbel noise g hashed from (row key, t, token id): a sample of softmax(logits / T) fixed by where
-  the token is. The verify pass computes the target's own token at every drafted position, and a
-  row emits those, up to and including the first that differs from its draft. The tokens are the
-  target's, so plain and speculative decoding, in any batch order and on any rank, emit the same
-  ones (where passes of different widths round alike: a near-tie can flip). The drafter draws its
-  drafts with the same noise, which only raises acceptance: a drafter that has learned the target's
-  distribution at a choice draws the target's sample there.
+  the token is. The verify pass computes the target's own token at every drafted position, and a row
+  emits those up to and including the first that differs from its draft (none differing: all k + 1).
+  The tokens are the target's, so plain and speculative decoding, in any batch order and on any
+  rank, emit the same ones (where passes of different widths round alike: a near-tie can flip). The
+  drafter draws its drafts with the same noise, which only raises acceptance: a drafter that has
+  learned the target's distribution at a choice draws the target's sample there.
 
 Test: python -m pytest tests/test_speculative.py tests/test_verify.py
 """
