@@ -92,9 +92,9 @@ class TailPolicy:
 def rollout(target, drafter, prompts, max_new_tokens, *, sd_threshold=64, bandit=None,
             observer=None, **sampling):
     """Generate for every prompt -> results[i], row i's speculative.FinishedRow (tokens, hidden
-    states, response). With drafter None it decodes plainly. `sampling` takes speculative.Sampling's
-    fields by name; with "gumbel" the tokens depend on neither the drafter, the threshold nor the
-    bandit (up to a near-tie that passes of different widths round apart). observer(batch, step) runs after the prefill (step None) and each step."""
+    states, response); drafter None: plain decoding. `sampling`: speculative.Sampling's fields by
+    name; with "gumbel" the tokens depend on neither the drafter, the threshold nor the bandit (but
+    for a near-tie). observer(batch, step) runs after the prefill (step None) and each step."""
     if not prompts:
         return []
     bandit = bandit if bandit is not None else Bandit()
