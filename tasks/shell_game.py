@@ -42,6 +42,14 @@ away: the n swaps make one permutation of three cups, which done n times over is
 inverse or no move at all; for odd n itself (an odd number of swaps is a swap, of order 2), so the
 ball ends where the first round left it. Trials of both are in RESULTS.md.)
 
+Shortcuts (--shortcut s; 0, none, by default): a warm-up trace writes each step, with probability
+s, as "b=C", the cup without the swap's: a guess, which the steps after it go on from. Rewarded for
+the answer, RL learns to copy the swap's cups instead, so it moves a token in every step (the one
+after the label: "B" where the traces mostly wrote "="), not one a trace or a round. A drafter
+frozen before RL drafts the swap's cup there only as often as the traces wrote one (1 - s, with
+exact-token sampling), so it falls behind at every step: at s = 0.7, 20% or more below one trained
+on idle ranks (RESULTS.md has the figures, and what the setting costs RL).
+
 The long tail: n follows a power law P(n) ~ n^-1 on 1..12, so most problems are a few swaps and a
 few are many: a step's longest response is about three times its median (2.9, the median over the
 default run's steps), and one prompt's samples differ in length by their choices. Simplified on purpose: three cups (a guess is right a third of
@@ -122,17 +130,24 @@ class Problem:
         swaps = " ".join(LABELS[i] + pair for i, pair in enumerate(self.swaps))
         return swaps + (" *" if self.rounds else "") + "?"
 
-    def response(self, rng=None, outright=0.0):
+    def response(self, rng=None, outright=0.0, shortcut=0.0):
         """The swaps followed one at a time, then the answer. Given an rng, a warm-up trace: before
         each swap, the answer outright instead with probability `outright`; in rounds, with
-        probability `outright` the answer outright before a round drawn uniformly."""
+        probability `outright` the answer outright before a round drawn uniformly. And each step,
+        with probability `shortcut`, a shortcut ("b=C"): the cup written without the swap's, a guess
+        that the steps after it go on from."""
         stop = rng.randint(1, self.size) if rng and self.rounds and rng.random() < outright else None
-        steps = []
-        for (marker, label, pair), ball in zip(self.steps, self.balls):
+        steps, ball = [], START
+        for marker, label, pair in self.steps:
             if marker == f"{stop}:" or (rng and not self.rounds and rng.random() < outright):
-                break
-            steps.append(f"{marker}{label}{pair}={ball}")
-        return " ".join(steps + [f">{self.answer}"])
+                return " ".join(steps + [f">{self.answer}"])
+            if shortcut and rng.random() < shortcut:
+                ball = rng.choice(CUPS)
+                steps.append(f"{marker}{label}={ball}")
+            else:
+                ball = swap(ball, pair)
+                steps.append(f"{marker}{label}{pair}={ball}")
+        return " ".join(steps + [f">{ball}"])
 
 
 @dataclass(frozen=True)
@@ -145,6 +160,9 @@ class ShellGame(Task):
         "help": "warm-up traces: the probability, before every swap, of the answer outright (>C) "
                 "instead of the swap (bBC=C); in rounds, of the answer outright before a round drawn "
                 "at random"})
+    shortcut: float = field(default=0.0, metadata={
+        "help": "warm-up traces: the probability, at every step, of a shortcut (b=C): the cup written "
+                "without copying the swap's, a guess"})
     rounds: str = field(default="once", metadata={
         "help": 'the swaps followed once, or "growing": in rounds, round r following the first r '
                 'swaps (n(n+1)/2 steps written: a response quadratic in the problem\'s size)'})
@@ -157,6 +175,7 @@ class ShellGame(Task):
         super().__post_init__()
         self.check(("max_n", 1 <= self.max_n <= len(LABELS), f"in 1..{len(LABELS)}"),
                    ("outright", 0 <= self.outright < 1, "in [0, 1)"),
+                   ("shortcut", 0 <= self.shortcut < 1, "in [0, 1)"),
                    ("rounds", self.rounds in ("once", "growing"), 'once or growing'))
 
     def problem(self, rng, size):
@@ -175,7 +194,7 @@ class ShellGame(Task):
             return 0.0
 
     def warmup_example(self, problem, rng):
-        p, r = encode(problem.prompt()), encode(problem.response(rng, self.outright)) + [EOS_ID]
+        p, r = encode(problem.prompt()), encode(problem.response(rng, self.outright, self.shortcut)) + [EOS_ID]
         return p + r, len(p)
 
     def response_len(self, n):  # the longest response (every swap followed), <|eos|> included

@@ -1,6 +1,7 @@
 """Tests for tasks/shell_game.py: the format and its merged tokens, the swaps, the reward, parse, the
 bound on the response length, the warm-up traces' choices and the settings' validation."""
 import random
+import re
 from collections import Counter
 
 import numpy as np
@@ -9,7 +10,7 @@ import pytest
 import tasks
 from tasks import TASKS
 from tasks import shell_game as task
-from tasks.shell_game import Problem, ShellGame
+from tasks.shell_game import CUPS, START, Problem, ShellGame, swap
 
 DEFAULT = ShellGame()
 ALL_SIZES = ShellGame(max_n=len(task.LABELS))
@@ -233,8 +234,35 @@ def test_in_rounds_a_warm_up_trace_answers_outright_before_a_round_drawn_uniform
     assert Counter(stopped).keys() == {0, 1, 2, 3, 4} and abs(np.mean(stopped) - 2) < 0.15  # 3 sigma
 
 
+@pytest.mark.parametrize("rounds", ["once", "growing"])
+def test_a_shortcut_writes_a_guessed_cup_that_the_steps_after_it_go_on_from(rounds):
+    """With probability `shortcut` a step is written "b=C", its cup drawn uniformly; every other step
+    follows its swap from the cup written before it, and a trace followed to the end answers with
+    the last cup it wrote (right or not)."""
+    cfg, rng, seen = ShellGame(rounds=rounds, outright=0.0, shortcut=0.4), random.Random(14), Counter()
+    for _ in range(2000):
+        p = cfg.problem(rng, 5)
+        steps = [s.split(":")[-1] for s in p.response(rng, cfg.outright, cfg.shortcut).split(" ")]
+        ball = START
+        for (_, label, pair), step in zip(p.steps, steps):
+            if step[1] == "=":  # a shortcut
+                assert step[0] == label
+                seen["shortcut"] += 1
+                seen[step[2]] += 1
+            else:
+                assert step == f"{label}{pair}={swap(ball, pair)}"
+                seen["swap"] += 1
+            ball = step[-1]
+        assert len(steps) == len(p.steps) + 1 and steps[-1] == ">" + ball
+    assert abs(seen["shortcut"] / (seen["shortcut"] + seen["swap"]) - 0.4) < 0.015, seen  # >= 10k steps: 3 sigma
+    assert all(abs(seen[c] / seen["shortcut"] - 1 / 3) < 0.025 for c in CUPS), seen  # the guess, uniform: 3 sigma
+    ids, plen = cfg.warmup_example(cfg.problem(rng, 26), rng)  # the task's traces take the setting
+    assert re.search(r"(^| |:)[a-z]=[A-C] ", cfg.decode(ids[plen:]))  # P(no shortcut in 26+ steps) < 1e-5
+
+
 @pytest.mark.parametrize("kwargs", [dict(max_n=0), dict(max_n=27), dict(outright=1.0), dict(outright=-0.1),
-                                    dict(outright=float("nan")), dict(min_n=13), dict(rounds="n")])
+                                    dict(outright=float("nan")), dict(min_n=13), dict(rounds="n"),
+                                    dict(shortcut=1.0), dict(shortcut=-0.5)])
 def test_bad_settings_are_refused(kwargs):
     with pytest.raises(ValueError):
         ShellGame(**kwargs)
