@@ -43,12 +43,12 @@ inverse or no move at all; for odd n itself (an odd number of swaps is a swap, o
 ball ends where the first round left it. Trials of both are in RESULTS.md.)
 
 Shortcuts (--shortcut s; 0, none, by default): a warm-up trace writes each step, with probability
-s, as "b=C", the cup without the swap's: a guess, which the steps after it go on from. Rewarded for
-the answer, RL learns to copy the swap's cups instead, so it moves a token in every step (the one
-after the label: "B" where the traces mostly wrote "="), not one a trace or a round. A drafter
-frozen before RL drafts the swap's cup there only as often as the traces wrote one (1 - s, with
-exact-token sampling), so it falls behind at every step: at s = 0.7, 20% or more below one trained
-on idle ranks (RESULTS.md has the figures, and what the setting costs RL).
+s, as "b=C": the ball's cup without the swap's two cups copied, a guess, which the steps after it go
+on from. Rewarded for the answer, RL should learn to copy the cups instead, moving a token in every
+step (the one after the label: "B" for "="), not one a trace or a round. A drafter frozen before RL
+drafts the copy there about as often as the traces wrote one (1 - s, with exact-token sampling):
+with --shortcut 0.7 it ends 22% and 24% below one trained on idle ranks, at k = 4 on two RL seeds.
+RL pays for it: a trace is right beyond chance only if it guesses no step (RESULTS.md).
 
 The long tail: n follows a power law P(n) ~ n^-1 on 1..12, so most problems are a few swaps and a
 few are many: a step's longest response is about three times its median (2.9, the median over the
@@ -161,8 +161,8 @@ class ShellGame(Task):
                 "instead of the swap (bBC=C); in rounds, of the answer outright before a round drawn "
                 "at random"})
     shortcut: float = field(default=0.0, metadata={
-        "help": "warm-up traces: the probability, at every step, of a shortcut (b=C): the cup written "
-                "without copying the swap's, a guess"})
+        "help": "warm-up traces: the probability, at every step, of a shortcut (b=C): the ball's "
+                "cup written without the swap's cups copied, a guess"})
     rounds: str = field(default="once", metadata={
         "help": 'the swaps followed once, or "growing": in rounds, round r following the first r '
                 'swaps (n(n+1)/2 steps written: a response quadratic in the problem\'s size)'})
@@ -194,7 +194,8 @@ class ShellGame(Task):
             return 0.0
 
     def warmup_example(self, problem, rng):
-        p, r = encode(problem.prompt()), encode(problem.response(rng, self.outright, self.shortcut)) + [EOS_ID]
+        response = problem.response(rng, self.outright, self.shortcut)
+        p, r = encode(problem.prompt()), encode(response) + [EOS_ID]
         return p + r, len(p)
 
     def response_len(self, n):  # the longest response (every swap followed), <|eos|> included
