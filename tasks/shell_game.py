@@ -43,12 +43,13 @@ inverse or no move at all; for odd n itself (an odd number of swaps is a swap, o
 ball ends where the first round left it. Trials of both are in RESULTS.md.)
 
 Shortcuts (--shortcut s; 0, none, by default): a warm-up trace writes each step, with probability
-s, as "b=C": the ball's cup without the swap's two cups copied, a guess, which the steps after it go
+s, as "b=C": a cup guessed uniformly, the swap's two cups not copied, which the steps after it go
 on from. Rewarded for the answer, RL should learn to copy the cups instead, moving a token in every
 step (the one after the label: "B" for "="), not one a trace or a round. A drafter frozen before RL
 drafts the copy there about as often as the traces wrote one (1 - s, with exact-token sampling):
 with --shortcut 0.7 it ends 22% and 24% below one trained on idle ranks, at k = 4 on two RL seeds.
-RL pays for it: a trace is right beyond chance only if it guesses no step (RESULTS.md).
+RL pays for it: a response that follows every swap is right beyond chance only if it guesses no
+step (RESULTS.md).
 
 The long tail: n follows a power law P(n) ~ n^-1 on 1..12, so most problems are a few swaps and a
 few are many: a step's longest response is about three times its median (2.9, the median over the
@@ -134,14 +135,15 @@ class Problem:
         """The swaps followed one at a time, then the answer. Given an rng, a warm-up trace: before
         each swap, the answer outright instead with probability `outright`; in rounds, with
         probability `outright` the answer outright before a round drawn uniformly. And each step,
-        with probability `shortcut`, a shortcut ("b=C"): the cup written without the swap's, a guess
-        that the steps after it go on from."""
+        with probability `shortcut`, a shortcut ("b=C"): a cup guessed uniformly, the swap's cups
+        not copied, that the steps after it go on from. An answer outright is the true one; after
+        the last step the answer is the last cup written, wrong if a guess made it so."""
         stop = rng.randint(1, self.size) if rng and self.rounds and rng.random() < outright else None
         steps, ball = [], START
         for marker, label, pair in self.steps:
             if marker == f"{stop}:" or (rng and not self.rounds and rng.random() < outright):
                 return " ".join(steps + [f">{self.answer}"])
-            if shortcut and rng.random() < shortcut:
+            if rng and shortcut and rng.random() < shortcut:
                 ball = rng.choice(CUPS)
                 steps.append(f"{marker}{label}={ball}")
             else:
@@ -161,8 +163,8 @@ class ShellGame(Task):
                 "instead of the swap (bBC=C); in rounds, of the answer outright before a round drawn "
                 "at random"})
     shortcut: float = field(default=0.0, metadata={
-        "help": "warm-up traces: the probability, at every step, of a shortcut (b=C): the ball's "
-                "cup written without the swap's cups copied, a guess"})
+        "help": "warm-up traces: the probability, at every step, of a shortcut (b=C): a cup "
+                "guessed uniformly, the swap's cups not copied, which the later steps go on from"})
     rounds: str = field(default="once", metadata={
         "help": 'the swaps followed once, or "growing": in rounds, round r following the first r '
                 'swaps (n(n+1)/2 steps written: a response quadratic in the problem\'s size)'})

@@ -237,8 +237,8 @@ def test_in_rounds_a_warm_up_trace_answers_outright_before_a_round_drawn_uniform
 @pytest.mark.parametrize("rounds", ["once", "growing"])
 def test_a_shortcut_writes_a_guessed_cup_that_the_steps_after_it_go_on_from(rounds):
     """With probability `shortcut` a step is written "b=C", its cup drawn uniformly; every other
-    step follows its swap from the cup written before it, and a trace followed to the end answers
-    with the last cup it wrote (right or not)."""
+    step follows its swap from the cup written before it; a trace followed to the end answers with
+    the last cup it wrote (right or not), one stopped early with the true answer."""
     cfg, rng = ShellGame(rounds=rounds, outright=0.0, shortcut=0.4), random.Random(14)
     seen = Counter()
     for _ in range(2000):
@@ -250,6 +250,7 @@ def test_a_shortcut_writes_a_guessed_cup_that_the_steps_after_it_go_on_from(roun
                 assert step[0] == label
                 seen["shortcut"] += 1
                 seen[step[2]] += 1
+                seen["right"] += step[2] == swap(ball, pair)  # a guess, not the swap followed
             else:
                 assert step == f"{label}{pair}={swap(ball, pair)}"
                 seen["swap"] += 1
@@ -258,8 +259,14 @@ def test_a_shortcut_writes_a_guessed_cup_that_the_steps_after_it_go_on_from(roun
     # at least 10,000 steps, 4,000 of them guesses: each tolerance is 3 sigma
     assert abs(seen["shortcut"] / (seen["shortcut"] + seen["swap"]) - 0.4) < 0.015, seen
     assert all(abs(seen[c] / seen["shortcut"] - 1 / 3) < 0.025 for c in CUPS), seen  # uniform
+    assert abs(seen["right"] / seen["shortcut"] - 1 / 3) < 0.025, seen  # right by chance alone
     ids, plen = cfg.warmup_example(cfg.problem(rng, 26), rng)  # the task's traces take the setting
     assert re.search(r"(^| |:)[a-z]=[A-C] ", cfg.decode(ids[plen:]))  # none in 26+ steps: p < 1e-5
+    for _ in range(200):  # stopped early, a trace answers the truth, whatever it guessed before
+        p = cfg.problem(rng, 5)
+        r = p.response(rng, 0.3, cfg.shortcut)
+        if r.count("=") < len(p.steps):
+            assert r.endswith(">" + p.answer), r
 
 
 @pytest.mark.parametrize("kwargs", [dict(max_n=0), dict(max_n=27), dict(outright=1.0), dict(outright=-0.1),
