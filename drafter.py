@@ -256,12 +256,22 @@ def train_step(drafter, optimizer, batch, depth=DEPTH, sync_grads=False, preempt
 
 
 @torch.no_grad()
-def top1_agreement(drafter, h_in, x_next, h_tgt, mask):
-    """Teacher-forced top-1 agreement over the masked positions -> (agreeing, positions)."""
+def acceptance(drafter, h_in, x_next, h_tgt, mask, temperature=1.0):
+    """Teacher-forced acceptance over the masked positions -> (expected accepted, positions). At a
+    position it is sum_x min(p(x), q(x)), p the target's and q the drafter's distribution at the
+    sampling temperature: the chance that rejection sampling keeps the draft there, and the most
+    that any exact sampler can keep (exact-token sampling, whose draft and target share the noise,
+    keeps at most as many). Unlike top-1 agreement, a token the target draws at random is no miss
+    where the drafter draws it as often. At temperature 0: the top-1 agreement."""
     logits, _ = drafter(h_in, x_next)
     target = F.linear(h_tgt[mask], drafter.target.lm_head.weight)  # (positions, V)
-    agree = (logits[mask].argmax(-1) == target.argmax(-1)).sum()
-    return int(agree), int(mask.sum())  # sync: two counts
+    if temperature == 0:
+        kept = (logits[mask].argmax(-1) == target.argmax(-1)).sum()
+    else:
+        p = F.softmax(target.float() / temperature, -1)
+        q = F.softmax(logits[mask].float() / temperature, -1)
+        kept = torch.minimum(p, q).sum()
+    return float(kept), int(mask.sum())  # sync: two figures
 
 
 def make_optimizer(drafter, lr=3e-3):

@@ -21,9 +21,10 @@ stay its own. A single process has no idle time: it never trains the drafter onl
 technique, not a bug), but it scores it, since nobody waits for it.
 
 How hard the idle ranks train follows one rule, the same for a drafter built from nothing and for
-one warmed up before RL: the lower the drafter's recent top-1 agreement with the target on fresh
-rows, the higher its learning rate and the shallower its chained passes (`drafter_schedule`); the
-top-1 counts ride in the sync's all-reduce (`RecentTop1`).
+one warmed up before RL: the lower the drafter's recent acceptance on fresh rows (the chance that
+the target keeps its draft, `drafter.acceptance`), the higher its learning rate and the shallower
+its chained passes (`drafter_schedule`); the figures ride in the sync's all-reduce
+(`RecentAcceptance`).
 
 Test: python -m pytest tests/test_scheduler.py   (gloo processes with skewed loads)
 """
@@ -35,7 +36,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
-from drafter import pair_batch, top1_agreement, train_step
+from drafter import acceptance, pair_batch, train_step
 from rl import group_by_length
 
 
@@ -83,61 +84,63 @@ def idle_train(drafter, optimizer, buffer, rng, work, scoring=(), barrier=None, 
     return steps, skipped, time.perf_counter() - t0, busy
 
 
-def top1_pieces(drafter, rows, into, idle_tokens):
-    """Idle pieces that add the drafter's top-1 counts on a rollout's FinishedRows to `into`: rows
-    of similar lengths at a time, about idle_tokens padded positions (one row, if longer)."""
+def acceptance_pieces(drafter, rows, into, idle_tokens, temperature):
+    """Idle pieces that add the drafter's acceptance on a rollout's FinishedRows to `into`
+    (accepted, positions): rows of similar lengths at a time, about idle_tokens padded positions
+    (one row, if longer)."""
     def score(piece):
         batch = pair_batch([(r.tokens, r.hidden, r.prompt_len) for r in piece],
                            drafter.in_proj.weight.device)
-        agree, n = top1_agreement(drafter, *batch)
-        into[0] += agree
+        kept, n = acceptance(drafter, *batch, temperature)
+        into[0] += kept
         into[1] += n
     pieces = group_by_length(rows, lambda r: r.tokens.shape[0], idle_tokens)
     return deque(lambda piece=piece: score(piece) for piece in pieces if piece)
 
 
 @torch.no_grad()
-def start_drafter_sync(drafter, local_steps, top1=(0, 0)):
+def start_drafter_sync(drafter, local_steps, scores=(0, 0)):
     """Start averaging the drafter's weights over ranks, weighted by local drafter steps: one
-    all-reduce of [steps * weights, steps, top-1 counts] in the background. `finish()` waits, writes
-    the average in (unchanged if nobody trained; bit-identical on every rank) and returns the top-1
-    counts (agreeing, positions) summed over ranks."""
+    all-reduce of [steps * weights, steps, acceptance figures] in the background. `finish()` waits,
+    writes the average in (unchanged if nobody trained; bit-identical on every rank) and returns the
+    acceptance figures (accepted, positions) summed over ranks."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
-        return lambda: tuple(top1)
+        return lambda: tuple(scores)
     params = list(drafter.parameters())
-    counts = torch.tensor([float(local_steps), *top1], dtype=torch.float64, device=params[0].device)
-    flat = torch.cat([parameters_to_vector(params).double() * local_steps, counts])
+    figures = torch.tensor([float(local_steps), *scores], dtype=torch.float64,
+                           device=params[0].device)
+    flat = torch.cat([parameters_to_vector(params).double() * local_steps, figures])
     pending = dist.all_reduce(flat, async_op=True)
 
     @torch.no_grad()
     def finish():
         pending.wait()
-        total, agree, positions = flat[-3:].tolist()  # sync: the summed counts
+        total, kept, positions = flat[-3:].tolist()  # sync: the summed figures
         if total > 0:
             vector_to_parameters((flat[:-3] / total).to(params[0].dtype), params)
-        return agree, int(positions)
+        return kept, int(positions)
     return finish
 
 
 # -----------------------------------------------------------------------------
-# how hard the idle ranks train the drafter: one rule, read from its recent top-1
+# how hard the idle ranks train the drafter: one rule, read from its recent acceptance
 
-TOP1_HARDEST = 0.95  # recent top-1 at or below which idle ranks train the drafter hardest
-TOP1_GENTLE = 0.995  # and at or above which they train it gentlest
-TOP1_STEPS = 5  # RL steps whose figures make the recent top-1
+ACCEPT_HARDEST = 0.95  # recent acceptance at or below which idle ranks train the drafter hardest
+ACCEPT_GENTLE = 0.995  # and at or above which they train it gentlest
+RECENT_STEPS = 5  # RL steps whose figures make the recent acceptance
 
 
-class RecentTop1:
-    """The drafter's top-1 agreement with the target on fresh rows over the last TOP1_STEPS scored
-    steps (a step with nothing scored is not one of them). Each rank scores its fresh rows on idle
-    time, before any training (the slowest rank's mostly go unscored); the sync sums the counts."""
+class RecentAcceptance:
+    """The drafter's acceptance on fresh rows over the last RECENT_STEPS scored steps (a step with
+    nothing scored is not one of them). Each rank scores its fresh rows on idle time, before any
+    training (the slowest rank's mostly go unscored); the sync sums the figures."""
 
     def __init__(self):
-        self.recent = []  # [agreeing, positions] per RL step, summed over ranks
+        self.recent = []  # [accepted, positions] per RL step, summed over ranks
 
-    def add(self, agree, positions):
+    def add(self, kept, positions):
         if positions:  # a step with nothing scored adds nothing
-            self.recent = (self.recent + [[agree, positions]])[-TOP1_STEPS:]
+            self.recent = (self.recent + [[kept, positions]])[-RECENT_STEPS:]
 
     def mean(self):
         """The recent figure, or None before any step was scored."""
@@ -145,13 +148,15 @@ class RecentTop1:
         return sum(a for a, _ in self.recent) / n if n else None
 
 
-def drafter_schedule(top1, online_lr, cold_lr, max_depth):
-    """The rule: the further the drafter's recent top-1 falls below TOP1_GENTLE, the harder the idle
-    ranks train it -> (learning rate, chained passes). At TOP1_GENTLE and above (or not yet scored):
-    online_lr, max_depth passes; at TOP1_HARDEST and below: cold_lr, teacher-forced (a drafter that
-    misses the first token learns that before its own chains); geometric and linear in between.
-    Once scored (step 0 is not), a drafter built from nothing sits at the hard end until it drafts
-    well, one warmed up near the gentle end; a top-1 that falls pushes either harder."""
-    hard = 0.0 if top1 is None else (TOP1_GENTLE - top1) / (TOP1_GENTLE - TOP1_HARDEST)
+def drafter_schedule(accepted, online_lr, cold_lr, max_depth):
+    """The rule: the further the drafter's recent acceptance falls below ACCEPT_GENTLE, the harder
+    the idle ranks train it -> (learning rate, chained passes). At ACCEPT_GENTLE and above (or not
+    yet scored): online_lr, max_depth passes; at ACCEPT_HARDEST and below: cold_lr, teacher-forced
+    (a drafter that misses the first token learns that before its own chains); geometric and linear
+    in between. Once scored (step 0 is not), a drafter built from nothing sits at the hard end until
+    it drafts well, one warmed up near the gentle end; an acceptance that falls pushes either
+    harder."""
+    span = ACCEPT_GENTLE - ACCEPT_HARDEST
+    hard = 0.0 if accepted is None else (ACCEPT_GENTLE - accepted) / span
     hard = min(1.0, max(0.0, hard))
     return online_lr * (cold_lr / online_lr) ** hard, 1 + round((max_depth - 1) * (1 - hard))

@@ -36,8 +36,8 @@ from harness.liveness import Liveness, beat, watched_barrier
 from harness.model_free import LEARNED, proposer
 from harness.report import log_step, next_lines, plan_line, step_record, summary
 from rollout import Bandit, rollout
-from scheduler import (IdleWork, RecentTop1, drafter_schedule, idle_train, start_drafter_sync,
-                       top1_pieces)
+from scheduler import (IdleWork, RecentAcceptance, acceptance_pieces, drafter_schedule, idle_train,
+                       start_drafter_sync)
 from harness.warmup import drafter_meta, prepare_models
 
 
@@ -62,7 +62,7 @@ class RunState:
     # makes the idle loop's async barrier: dist.barrier(async_op=True), which the harness also
     # watches for a rank that has died
     barrier: object
-    top1: RecentTop1  # the drafter's top-1 agreement on fresh rows, lately
+    acceptance: RecentAcceptance  # the drafter's acceptance on fresh rows, lately
     ref_model: torch.nn.Module = None  # the frozen warm-up target, for --kl-coef
     early: dict = None  # the models at evaluate.early_step, for the stale drafter
 
@@ -72,7 +72,7 @@ class StepResult(NamedTuple):
     problems: list  # this rank's problems
     finished: list  # their finished rows (speculative.FinishedRow), one per row
     idle: dict  # what this rank's idle time did
-    top1: tuple  # the drafter's top-1 counts (agreeing, positions), summed over ranks
+    acceptance: tuple  # the drafter's acceptance (accepted, positions), summed over ranks
     update: tuple  # (every reward, every response, (loss, clip fraction, skipped))
     times: tuple  # (start, rollout end, idle start, update start, end): time.perf_counter()
 
@@ -93,13 +93,13 @@ def rl_step(step, state, observer=None):
     idle, finish_sync = idle_phase(state, step, finished)
     # 6. advantages over the global batch, one GRPO update of the target under DDP
     t_update, update = update_target(state, finished, rewards)
-    top1 = finish_sync()  # the averaged drafter is in; the top-1 counts summed over ranks
-    state.top1.add(*top1)
+    acceptance = finish_sync()  # the averaged drafter is in; the acceptance summed over ranks
+    state.acceptance.add(*acceptance)
     if state.device.type == "cuda":
         torch.cuda.synchronize()  # sync: the optimizer step may still be queued
     # 7. (in `run`) the step's record, logged by rank 0
     times = (t0, t_rollout, t_idle, t_update, time.perf_counter())
-    return StepResult(problems, finished, idle, top1, update, times)
+    return StepResult(problems, finished, idle, acceptance, update, times)
 
 
 def roll_out(state, step, problems, keys, observer):
@@ -123,21 +123,22 @@ def idle_phase(state, step, finished):
     train_drafter = learned and args.drafter_updates
     if train_drafter:
         state.buffer.add_rows(step, finished)
-    recent, counts = state.top1.mean(), [0, 0]  # this rank's top-1 counts: agreeing, positions
+    recent, scores = state.acceptance.mean(), [0, 0]  # this rank's acceptance: accepted, positions
     lr, depth = drafter_schedule(recent, args.drafter_online_lr, args.drafter_cold_lr,
                                  args.drafter_depth)
     for g in state.d_opt.param_groups:
         g["lr"] = lr
-    scoring = deque()  # pieces of top-1 scoring on the fresh rows, before any training
+    scoring = deque()  # pieces of acceptance scoring on the fresh rows, before any training
     if learned:
-        scoring = top1_pieces(state.drafter, finished, counts, args.drafter_idle_tokens)
+        scoring = acceptance_pieces(state.drafter, finished, scores, args.drafter_idle_tokens,
+                                    args.temperature)
     work = IdleWork(train_drafter, args.drafter_batch, depth, args.drafter_idle_tokens)
     rng = random.Random(rl.derive_seed(args.rl_seed, state.rank, step, rl.Seed.DRAFTER_TRAINING))
     steps, skipped, seconds, busy = idle_train(state.drafter, state.d_opt, state.buffer, rng, work,
                                                scoring, barrier=state.barrier)
-    finish_sync = start_drafter_sync(state.drafter, steps if train_drafter else 0, counts)
+    finish_sync = start_drafter_sync(state.drafter, steps if train_drafter else 0, scores)
     return dict(steps=steps, skipped=skipped, seconds=seconds, busy=busy, lr=lr, depth=depth,
-                recent_top1=recent), finish_sync
+                recent_acceptance=recent), finish_sync
 
 
 def update_target(state, finished, rewards):
@@ -244,7 +245,7 @@ def new_state(args, task, model, drafter, rank, world_size, device):
         rank, world_size, device,
         # the harness's: a drafter that times its proposals, a barrier that watches slow ranks
         TimedDrafter(proposer(args.drafter, drafter), device) if args.tlt else None,
-        watched_barrier, RecentTop1(),
+        watched_barrier, RecentAcceptance(),
         copy.deepcopy(model).requires_grad_(False) if args.kl_coef > 0 else None)
 
 
@@ -264,7 +265,7 @@ def save(path, meta, step, state):
     save_on_rank0({"meta": meta, "step": step, "model": state.model.state_dict(),
                    "drafter": state.drafter.state_dict(), "opt": state.opt.state_dict(),
                    "d_opt": state.d_opt.state_dict(), "bandits": bandits,
-                   "recent_top1": state.top1.recent, "early": state.early},
+                   "recent_acceptance": state.acceptance.recent, "early": state.early},
                   path)
 
 
@@ -281,7 +282,7 @@ def resume(path, ck, state):
         state.d_opt.load_state_dict(ck["d_opt"])
         if state.rank < len(ck["bandits"]):
             load_bandit(state.bandit, ck["bandits"][state.rank])
-        state.top1.recent = ck["recent_top1"]
+        state.acceptance.recent = ck["recent_acceptance"]
         state.early = ck.get("early")  # none in a checkpoint from before it was kept
     except (KeyError, TypeError, ValueError, RuntimeError) as e:  # an older layout of the state
         refused = (f"error: checkpoint {path} does not fit this version of the code "

@@ -136,13 +136,13 @@ def drafter_flags(p):
                    f"(warmup.py), usually well before {WARM_DRAFTER_STEPS} (the stale-drafter comparison needs a drafter good from the start)")
     p.add_argument("--drafter-lr", type=float, default=2e-3, help="peak drafter learning rate of the warm-up")
     p.add_argument("--drafter-cold-lr", type=float, default=4e-3, help="the idle ranks' drafter learning rate when its "
-                   "recent top-1 agreement with the target is low (scheduler.TOP1_HARDEST and below): a drafter built "
+                   "recent acceptance is low (scheduler.ACCEPT_HARDEST and below): a drafter built "
                    "from nothing, or one the target has left behind")
     p.add_argument("--drafter-online-lr", type=float, default=1e-4, help="the idle ranks' drafter learning rate when its "
-                   "recent top-1 is high (scheduler.TOP1_GENTLE and above); geometric in between")
+                   "recent acceptance is high (scheduler.ACCEPT_GENTLE and above); geometric in between")
     p.add_argument("--drafter-batch", type=int, default=8, help="sequences per drafter training step")
     p.add_argument("--drafter-depth", type=int, default=3, help="chained passes per drafter training step at a high "
-                   "recent top-1: the drafter trains on its own predictions this many drafts deep, down to 1 (teacher "
+                   "recent acceptance: the drafter trains on its own predictions this many drafts deep, down to 1 (teacher "
                    "forcing alone) at a low one")
     p.add_argument("--drafter-idle-tokens", type=int, default=128, help="padded positions per drafter step on "
                    "idle ranks at most (fewer sequences when they are long): how long the last rank can wait for one, "

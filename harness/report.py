@@ -30,7 +30,7 @@ LETTERS = "ABCDEFGHIJKLMNOPQRSTUVWXYZ"  # the compared runs' names
 
 # what the summary reads from each record (the CLI checks them before it reads on)
 NEEDED = ("step", "step_time", "rollout_time", "update_time", "rollout_share", "slowest_wait",
-          "tail_share", "reward", "accept_len", "accept_rate", "sd_token_frac", "drafter_top1",
+          "tail_share", "reward", "accept_len", "accept_rate", "sd_token_frac", "drafter_accept",
           "drafted_at", "accepted_at", "bandit_best", "response_len", "choice_share",
           "skipped_update", "drafter_skipped", "drafter_steps", "ranks", "rank_spread",
           "rollout_by_batch", "response_lens")
@@ -43,7 +43,7 @@ def step_record(s, step, result, stats):
     """The step's metrics.jsonl record, and every rank's part (the timeline draws their segments).
     s: train.RunState; result: train.StepResult; stats: the instrument.RolloutStats that observed
     the step's rollout, made just before the step: the timeline's segments are on its clock."""
-    problems, finished, idle, (agree, positions), update, times = result
+    problems, finished, idle, (kept, positions), update, times = result
     t_start, t_rollout, t_idle, t_update, t_end = times
     all_rewards, responses, (loss, clip, skipped) = update
     stats.finish(len(finished), end=t_rollout)
@@ -66,8 +66,8 @@ def step_record(s, step, result, stats):
               "choice": sum(s.task.choice_share(p, r.response) for p, r in zip(problems, finished)),
               "correct": sum(s.task.correct(p, r.response) for p, r in zip(problems, finished)),
               **position_counts(stats, max(s.args.draft_ks))}
-    # the top-1 counts were summed over ranks by the drafter sync (scheduler.start_drafter_sync)
-    total = {**all_sum(counts, s.device), "top1_agree": agree, "top1_positions": positions}
+    # the acceptance was summed over ranks by the drafter sync (scheduler.start_drafter_sync)
+    total = {**all_sum(counts, s.device), "scored_kept": kept, "scored_positions": positions}
     rec, ranks = rank_record(step, local, total, all_rewards, responses, t_end - t_start,
                              t_end - t_update, timeline=timeline_due(step, s.args))
     rec.update(loss=loss, clip_frac=clip, skipped_update=skipped, bandit_best=best_arms(s.bandit))
@@ -102,7 +102,8 @@ def rank_record(step, local, total, all_rewards, responses, step_time, update_ti
         "accuracy": total["correct"] / n_rows, "reward": float(all_rewards.mean()),
         "accept_len": rates("sd_tokens", "sd_row_steps"),
         "accept_rate": rates("accepted", "drafted"),
-        "drafter_top1": rates("top1_agree", "top1_positions"),
+        # the drafter's teacher-forced acceptance on the fresh rows (drafter.acceptance)
+        "drafter_accept": rates("scored_kept", "scored_positions"),
         # per draft position: drafts decided there (the earlier ones accepted) and accepted
         "drafted_at": per_position("drafted_at"), "accepted_at": per_position("accepted_at"),
         # the speculative steps that drafted k tokens a row, k = 0 .. max k (0: none), all ranks
@@ -156,13 +157,13 @@ def bucket_sizes(bucket):
 
 def log_step(rec, ranks, args):
     """Rank 0's line for the step, and every --timeline-every steps the ranks' timeline."""
-    top1 = "n/a" if rec["drafter_top1"] is None else f"{100 * rec['drafter_top1']:.1f}%"
+    scored = "n/a" if rec["drafter_accept"] is None else f"{100 * rec['drafter_accept']:.1f}%"
     print0(f"step {rec['step']:04d}/{args.rl_steps} | reward {rec['reward']:.3f} | "
            f"step {rec['step_time']:.2f}s | rollout {rec['rollout_time']:.2f}s "
            f"({100 * rec['rollout_share']:.0f}%, tail {100 * rec['tail_share']:.0f}%) | "
            f"tok/s {rec['tok_s']:,.0f} | accept {rec['accept_len'] or 0:.2f} "
            f"({100 * (rec['accept_rate'] or 0):.0f}% of drafts) | "
-           f"sd tok {100 * rec['sd_token_frac']:.0f}% | drafter top-1 {top1} | "
+           f"sd tok {100 * rec['sd_token_frac']:.0f}% | drafter acceptance {scored} | "
            f"idle {rec['idle_time']:.2f}s | drafter steps {rec['drafter_steps']}"
            + (f" ({rec['drafter_skipped']} non-finite, skipped)" if rec["drafter_skipped"] else "")
            + (" | SKIPPED non-finite update" if rec["skipped_update"] else ""))
@@ -299,7 +300,7 @@ def record_lines(history, task):
              f"  tail share            {statistics.median(h['tail_share'] for h in history):.0%} "
              f"median (the slowest rank's rollout time after 90% of its rows had finished)",
              *long_tail_lines(history),
-             f"  drafter top-1         {trend(history, 'drafter_top1', '{:.1%}'.format)} "
+             f"  drafter acceptance    {trend(history, 'drafter_accept', '{:.1%}'.format)} "
              f"(teacher-forced, on each step's fresh rows before training on them)",
              f"  accept length         {trend(history, 'accept_len', '{:.2f}'.format)} tokens per "
              f"verify step, as the bandit played k",

@@ -12,8 +12,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from drafter import (Drafter, DrafterBuffer, chain_loss_masks, chained_states, drafter_loss, make_optimizer, pair_batch,
-                     top1_agreement, train_step)
+from drafter import (Drafter, DrafterBuffer, acceptance, chain_loss_masks, chained_states, drafter_loss, make_optimizer,
+                     pair_batch, train_step)
 from conftest import decode_plainly, randomize, tiny
 from harness.instrument import checksum
 from speculative import FinishedRow as Sample
@@ -367,10 +367,10 @@ def test_one_idle_turn_handles_at_most_idle_tokens_positions(target, monkeypatch
     assert buf.tokens == sum(lengths) > max_tokens
     scored = []
     import scheduler
-    real = scheduler.top1_agreement
-    monkeypatch.setattr(scheduler, "top1_agreement", lambda d, h_in, *rest: scored.append(h_in.shape[0] * (h_in.shape[1] + 2)) or real(d, h_in, *rest))
+    real = scheduler.acceptance
+    monkeypatch.setattr(scheduler, "acceptance", lambda d, h_in, *rest: scored.append(h_in.shape[0] * (h_in.shape[1] + 2)) or real(d, h_in, *rest))
     into = [0, 0]
-    for piece in scheduler.top1_pieces(make_drafter(target, seed=0), rows, into, max_tokens):
+    for piece in scheduler.acceptance_pieces(make_drafter(target, seed=0), rows, into, max_tokens, 1.0):
         piece()
     assert max(scored) <= max_tokens and into[1] == sum(n - 1 - 2 for n in lengths)
     monkeypatch.setattr(drafter_module, "sorted", lambda *a, **k: pytest.fail("sample() sorted the buffer"), raising=False)
@@ -440,7 +440,7 @@ def test_short_training_lowers_loss_and_raises_acceptance(target, buffers):
     def measure():
         with torch.no_grad():
             loss = drafter_loss(drafter, *eval_batch).item()
-        agree, n = top1_agreement(drafter, *held_out.sample(64, random.Random(7)))
+        agree, n = acceptance(drafter, *held_out.sample(64, random.Random(7)), temperature=0)
         proxy = agree / n
         _, st = speculative_generate(target, drafter, prompts, 20, k=3, temperature=0)
         return loss, proxy, st["accept_len"]  # the core's own count
@@ -491,27 +491,74 @@ def test_non_finite_step_is_not_applied(target, buffers):
     assert all(torch.equal(p, before[n]) for n, p in drafter.named_parameters())
 
 
-def test_top1_pieces_count_the_drafted_positions(target, buffers):
-    """Over a rollout's rows, scheduler.top1_pieces sum top1_agreement over each chunk's pairs from
-    prompt_len - 1 on: the same figure as one padded batch of the same sequences; a piece not run
-    leaves its chunk out."""
+def test_acceptance_pieces_count_the_drafted_positions(target, buffers):
+    """Over a rollout's rows, scheduler.acceptance_pieces sum drafter.acceptance over each chunk's
+    pairs from prompt_len - 1 on: the same figure as one padded batch of the same sequences (up to
+    float rounding); a piece not run leaves its chunk out."""
     train_buf, _, _ = buffers
     drafter = make_drafter(target, seed=0)
     gen = torch.Generator().manual_seed(0)
     prompts = [[1 + i % 7, 2 + i % 5] for i in range(10)]
     samples = decode_plainly(RunningBatch(target, prompts, 12, generator=gen))
     into = [0, 0]
-    from scheduler import top1_pieces
-    scoring = top1_pieces(drafter, samples, into, 40)
+    from scheduler import acceptance_pieces
+    scoring = acceptance_pieces(drafter, samples, into, 40, 1.0)
     assert len(scoring) > 2  # 10 samples of up to 14 tokens, in pieces of at most 40 padded positions
     scoring.popleft()()
     assert 0 < into[1] < sum(s.tokens.shape[0] - 1 - s.prompt_len for s in samples)
     while scoring:
         scoring.popleft()()
-    agree, n = into
+    kept, n = into
     assert n == sum(s.tokens.shape[0] - 1 - s.prompt_len for s in samples)  # pairs t = plen-1 .. N-3
-    assert (agree, n) == top1_agreement(drafter, *pair_batch([(s.tokens, s.hidden, s.prompt_len) for s in samples]))
-    assert 0 < agree < n  # a random drafter agrees sometimes, not always
+    whole = acceptance(drafter, *pair_batch([(s.tokens, s.hidden, s.prompt_len) for s in samples]))
+    assert (kept, n) == (pytest.approx(whole[0], rel=1e-5), whole[1])
+    assert 0 < kept < n  # a random drafter is kept sometimes, not always
+
+
+class GivenLogits(torch.nn.Module):
+    """A stand-in drafter whose logits are given, over a target whose head reads its logits off h."""
+
+    def __init__(self, logits):
+        super().__init__()
+        self.logits = logits
+        self.target = torch.nn.Module()
+        self.target.lm_head = torch.nn.Linear(logits.shape[-1], logits.shape[-1], bias=False)
+        torch.nn.init.eye_(self.target.lm_head.weight)
+
+    def forward(self, h_in, x_next):
+        return self.logits, None
+
+
+def acceptance_of(p_logits, q_logits, temperature):
+    """drafter.acceptance per position, for the target's and the drafter's logits (1, T, V)."""
+    mask = torch.ones(p_logits.shape[:2], dtype=torch.bool)
+    kept, n = acceptance(GivenLogits(q_logits), None, None, p_logits, mask, temperature)
+    return kept / n
+
+
+def test_acceptance_is_the_share_that_sampling_keeps_not_top1():
+    """drafter.acceptance is sum_x min(p, q) at the sampling temperature: what rejection sampling
+    (speculative.verify) keeps of a draft drawn from q, measured over 20,000 draws (tolerance 0.015,
+    4 standard errors), and an upper bound on what exact-token sampling keeps (shared Gumbel noise,
+    the same tolerance). At temperature 0 it is the top-1 agreement. Where the target draws at random
+    among near-ties, a drafter that draws the same way is kept nearly always, though its top-1
+    agrees only about a third of the time."""
+    p, q = torch.tensor([0.6, 0.3, 0.1]), torch.tensor([0.2, 0.5, 0.3])
+    assert acceptance_of(p.log()[None, None], q.log()[None, None], 1.0) == pytest.approx(0.6)  # .2+.3+.1
+    hot = F.softmax(torch.stack([p, q]).log() / 2.0, -1)  # at temperature 2
+    assert acceptance_of(p.log()[None, None], q.log()[None, None], 2.0) == pytest.approx(float(torch.minimum(*hot).sum()))
+    assert acceptance_of(p.log()[None, None], q.log()[None, None], 0) == 0.0  # argmaxes 0 and 1
+    n, gen = 20_000, torch.Generator().manual_seed(0)
+    drafts = torch.multinomial(q.expand(n, 3), 1, generator=gen)  # (n, 1), drawn from q
+    from speculative import verify
+    n_acc, _ = verify(drafts, q.expand(n, 1, 3), p.expand(n, 2, 3), gen)
+    assert float(n_acc.float().mean()) == pytest.approx(0.6, abs=0.015)
+    g = -torch.log(-torch.log(torch.rand(n, 3, generator=gen)))  # one noise for draft and target
+    shared = ((q.log() + g).argmax(-1) == (p.log() + g).argmax(-1)).float().mean()
+    assert float(shared) < 0.6 + 0.015
+    ties = 1e-3 * torch.randn(2, 1, 3000, 3, generator=gen)  # three near-equal tokens, 3000 positions
+    assert acceptance_of(ties[0], ties[1], 1.0) > 0.99
+    assert acceptance_of(ties[0], ties[1], 0) == pytest.approx(1 / 3, abs=0.03)
 
 
 def test_checksum_tracks_weights(target, buffers):

@@ -37,7 +37,7 @@ def record(step, **over):
     """A metrics.jsonl record as train.py writes it (the keys report.py reads), with `over` set."""
     rec = {"step": step, "step_time": 2.0, "rollout_time": 1.7, "update_time": 0.3,
            "rollout_share": 0.85, "tail_share": 0.4, "slowest_wait": 0.002, "reward": 0.5,
-           "accept_len": 2.5, "accept_rate": 0.6, "sd_token_frac": 0.3, "drafter_top1": 0.7,
+           "accept_len": 2.5, "accept_rate": 0.6, "sd_token_frac": 0.3, "drafter_accept": 0.7,
            "drafted_at": [10, 6], "accepted_at": [8, 3], "bandit_best": {"0": 4, "2": 0},
            "response_len": 40.0, "choice_share": 0.0, "skipped_update": False,
            "drafter_skipped": 0, "tok_s": 1234.5, "idle_time": 0.25, "drafter_steps": 7,
@@ -74,7 +74,7 @@ def test_step_line_keeps_its_text(capsys):
     report.log_step(rec, SEGMENTS, types.SimpleNamespace(rl_steps=10, timeline_every=3))
     out = capsys.readouterr().out.splitlines()
     assert out[0] == ("step 0003/10 | reward 0.500 | step 2.00s | rollout 1.70s (85%, tail 40%) "
-                      "| tok/s 1,234 | accept 0.00 (0% of drafts) | sd tok 30% | drafter top-1 "
+                      "| tok/s 1,234 | accept 0.00 (0% of drafts) | sd tok 30% | drafter acceptance "
                       "70.0% | idle 0.25s | drafter steps 7 (2 non-finite, skipped) | SKIPPED "
                       "non-finite update")
     assert out[1:] == report.render_timeline(SEGMENTS).splitlines()  # step 3 of every 3rd
@@ -94,7 +94,7 @@ summary
   rollout by batch size 3-4 59% | 2 18% (spec 6%) | 1 24% (spec 18%) (of the slowest rank's time)
   response lengths      median 40, p90 50, max 50 tokens; the longest 5% hold 6% of the tokens
   longest / median      1.25 (a step's longest response over its median, median over steps)
-  drafter top-1         n/a (teacher-forced, on each step's fresh rows before training on them)
+  drafter acceptance    n/a (teacher-forced, on each step's fresh rows before training on them)
   accept length         2.50 -> 2.50 tokens per verify step, as the bandit played k
   at k = 4              n/a tokens per verify step, from the acceptance by position
   accepted by position  80% -> 80% | 50% -> 50% (draft 1, 2, ...)
@@ -114,14 +114,14 @@ summary
 
 def test_summary_lines_by_hand(capsys):
     """20 steps: the tenths are steps 0-1 and 18-19; two ranks;
-    every other step trained the drafter; the top-1 is unscored in the first tenth. The fastest
+    every other step trained the drafter; the acceptance is unscored in the first tenth. The fastest
     rank is 30% ahead in 7 steps (0, 3, ..., 18), 10% in 13: the median is 10%. 60 responses
     of 30, 40 and 50 tokens: the longest 5% are three of 50, 150 of 2,400 tokens (6%). A
     partial-credit reward (planted: a flat 0.4) moves the mean reward, never the accuracy."""
     history = [record(s, accuracy=0.05 * s if s < 19 else 0.95, reward=0.4, response_len=40.0 + s,
                       choice_share=0.0 if s < 18 else 0.1, drafter_skipped=int(s == 5) * 3,
                       drafter_steps=7 * (s % 2), rank_spread=0.3 if s % 3 == 0 else 0.1,
-                      ranks=[{"rank": 0}, {"rank": 1}], drafter_top1=None if s < 2 else 0.9)
+                      ranks=[{"rank": 0}, {"rank": 1}], drafter_accept=None if s < 2 else 0.9)
                for s in range(20)]
     acc = {"greedy": {"accuracy": {"overall": 0.5, "1-2": 0.75}, "mean reward": 0.5},
            "sampled": {"accuracy": {"overall": 0.25, "1-2": 0.5}, "mean reward": 0.4},
@@ -196,7 +196,7 @@ def rank_part(rank, rollout_time, segments, by_batch):
 
 
 TOTAL = {"tokens": 20, "sd_tokens": 6, "sd_row_steps": 3, "accepted": 2, "drafted": 4,
-         "top1_agree": 0, "top1_positions": 0, "choice": 0, "response_tokens": 16, "correct": 1}
+         "scored_kept": 0, "scored_positions": 0, "choice": 0, "response_tokens": 16, "correct": 1}
 
 
 def test_the_record_holds_the_long_tail_and_the_slowest_ranks_time_by_batch_size(monkeypatch):
@@ -214,7 +214,7 @@ def test_the_record_holds_the_long_tail_and_the_slowest_ranks_time_by_batch_size
     assert rec["rollout_by_batch"] == {"buckets": ["1", "2", "3-4"], **slow["by_batch"]}
     assert rec["timeline"] == [[["plain", 0.0, 0.1234], ["wait", 0.1234, 2.0]],
                                [["plain", 0.0, 2.0]]]  # to 0.1 ms
-    assert rec["accept_len"] == 2.0 and rec["accept_rate"] == 0.5 and rec["drafter_top1"] is None
+    assert rec["accept_len"] == 2.0 and rec["accept_rate"] == 0.5 and rec["drafter_accept"] is None
     assert all("segments" not in r and "by_batch" not in r for r in rec["ranks"])
     assert ranks == [fast, slow]
     assert report.rank_record(5, fast, TOTAL, rewards, responses, 3.0, 0.5)[0]["timeline"] is None

@@ -1,6 +1,6 @@
 """Idle-rank drafter training across gloo processes: skewed loads, preemption by the last rank,
-identical drafters after the sync (the top-1 counts summed in it), no hang for 1, 2 or 4 ranks or a
-rank without prompts, a dead peer failing the idle barrier; the drafter's rate from its recent top-1.
+identical drafters after the sync (the acceptance figures summed in it), no hang for 1, 2 or 4 ranks or a
+rank without prompts, a dead peer failing the idle barrier; the drafter's rate from its recent acceptance.
 Slow is not dead: tests/test_liveness.py."""
 import json
 import random
@@ -51,12 +51,12 @@ def _worker(rank, loads, out_path):
     rollout_time = time.perf_counter() - t0
     steps, _, idle, busy = idle_train(drafter, opt, buffer, random.Random(rank), IdleWork(batch_size=4))
     trained = parameters_to_vector(drafter.parameters()).double()
-    finish = start_drafter_sync(drafter, steps, top1=(rank + 1, 10 * (rank + 1)))
+    finish = start_drafter_sync(drafter, steps, scores=(rank + 1, 10 * (rank + 1)))
     # the target's update runs between the sync's start and its finish, its all-reduces beside the sync's
     loss = net(torch.tensor([[1, 2, 3]]))[0].float().pow(2).mean()
     loss.backward()
     target_opt.step()
-    top1 = finish()  # the top-1 counts ride in the sync's all-reduce
+    scores = finish()  # the acceptance figures ride in the sync's all-reduce
     # the weighted mean by hand, from every rank's trained weights and steps
     everyone = gather_ranks((trained.tolist(), steps))
     total = sum(n for _, n in everyone)
@@ -64,7 +64,7 @@ def _worker(rank, loads, out_path):
     unweighted = sum(torch.tensor(w, dtype=torch.float64) for w, _ in everyone) / len(everyone)
     synced = parameters_to_vector(drafter.parameters()).double()
     recs = gather_ranks({"rank": rank, "rollout_time": rollout_time, "idle_time": idle, "drafter_steps": steps,
-                         "checksum": checksum(drafter), "before": before, "top1": list(top1),
+                         "checksum": checksum(drafter), "before": before, "scores": list(scores),
                          "off_weighted": float((synced - weighted).abs().max()),
                          "unweighted_gap": float((unweighted - weighted).abs().max()),
                          "rank0_gap": float((torch.tensor(everyone[0][0], dtype=torch.float64) - weighted).abs().max()),
@@ -110,7 +110,7 @@ def test_no_hang_and_empty_ranks(world, loads, tmp_path):
     assert [r["rank"] for r in recs] == list(range(world))
     assert len({r["checksum"] for r in recs}) == 1
     n = world * (world + 1) // 2
-    assert all(r["top1"] == [n, 10 * n] for r in recs)  # every rank's top-1 counts, summed on every rank
+    assert all(r["scores"] == [n, 10 * n] for r in recs)  # every rank's figures, summed on every rank
     for r in recs:  # the weighted mean: the ranks with nothing to train on (0 steps) add nothing
         assert r["off_weighted"] < 1e-6 and (world < 4 or r["unweighted_gap"] > 1e-4), r
     for r, load in zip(recs, loads):
@@ -206,26 +206,26 @@ def test_dead_peer_fails_the_idle_barrier_in_bounded_time():
     assert outcome != "returned" and waited <= 30
 
 
-def test_the_idle_ranks_train_the_drafter_as_hard_as_its_top1_asks():
-    """scheduler.RecentTop1 keeps the last TOP1_STEPS steps' figures and skips a step nobody scored;
-    drafter_schedule, one rule for any drafter: the gentle rate and the full depth at TOP1_GENTLE
-    and above (and before any figure), the hard rate teacher-forced (one pass) at TOP1_HARDEST and
-    below, the rate geometric and the depth linear in between."""
-    from scheduler import TOP1_STEPS, TOP1_GENTLE, TOP1_HARDEST, RecentTop1, drafter_schedule
-    top1 = RecentTop1()
-    assert top1.mean() is None
-    for i in range(TOP1_STEPS + 2):
-        top1.add(5 if i < 2 else 10, 10)  # the two weak steps fall out of the window
-    top1.add(0, 0)  # no rank had time to score: the figure is unchanged
-    assert len(top1.recent) == TOP1_STEPS and top1.mean() == 1.0
-    top1.recent = [[5.0, 10]]
-    top1.add(30, 30)
-    assert top1.mean() == 35 / 40  # weighted by positions scored
+def test_the_idle_ranks_train_the_drafter_as_hard_as_its_acceptance_asks():
+    """scheduler.RecentAcceptance keeps the last RECENT_STEPS steps' figures and skips a step nobody
+    scored; drafter_schedule, one rule for any drafter: the gentle rate and the full depth at
+    ACCEPT_GENTLE and above (and before any figure), the hard rate teacher-forced (one pass) at
+    ACCEPT_HARDEST and below, the rate geometric and the depth linear in between."""
+    from scheduler import ACCEPT_GENTLE, ACCEPT_HARDEST, RECENT_STEPS, RecentAcceptance, drafter_schedule
+    recent = RecentAcceptance()
+    assert recent.mean() is None
+    for i in range(RECENT_STEPS + 2):
+        recent.add(5 if i < 2 else 10, 10)  # the two weak steps fall out of the window
+    recent.add(0, 0)  # no rank had time to score: the figure is unchanged
+    assert len(recent.recent) == RECENT_STEPS and recent.mean() == 1.0
+    recent.recent = [[5.0, 10]]
+    recent.add(30, 30)
+    assert recent.mean() == 35 / 40  # weighted by positions scored
     gentle, hard = 1e-4, 1e-2
     assert drafter_schedule(None, gentle, hard, 3) == (gentle, 3)
-    assert drafter_schedule(TOP1_GENTLE + 0.01, gentle, hard, 3) == (gentle, 3)
-    assert drafter_schedule(TOP1_HARDEST - 0.1, gentle, hard, 3) == (pytest.approx(hard), 1)
-    assert drafter_schedule(TOP1_HARDEST, gentle, hard, 5) == (pytest.approx(hard), 1)
-    middle = (TOP1_GENTLE + TOP1_HARDEST) / 2
+    assert drafter_schedule(ACCEPT_GENTLE + 0.01, gentle, hard, 3) == (gentle, 3)
+    assert drafter_schedule(ACCEPT_HARDEST - 0.1, gentle, hard, 3) == (pytest.approx(hard), 1)
+    assert drafter_schedule(ACCEPT_HARDEST, gentle, hard, 5) == (pytest.approx(hard), 1)
+    middle = (ACCEPT_GENTLE + ACCEPT_HARDEST) / 2
     assert drafter_schedule(middle, gentle, hard, 3) == (pytest.approx(1e-3), 2)  # the geometric mean
     assert drafter_schedule(middle, gentle, hard, 5) == (pytest.approx(1e-3), 3)
