@@ -21,9 +21,9 @@ stay its own. A single process has no idle time: it never trains the drafter onl
 technique, not a bug), but it scores it, since nobody waits for it.
 
 How hard the idle ranks train follows one rule, the same for a drafter built from nothing and for
-one warmed up before RL: the lower the drafter's recent acceptance on fresh rows (the chance that
-the target keeps its draft, `drafter.acceptance`), the higher its learning rate and the shallower
-its chained passes (`drafter_schedule`); the figures ride in the sync's all-reduce
+one warmed up before RL: the lower the drafter's recent acceptance on fresh rows (what rejection
+sampling would keep of its drafts, `drafter.acceptance`), the higher its learning rate and the
+shallower its chained passes (`drafter_schedule`); the sums ride in the sync's all-reduce
 (`RecentAcceptance`).
 
 Test: python -m pytest tests/test_scheduler.py   (gloo processes with skewed loads)
@@ -86,7 +86,7 @@ def idle_train(drafter, optimizer, buffer, rng, work, scoring=(), barrier=None, 
 
 def acceptance_pieces(drafter, rows, into, idle_tokens, temperature):
     """Idle pieces that add the drafter's acceptance on a rollout's FinishedRows to `into`
-    (accepted, positions): rows of similar lengths at a time, about idle_tokens padded positions
+    (kept, positions): rows of similar lengths at a time, about idle_tokens padded positions
     (one row, if longer)."""
     def score(piece):
         batch = pair_batch([(r.tokens, r.hidden, r.prompt_len) for r in piece],
@@ -99,23 +99,22 @@ def acceptance_pieces(drafter, rows, into, idle_tokens, temperature):
 
 
 @torch.no_grad()
-def start_drafter_sync(drafter, local_steps, scores=(0, 0)):
+def start_drafter_sync(drafter, local_steps, scored=(0, 0)):
     """Start averaging the drafter's weights over ranks, weighted by local drafter steps: one
-    all-reduce of [steps * weights, steps, acceptance figures] in the background. `finish()` waits,
+    all-reduce of [steps * weights, steps, acceptance sums] in the background. `finish()` waits,
     writes the average in (unchanged if nobody trained; bit-identical on every rank) and returns the
-    acceptance figures (accepted, positions) summed over ranks."""
+    acceptance sums (kept, positions) over ranks."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
-        return lambda: tuple(scores)
+        return lambda: tuple(scored)
     params = list(drafter.parameters())
-    figures = torch.tensor([float(local_steps), *scores], dtype=torch.float64,
-                           device=params[0].device)
-    flat = torch.cat([parameters_to_vector(params).double() * local_steps, figures])
+    sums = torch.tensor([float(local_steps), *scored], dtype=torch.float64, device=params[0].device)
+    flat = torch.cat([parameters_to_vector(params).double() * local_steps, sums])
     pending = dist.all_reduce(flat, async_op=True)
 
     @torch.no_grad()
     def finish():
         pending.wait()
-        total, kept, positions = flat[-3:].tolist()  # sync: the summed figures
+        total, kept, positions = flat[-3:].tolist()  # sync: the summed steps and acceptance
         if total > 0:
             vector_to_parameters((flat[:-3] / total).to(params[0].dtype), params)
         return kept, int(positions)
@@ -127,16 +126,16 @@ def start_drafter_sync(drafter, local_steps, scores=(0, 0)):
 
 ACCEPT_HARDEST = 0.95  # recent acceptance at or below which idle ranks train the drafter hardest
 ACCEPT_GENTLE = 0.995  # and at or above which they train it gentlest
-RECENT_STEPS = 5  # RL steps whose figures make the recent acceptance
+RECENT_STEPS = 5  # RL steps whose sums make the recent acceptance
 
 
 class RecentAcceptance:
     """The drafter's acceptance on fresh rows over the last RECENT_STEPS scored steps (a step with
     nothing scored is not one of them). Each rank scores its fresh rows on idle time, before any
-    training (the slowest rank's mostly go unscored); the sync sums the figures."""
+    training (the slowest rank's mostly go unscored); the sync sums them over ranks."""
 
     def __init__(self):
-        self.recent = []  # [accepted, positions] per RL step, summed over ranks
+        self.recent = []  # [kept, positions] per RL step, summed over ranks
 
     def add(self, kept, positions):
         if positions:  # a step with nothing scored adds nothing
@@ -148,15 +147,15 @@ class RecentAcceptance:
         return sum(a for a, _ in self.recent) / n if n else None
 
 
-def drafter_schedule(accepted, online_lr, cold_lr, max_depth):
+def drafter_schedule(acceptance, online_lr, cold_lr, max_depth):
     """The rule: the further the drafter's recent acceptance falls below ACCEPT_GENTLE, the harder
     the idle ranks train it -> (learning rate, chained passes). At ACCEPT_GENTLE and above (or not
     yet scored): online_lr, max_depth passes; at ACCEPT_HARDEST and below: cold_lr, teacher-forced
     (a drafter that misses the first token learns that before its own chains); geometric and linear
     in between. Once scored (step 0 is not), a drafter built from nothing sits at the hard end until
-    it drafts well, one warmed up near the gentle end; an acceptance that falls pushes either
-    harder."""
+    it drafts well, and one warmed up starts nearer the gentle end (98% sits a quarter of the way
+    down); an acceptance that falls pushes either harder."""
     span = ACCEPT_GENTLE - ACCEPT_HARDEST
-    hard = 0.0 if accepted is None else (ACCEPT_GENTLE - accepted) / span
+    hard = 0.0 if acceptance is None else (ACCEPT_GENTLE - acceptance) / span
     hard = min(1.0, max(0.0, hard))
     return online_lr * (cold_lr / online_lr) ** hard, 1 + round((max_depth - 1) * (1 - hard))

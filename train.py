@@ -72,7 +72,7 @@ class StepResult(NamedTuple):
     problems: list  # this rank's problems
     finished: list  # their finished rows (speculative.FinishedRow), one per row
     idle: dict  # what this rank's idle time did
-    acceptance: tuple  # the drafter's acceptance (accepted, positions), summed over ranks
+    acceptance: tuple  # the drafter's acceptance sums (kept, positions) over ranks
     update: tuple  # (every reward, every response, (loss, clip fraction, skipped))
     times: tuple  # (start, rollout end, idle start, update start, end): time.perf_counter()
 
@@ -93,7 +93,7 @@ def rl_step(step, state, observer=None):
     idle, finish_sync = idle_phase(state, step, finished)
     # 6. advantages over the global batch, one GRPO update of the target under DDP
     t_update, update = update_target(state, finished, rewards)
-    acceptance = finish_sync()  # the averaged drafter is in; the acceptance summed over ranks
+    acceptance = finish_sync()  # the averaged drafter is in; the acceptance sums over ranks
     state.acceptance.add(*acceptance)
     if state.device.type == "cuda":
         torch.cuda.synchronize()  # sync: the optimizer step may still be queued
@@ -123,20 +123,20 @@ def idle_phase(state, step, finished):
     train_drafter = learned and args.drafter_updates
     if train_drafter:
         state.buffer.add_rows(step, finished)
-    recent, scores = state.acceptance.mean(), [0, 0]  # this rank's acceptance: accepted, positions
+    recent, scored = state.acceptance.mean(), [0, 0]  # this rank's acceptance sums: kept, positions
     lr, depth = drafter_schedule(recent, args.drafter_online_lr, args.drafter_cold_lr,
                                  args.drafter_depth)
     for g in state.d_opt.param_groups:
         g["lr"] = lr
     scoring = deque()  # pieces of acceptance scoring on the fresh rows, before any training
     if learned:
-        scoring = acceptance_pieces(state.drafter, finished, scores, args.drafter_idle_tokens,
+        scoring = acceptance_pieces(state.drafter, finished, scored, args.drafter_idle_tokens,
                                     args.temperature)
     work = IdleWork(train_drafter, args.drafter_batch, depth, args.drafter_idle_tokens)
     rng = random.Random(rl.derive_seed(args.rl_seed, state.rank, step, rl.Seed.DRAFTER_TRAINING))
     steps, skipped, seconds, busy = idle_train(state.drafter, state.d_opt, state.buffer, rng, work,
                                                scoring, barrier=state.barrier)
-    finish_sync = start_drafter_sync(state.drafter, steps if train_drafter else 0, scores)
+    finish_sync = start_drafter_sync(state.drafter, steps if train_drafter else 0, scored)
     return dict(steps=steps, skipped=skipped, seconds=seconds, busy=busy, lr=lr, depth=depth,
                 recent_acceptance=recent), finish_sync
 

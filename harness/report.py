@@ -30,10 +30,10 @@ LETTERS = "ABCDEFGHIJKLMNOPQRSTUVWXYZ"  # the compared runs' names
 
 # what the summary reads from each record (the CLI checks them before it reads on)
 NEEDED = ("step", "step_time", "rollout_time", "update_time", "rollout_share", "slowest_wait",
-          "tail_share", "reward", "accept_len", "accept_rate", "sd_token_frac", "drafter_accept",
-          "drafted_at", "accepted_at", "bandit_best", "response_len", "choice_share",
-          "skipped_update", "drafter_skipped", "drafter_steps", "ranks", "rank_spread",
-          "rollout_by_batch", "response_lens")
+          "tail_share", "reward", "accept_len", "accept_rate", "sd_token_frac",
+          "drafter_acceptance", "drafted_at", "accepted_at", "bandit_best", "response_len",
+          "choice_share", "skipped_update", "drafter_skipped", "drafter_steps", "ranks",
+          "rank_spread", "rollout_by_batch", "response_lens")
 
 
 # -----------------------------------------------------------------------------
@@ -103,7 +103,7 @@ def rank_record(step, local, total, all_rewards, responses, step_time, update_ti
         "accept_len": rates("sd_tokens", "sd_row_steps"),
         "accept_rate": rates("accepted", "drafted"),
         # the drafter's teacher-forced acceptance on the fresh rows (drafter.acceptance)
-        "drafter_accept": rates("scored_kept", "scored_positions"),
+        "drafter_acceptance": rates("scored_kept", "scored_positions"),
         # per draft position: drafts decided there (the earlier ones accepted) and accepted
         "drafted_at": per_position("drafted_at"), "accepted_at": per_position("accepted_at"),
         # the speculative steps that drafted k tokens a row, k = 0 .. max k (0: none), all ranks
@@ -157,7 +157,8 @@ def bucket_sizes(bucket):
 
 def log_step(rec, ranks, args):
     """Rank 0's line for the step, and every --timeline-every steps the ranks' timeline."""
-    scored = "n/a" if rec["drafter_accept"] is None else f"{100 * rec['drafter_accept']:.1f}%"
+    scored = rec["drafter_acceptance"]
+    scored = "n/a" if scored is None else f"{100 * scored:.1f}%"
     print0(f"step {rec['step']:04d}/{args.rl_steps} | reward {rec['reward']:.3f} | "
            f"step {rec['step_time']:.2f}s | rollout {rec['rollout_time']:.2f}s "
            f"({100 * rec['rollout_share']:.0f}%, tail {100 * rec['tail_share']:.0f}%) | "
@@ -300,7 +301,7 @@ def record_lines(history, task):
              f"  tail share            {statistics.median(h['tail_share'] for h in history):.0%} "
              f"median (the slowest rank's rollout time after 90% of its rows had finished)",
              *long_tail_lines(history),
-             f"  drafter acceptance    {trend(history, 'drafter_accept', '{:.1%}'.format)} "
+             f"  drafter acceptance    {trend(history, 'drafter_acceptance', '{:.1%}'.format)} "
              f"(teacher-forced, on each step's fresh rows before training on them)",
              f"  accept length         {trend(history, 'accept_len', '{:.2f}'.format)} tokens per "
              f"verify step, as the bandit played k",

@@ -37,7 +37,7 @@ def record(step, **over):
     """A metrics.jsonl record as train.py writes it (the keys report.py reads), with `over` set."""
     rec = {"step": step, "step_time": 2.0, "rollout_time": 1.7, "update_time": 0.3,
            "rollout_share": 0.85, "tail_share": 0.4, "slowest_wait": 0.002, "reward": 0.5,
-           "accept_len": 2.5, "accept_rate": 0.6, "sd_token_frac": 0.3, "drafter_accept": 0.7,
+           "accept_len": 2.5, "accept_rate": 0.6, "sd_token_frac": 0.3, "drafter_acceptance": 0.7,
            "drafted_at": [10, 6], "accepted_at": [8, 3], "bandit_best": {"0": 4, "2": 0},
            "response_len": 40.0, "choice_share": 0.0, "skipped_update": False,
            "drafter_skipped": 0, "tok_s": 1234.5, "idle_time": 0.25, "drafter_steps": 7,
@@ -121,7 +121,7 @@ def test_summary_lines_by_hand(capsys):
     history = [record(s, accuracy=0.05 * s if s < 19 else 0.95, reward=0.4, response_len=40.0 + s,
                       choice_share=0.0 if s < 18 else 0.1, drafter_skipped=int(s == 5) * 3,
                       drafter_steps=7 * (s % 2), rank_spread=0.3 if s % 3 == 0 else 0.1,
-                      ranks=[{"rank": 0}, {"rank": 1}], drafter_accept=None if s < 2 else 0.9)
+                      ranks=[{"rank": 0}, {"rank": 1}], drafter_acceptance=None if s < 2 else 0.9)
                for s in range(20)]
     acc = {"greedy": {"accuracy": {"overall": 0.5, "1-2": 0.75}, "mean reward": 0.5},
            "sampled": {"accuracy": {"overall": 0.25, "1-2": 0.5}, "mean reward": 0.4},
@@ -214,7 +214,7 @@ def test_the_record_holds_the_long_tail_and_the_slowest_ranks_time_by_batch_size
     assert rec["rollout_by_batch"] == {"buckets": ["1", "2", "3-4"], **slow["by_batch"]}
     assert rec["timeline"] == [[["plain", 0.0, 0.1234], ["wait", 0.1234, 2.0]],
                                [["plain", 0.0, 2.0]]]  # to 0.1 ms
-    assert rec["accept_len"] == 2.0 and rec["accept_rate"] == 0.5 and rec["drafter_accept"] is None
+    assert rec["accept_len"] == 2.0 and rec["accept_rate"] == 0.5 and rec["drafter_acceptance"] is None
     assert all("segments" not in r and "by_batch" not in r for r in rec["ranks"])
     assert ranks == [fast, slow]
     assert report.rank_record(5, fast, TOTAL, rewards, responses, 3.0, 0.5)[0]["timeline"] is None

@@ -1,5 +1,5 @@
 """Idle-rank drafter training across gloo processes: skewed loads, preemption by the last rank,
-identical drafters after the sync (the acceptance figures summed in it), no hang for 1, 2 or 4 ranks or a
+identical drafters after the sync (the acceptance sums summed in it), no hang for 1, 2 or 4 ranks or a
 rank without prompts, a dead peer failing the idle barrier; the drafter's rate from its recent acceptance.
 Slow is not dead: tests/test_liveness.py."""
 import json
@@ -51,12 +51,12 @@ def _worker(rank, loads, out_path):
     rollout_time = time.perf_counter() - t0
     steps, _, idle, busy = idle_train(drafter, opt, buffer, random.Random(rank), IdleWork(batch_size=4))
     trained = parameters_to_vector(drafter.parameters()).double()
-    finish = start_drafter_sync(drafter, steps, scores=(rank + 1, 10 * (rank + 1)))
+    finish = start_drafter_sync(drafter, steps, scored=(rank + 0.125, 10 * (rank + 1)))
     # the target's update runs between the sync's start and its finish, its all-reduces beside the sync's
     loss = net(torch.tensor([[1, 2, 3]]))[0].float().pow(2).mean()
     loss.backward()
     target_opt.step()
-    scores = finish()  # the acceptance figures ride in the sync's all-reduce
+    scored = finish()  # the acceptance sums ride in the sync's all-reduce
     # the weighted mean by hand, from every rank's trained weights and steps
     everyone = gather_ranks((trained.tolist(), steps))
     total = sum(n for _, n in everyone)
@@ -64,7 +64,7 @@ def _worker(rank, loads, out_path):
     unweighted = sum(torch.tensor(w, dtype=torch.float64) for w, _ in everyone) / len(everyone)
     synced = parameters_to_vector(drafter.parameters()).double()
     recs = gather_ranks({"rank": rank, "rollout_time": rollout_time, "idle_time": idle, "drafter_steps": steps,
-                         "checksum": checksum(drafter), "before": before, "scores": list(scores),
+                         "checksum": checksum(drafter), "before": before, "scored": list(scored),
                          "off_weighted": float((synced - weighted).abs().max()),
                          "unweighted_gap": float((unweighted - weighted).abs().max()),
                          "rank0_gap": float((torch.tensor(everyone[0][0], dtype=torch.float64) - weighted).abs().max()),
@@ -109,8 +109,8 @@ def test_no_hang_and_empty_ranks(world, loads, tmp_path):
     recs = _run(world, loads, tmp_path)["records"]
     assert [r["rank"] for r in recs] == list(range(world))
     assert len({r["checksum"] for r in recs}) == 1
-    n = world * (world + 1) // 2
-    assert all(r["scores"] == [n, 10 * n] for r in recs)  # every rank's figures, summed on every rank
+    n = world * (world + 1) // 2  # the kept sums are fractional: a sync that rounds them fails
+    assert all(r["scored"] == [n - 0.875 * world, 10 * n] for r in recs)  # summed, on every rank
     for r in recs:  # the weighted mean: the ranks with nothing to train on (0 steps) add nothing
         assert r["off_weighted"] < 1e-6 and (world < 4 or r["unweighted_gap"] > 1e-4), r
     for r, load in zip(recs, loads):

@@ -111,7 +111,7 @@ def test_exact_tokens_make_rewards_equal_across_resume_and_tlt(tmp_path):
         assert len({tuple(m[key] for m in run) for run in runs.values()}) == 1, key
     assert not any(m["accept_len"] for m in runs[plain])
     assert all(any(m["accept_len"] for m in runs[out]) for out in (straight, sibling))
-    assert runs[sibling][0]["drafter_accept"] is None and runs[straight][0]["drafter_accept"] is not None  # who trains a drafter
+    assert runs[sibling][0]["drafter_acceptance"] is None and runs[straight][0]["drafter_acceptance"] is not None  # who trains a drafter
 
 
 @pytest.mark.parametrize("bad", [["--bogus-flag"], ["--drafter-keep-tokens", "39"]])
