@@ -47,18 +47,18 @@ s, as "b=C": a cup guessed uniformly, the swap's two cups not copied, which the 
 on from. Rewarded for the answer, RL should learn to copy the cups instead, moving a token in every
 step (the one after the label: "B" for "="), not one a trace or a round. A drafter warmed up and
 frozen before RL drafts the copy there about as often as the traces wrote one (1 - s, with
-exact-token sampling): with --shortcut 0.7 and the other flags at their defaults (but
---drafter-warmup-steps 6000), it ends 22% and 24% below one trained on idle ranks, at k = 4 on two
-RL seeds.
-RL pays for it: a response that follows every swap is right beyond chance only if it guesses no
-step (RESULTS.md).
+exact-token sampling): with --shortcut 0.7 --rl-lr 3e-4 --drafter-warmup-steps 6000, it ends 21%
+below one trained on idle ranks, at k = 4 on two RL seeds, while RL gains 21 and 27 points. RL pays
+for it: a response that follows every swap is right beyond chance only if it guesses no step
+(RESULTS.md).
 
 The long tail: n follows a power law P(n) ~ n^-1 on 1..12, so most problems are a few swaps and a
 few are many: a step's longest response is about three times its median (2.9, the median over the
-default run's steps), and one prompt's samples differ in length by their choices. Simplified on purpose: three cups (a guess is right a third of
-the time at any length), swaps drawn uniformly from the three pairs, at most 26 swaps (a label a
-lower-case letter), and a tiktoken Encoding built in-process (no download) with one merged token
-per labelled swap ("bBC"), so that finding swap b is a single attention look-up.
+default run's steps), and one prompt's samples differ in length by their choices. Simplified on
+purpose: three cups (a guess is right a third of the time at any length), swaps drawn uniformly
+from the three pairs, at most 26 swaps (a label a lower-case letter), and a tiktoken Encoding
+built in-process (no download) with one merged token per labelled swap ("bBC"), so that finding
+swap b is a single attention look-up.
 
 Measured (the 2-core AMD EPYC VM; `OMP_NUM_THREADS=1 torchrun --standalone --nproc_per_node=2
 train.py --task shell_game`, 800 RL steps, then `--rl-seed 2`): the warm-up target writes the ball's
