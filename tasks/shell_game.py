@@ -52,6 +52,12 @@ below one trained on idle ranks, at k = 4 on two RL seeds, while RL gains 21 and
 for it: a response that follows every swap is right beyond chance only if it guesses no step
 (RESULTS.md).
 
+Step credit (--step-credit c; 0, none, by default): the reward is (1 - c) for the answer and c
+times the share of the problem's steps written, in order, with the ball's true cup; accuracy still
+counts the answer alone. A guessed cup then costs RL at the step, not only through an answer that
+a single guess can spoil, so RL can learn to copy even in rounds, where a response holds n(n+1)/2
+steps (RESULTS.md).
+
 The long tail: n follows a power law P(n) ~ n^-1 on 1..12, so most problems are a few swaps and a
 few are many: a step's longest response is about three times its median (2.9, the median over the
 default run's steps), and one prompt's samples differ in length by their choices. Simplified on
@@ -167,6 +173,9 @@ class ShellGame(Task):
     shortcut: float = field(default=0.0, metadata={
         "help": "warm-up traces: the probability, at every step, of a shortcut (b=C): a cup "
                 "guessed uniformly, the swap's cups not copied, which the later steps go on from"})
+    step_credit: float = field(default=0.0, metadata={
+        "help": "the reward's weight on the steps: the share of the problem's steps written with "
+                "the ball's true cup (the rest of the reward is the answer's)"})
     rounds: str = field(default="once", metadata={
         "help": 'the swaps followed once, or "growing": in rounds, round r following the first r '
                 'swaps (n(n+1)/2 steps written: a response quadratic in the problem\'s size)'})
@@ -180,6 +189,7 @@ class ShellGame(Task):
         self.check(("max_n", 1 <= self.max_n <= len(LABELS), f"in 1..{len(LABELS)}"),
                    ("outright", 0 <= self.outright < 1, "in [0, 1)"),
                    ("shortcut", 0 <= self.shortcut < 1, "in [0, 1)"),
+                   ("step_credit", 0 <= self.step_credit < 1, "in [0, 1)"),
                    ("rounds", self.rounds in ("once", "growing"), 'once or growing'))
 
     def problem(self, rng, size):
@@ -190,12 +200,26 @@ class ShellGame(Task):
 
     def reward(self, problem, response_ids):
         """1.0 when the cup after the last '>' is the ball's, even after wrong steps (as with
-        verifiable rewards), else 0.0. Never raises."""
+        verifiable rewards), else 0.0; with --step-credit c, (1 - c) of that plus c times the share
+        of the problem's steps written, in order, with the ball's true cup. Never raises."""
         try:
-            m = re.search(r">([A-C])\s*$", self.decode(response_ids))
-            return float(m is not None and m.group(1) == problem.answer)
+            text = self.decode(response_ids)
+            right = float(answered(problem, text))
+            if not self.step_credit:
+                return right
+            written = re.findall(r"([a-z])(?:[A-C]{2})?=([A-C])", text)
+            true = [(label, ball) for (_, label, _), ball in zip(problem.steps, problem.balls)]
+            steps = sum(w == t for w, t in zip(written, true)) / max(1, len(true))
+            return (1 - self.step_credit) * right + self.step_credit * steps
         except Exception:  # the contract is "never raises"; a broken input is simply wrong
             return 0.0
+
+    def correct(self, problem, response_ids):
+        """Whether the cup after the last '>' is the ball's: the answer's part of the reward."""
+        try:
+            return answered(problem, self.decode(response_ids))
+        except Exception:
+            return False
 
     def warmup_example(self, problem, rng):
         response = problem.response(rng, self.outright, self.shortcut)
@@ -231,6 +255,12 @@ class ShellGame(Task):
         """Each labelled swap "bBC" and its parts "b", "B" and "C": see harness.warmup's --merge-init."""
         one = ENC.encode_single_token
         return [(one(m), tuple(one(c) for c in m)) for m in MERGED]
+
+
+def answered(problem, text):
+    """Whether the response text ends with the ball's cup after a '>'."""
+    m = re.search(r">([A-C])\s*$", text)
+    return m is not None and m.group(1) == problem.answer
 
 
 def parse_prompt(prompt):

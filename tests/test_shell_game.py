@@ -117,6 +117,25 @@ def test_reward_is_right_on_the_examples():
         assert DEFAULT.reward(q, ids[plen:]) == 1.0  # a trace is never wrong: every error is the model's
 
 
+def test_step_credit_pays_for_each_step_written_with_the_true_cup():
+    """--step-credit c: (1 - c) for the answer, c times the share of the problem's steps written, in
+    order, with the ball's true cup (a shortcut's guess counts where it is right); accuracy counts
+    the answer alone; at 0 the reward is the answer's."""
+    cfg = ShellGame(step_credit=0.5)
+    p = Problem(("AB", "BC", "AC", "AB", "BC"))  # the ball: B, C, A, B, C
+    assert cfg.reward(p, ids_of(p.response())) == 1.0
+    assert cfg.reward(p, ids_of(">C")) == 0.5 and cfg.correct(p, ids_of(">C"))
+    assert cfg.reward(p, ids_of("aAB=B bBC=C >A")) == pytest.approx(0.5 * 2 / 5)
+    assert not cfg.correct(p, ids_of("aAB=B bBC=C >A"))
+    assert cfg.reward(p, ids_of("aAB=A b=C cAC=A >C")) == pytest.approx(0.5 + 0.5 * 2 / 5)
+    assert cfg.reward(p, ids_of("bBC=C aAB=B >C")) == 0.5  # out of order: no step counts
+    assert DEFAULT.reward(p, ids_of("aAB=B bBC=C >A")) == 0.0
+    rounds = Problem(("AB", "BC"), rounds=True)  # 1:aAB=B 2:aAB=A bBC=A
+    assert cfg.reward(rounds, ids_of("1:aAB=B >A")) == pytest.approx(0.5 + 0.5 / 3)
+    assert cfg.reward(rounds, ids_of(rounds.response())) == 1.0
+    assert cfg.reward(p, None) == 0.0 and not cfg.correct(p, None)
+
+
 def test_reward_never_raises():
     rng = random.Random(6)
     p = Problem(("AB", "BC"))  # answer C
@@ -271,7 +290,8 @@ def test_a_shortcut_writes_a_guessed_cup_that_the_steps_after_it_go_on_from(roun
 
 @pytest.mark.parametrize("kwargs", [dict(max_n=0), dict(max_n=27), dict(outright=1.0), dict(outright=-0.1),
                                     dict(outright=float("nan")), dict(min_n=13), dict(rounds="n"),
-                                    dict(shortcut=1.0), dict(shortcut=-0.5)])
+                                    dict(shortcut=1.0), dict(shortcut=-0.5), dict(step_credit=1.0),
+                                    dict(step_credit=-0.1)])
 def test_bad_settings_are_refused(kwargs):
     with pytest.raises(ValueError):
         ShellGame(**kwargs)
