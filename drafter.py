@@ -28,6 +28,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from model import Blocks, KVCache
+from speculative import probs
 
 HIDDEN_WEIGHT = 1.0
 CE_WEIGHT = 0.1
@@ -257,20 +258,11 @@ def train_step(drafter, optimizer, batch, depth=DEPTH, sync_grads=False, preempt
 
 @torch.no_grad()
 def acceptance(drafter, h_in, x_next, h_tgt, mask, temperature=1.0):
-    """Teacher-forced acceptance over the masked positions -> (expected accepted, positions). At a
-    position it is sum_x min(p(x), q(x)), p the target's and q the drafter's distribution at the
-    sampling temperature: the chance that rejection sampling keeps the draft there, and the most
-    that any exact sampler can keep (exact-token sampling, whose draft and target share the noise,
-    keeps at most as many). Unlike top-1 agreement, a token the target draws at random is no miss
-    where the drafter draws it as often. At temperature 0: the top-1 agreement."""
+    """Teacher-forced -> (kept, positions): per masked position sum min(p, q) at the temperature,
+    what rejection sampling keeps of a draft (exact-token sampling at most that; top-1 at 0)."""
     logits, _ = drafter(h_in, x_next)
     target = F.linear(h_tgt[mask], drafter.target.lm_head.weight)  # (positions, V)
-    if temperature == 0:
-        kept = (logits[mask].argmax(-1) == target.argmax(-1)).sum()
-    else:
-        p = F.softmax(target.float() / temperature, -1)
-        q = F.softmax(logits[mask].float() / temperature, -1)
-        kept = torch.minimum(p, q).sum()
+    kept = torch.minimum(probs(target, temperature), probs(logits[mask], temperature)).sum()
     return float(kept), int(mask.sum())  # sync: two figures
 
 

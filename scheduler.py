@@ -21,10 +21,9 @@ stay its own. A single process has no idle time: it never trains the drafter onl
 technique, not a bug), but it scores it, since nobody waits for it.
 
 How hard the idle ranks train follows one rule, the same for a drafter built from nothing and for
-one warmed up before RL: the lower the drafter's recent acceptance on fresh rows (what rejection
-sampling would keep of its drafts, `drafter.acceptance`), the higher its learning rate and the
-shallower its chained passes (`drafter_schedule`); the sums ride in the sync's all-reduce
-(`RecentAcceptance`).
+one warmed up before RL: the lower the drafter's recent acceptance on fresh rows
+(`drafter.acceptance`), the higher its learning rate and the shallower its chained passes
+(`drafter_schedule`); the sums ride in the sync's all-reduce (`RecentAcceptance`).
 
 Test: python -m pytest tests/test_scheduler.py   (gloo processes with skewed loads)
 """
@@ -85,9 +84,8 @@ def idle_train(drafter, optimizer, buffer, rng, work, scoring=(), barrier=None, 
 
 
 def acceptance_pieces(drafter, rows, into, idle_tokens, temperature):
-    """Idle pieces that add the drafter's acceptance on a rollout's FinishedRows to `into`
-    (kept, positions): rows of similar lengths at a time, about idle_tokens padded positions
-    (one row, if longer)."""
+    """Idle pieces that add the drafter's acceptance on a rollout's FinishedRows to `into` (kept,
+    positions): rows of similar lengths, about idle_tokens padded positions (one row, if longer)."""
     def score(piece):
         batch = pair_batch([(r.tokens, r.hidden, r.prompt_len) for r in piece],
                            drafter.in_proj.weight.device)
@@ -130,9 +128,8 @@ RECENT_STEPS = 5  # RL steps whose sums make the recent acceptance
 
 
 class RecentAcceptance:
-    """The drafter's acceptance on fresh rows over the last RECENT_STEPS scored steps (a step with
-    nothing scored is not one of them). Each rank scores its fresh rows on idle time, before any
-    training (the slowest rank's mostly go unscored); the sync sums them over ranks."""
+    """The drafter's acceptance over the last RECENT_STEPS steps that scored rows: each rank scores
+    its fresh rows on idle time before training (the slowest's mostly not); the sync sums them."""
 
     def __init__(self):
         self.recent = []  # [kept, positions] per RL step, summed over ranks
@@ -151,11 +148,8 @@ def drafter_schedule(acceptance, online_lr, cold_lr, max_depth):
     """The rule: the further the drafter's recent acceptance falls below ACCEPT_GENTLE, the harder
     the idle ranks train it -> (learning rate, chained passes). At ACCEPT_GENTLE and above (or not
     yet scored): online_lr, max_depth passes; at ACCEPT_HARDEST and below: cold_lr, teacher-forced
-    (a drafter that misses the first token learns that before its own chains); geometric and linear
-    in between. Once scored (step 0 is not), a drafter built from nothing sits at the hard end until
-    it drafts well, and one warmed up starts nearer the gentle end (98% sits a quarter of the way
-    down); an acceptance that falls pushes either harder."""
+    (a drafter that misses the first token learns that before its chains); geometric and linear in
+    between (a cold drafter starts at the hard end; a warmed-up one, at 98%, a quarter in)."""
     span = ACCEPT_GENTLE - ACCEPT_HARDEST
-    hard = 0.0 if acceptance is None else (ACCEPT_GENTLE - acceptance) / span
-    hard = min(1.0, max(0.0, hard))
+    hard = 0.0 if acceptance is None else min(1.0, max(0.0, (ACCEPT_GENTLE - acceptance) / span))
     return online_lr * (cold_lr / online_lr) ** hard, 1 + round((max_depth - 1) * (1 - hard))

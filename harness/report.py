@@ -30,10 +30,10 @@ LETTERS = "ABCDEFGHIJKLMNOPQRSTUVWXYZ"  # the compared runs' names
 
 # what the summary reads from each record (the CLI checks them before it reads on)
 NEEDED = ("step", "step_time", "rollout_time", "update_time", "rollout_share", "slowest_wait",
-          "tail_share", "reward", "accept_len", "accept_rate", "sd_token_frac",
-          "drafter_acceptance", "drafted_at", "accepted_at", "bandit_best", "response_len",
-          "choice_share", "skipped_update", "drafter_skipped", "drafter_steps", "ranks",
-          "rank_spread", "rollout_by_batch", "response_lens")
+          "tail_share", "reward", "accept_len", "accept_rate", "sd_token_frac", "drafted_at",
+          "drafter_acceptance", "accepted_at", "bandit_best", "response_len", "choice_share",
+          "skipped_update", "drafter_skipped", "drafter_steps", "ranks", "rank_spread",
+          "rollout_by_batch", "response_lens")
 
 
 # -----------------------------------------------------------------------------
@@ -102,8 +102,7 @@ def rank_record(step, local, total, all_rewards, responses, step_time, update_ti
         "accuracy": total["correct"] / n_rows, "reward": float(all_rewards.mean()),
         "accept_len": rates("sd_tokens", "sd_row_steps"),
         "accept_rate": rates("accepted", "drafted"),
-        # the drafter's teacher-forced acceptance on the fresh rows (drafter.acceptance)
-        "drafter_acceptance": rates("scored_kept", "scored_positions"),
+        "drafter_acceptance": rates("scored_kept", "scored_positions"),  # drafter.acceptance
         # per draft position: drafts decided there (the earlier ones accepted) and accepted
         "drafted_at": per_position("drafted_at"), "accepted_at": per_position("accepted_at"),
         # the speculative steps that drafted k tokens a row, k = 0 .. max k (0: none), all ranks
@@ -157,8 +156,7 @@ def bucket_sizes(bucket):
 
 def log_step(rec, ranks, args):
     """Rank 0's line for the step, and every --timeline-every steps the ranks' timeline."""
-    scored = rec["drafter_acceptance"]
-    scored = "n/a" if scored is None else f"{100 * scored:.1f}%"
+    scored = "n/a" if rec["drafter_acceptance"] is None else f"{rec['drafter_acceptance']:.1%}"
     print0(f"step {rec['step']:04d}/{args.rl_steps} | reward {rec['reward']:.3f} | "
            f"step {rec['step_time']:.2f}s | rollout {rec['rollout_time']:.2f}s "
            f"({100 * rec['rollout_share']:.0f}%, tail {100 * rec['tail_share']:.0f}%) | "
