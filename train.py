@@ -1,5 +1,5 @@
-"""Warm up a small GPT on a task (--task, the running sum by default), then improve it with GRPO
-and TLT rollouts.
+"""Warm up a small GPT on a task (--task, the shell game in rounds by default), then improve it
+with GRPO and TLT rollouts.
 
     python train.py                                    # one process, CPU or one GPU
     torchrun --standalone --nproc_per_node=2 train.py  # several ranks

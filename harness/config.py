@@ -42,6 +42,11 @@ def task_fields():
     return out
 
 
+def task_defaults(setting):
+    """What each task needs of one recipe flag (tasks.Task), for the flag's help."""
+    return ", ".join(f"{name}: {getattr(cls, setting)}" for name, cls in tasks.TASKS.items())
+
+
 def model_config(args, task):
     """The target's shape, from the flags and the task's vocabulary."""
     return GPTConfig(vocab_size=task.vocab_size, block_size=args.block_size, n_layer=args.n_layer,
@@ -66,6 +71,9 @@ def parse_args(argv=None, description=None):
         add_flags(p)
     args = p.parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)  # as given: the run's last lines repeat them
+    for name in ("warmup_steps", "rl_lr"):  # not given: what the task needs (tasks.Task)
+        if getattr(args, name) is None:
+            setattr(args, name, getattr(tasks.TASKS[args.task], name))
     check_args(p, args)
     args.warmup_dir = args.warmup_dir or args.out_dir
     args.rl_seed = args.seed if args.rl_seed is None else args.rl_seed
@@ -96,7 +104,7 @@ def floats(v):
 def task_flags(p):
     """The task (--task), its settings (each task's dataclass fields, by name) and the target
     warm-up's curriculum over problem sizes."""
-    p.add_argument("--task", default="running_sum", choices=list(tasks.TASKS), help="the workload (tasks/)")
+    p.add_argument("--task", default="shell_rounds", choices=list(tasks.TASKS), help="the workload (tasks/)")
     for name, owners in task_fields().items():
         helps = {}  # each task's own words and default; tasks that say the same share them
         for cls, f in owners.items():  # the flag's type below: the last task's field's
@@ -117,7 +125,8 @@ def model_flags(p):
     p.add_argument("--block-size", type=int, default=None, help="longest sequence the model holds (default: what the "
                    "task needs, its longest prompt + response + draft, rounded up to a multiple of 64)")
     # target warm-up
-    p.add_argument("--warmup-steps", type=int, default=2400, help="supervised optimizer steps for the target")
+    p.add_argument("--warmup-steps", type=int, default=None, help="supervised optimizer steps for the target (default: "
+                   "the task's, " + task_defaults("warmup_steps") + ")")
     p.add_argument("--warmup-tokens", type=int, default=1024, help="padded tokens per warm-up batch, all ranks together "
                    "(1024 reaches the model 2048 did, in half the time)")
     p.add_argument("--warmup-lr", type=float, default=6e-3, help="peak learning rate of the target warm-up")
@@ -138,7 +147,7 @@ def drafter_flags(p):
     p.add_argument("--drafter-cold-lr", type=float, default=4e-3, help="the idle ranks' drafter learning rate when its "
                    "recent acceptance is low (scheduler.ACCEPT_HARDEST and below): a drafter built "
                    "from nothing, or one the target has left behind")
-    p.add_argument("--drafter-online-lr", type=float, default=1e-4, help="the idle ranks' drafter learning rate when its "
+    p.add_argument("--drafter-online-lr", type=float, default=3e-4, help="the idle ranks' drafter learning rate when its "
                    "recent acceptance is high (scheduler.ACCEPT_GENTLE and above); geometric in between")
     p.add_argument("--drafter-batch", type=int, default=8, help="sequences per drafter training step")
     p.add_argument("--drafter-depth", type=int, default=3, help="chained passes per drafter training step at a high "
@@ -159,7 +168,8 @@ def rl_flags(p):
     p.add_argument("--prompts-per-step", type=int, default=8, help="prompts per RL step, all ranks together: "
                    "more distinct problem sizes per rank, so a step's longest response further from its median")
     p.add_argument("--group-size", type=int, default=4, help="responses per prompt (the GRPO group)")
-    p.add_argument("--rl-lr", type=float, default=4e-4, help="learning rate of the GRPO updates")
+    p.add_argument("--rl-lr", type=float, default=None, help="learning rate of the GRPO updates (default: the task's, "
+                   + task_defaults("rl_lr") + ")")
     p.add_argument("--rl-epochs", type=int, default=1, help="optimizer passes over each rollout")
     p.add_argument("--clip-eps", type=float, default=0.2, help="PPO clip range")
     p.add_argument("--kl-coef", type=float, default=0.0, help="weight of the KL to the warmed-up target (0: off)")
@@ -219,7 +229,7 @@ def check_args(p, args):
         task = task_of(args)
         task_of(args, warmup=True), dataclasses.replace(task, alpha=args.warmup_alpha_end)
         need = task.max_seq_len + max(args.draft_ks)
-        if args.block_size is None:  # the task's own block (the running sum's: 231 -> 256)
+        if args.block_size is None:  # the task's own block (the default's: 163 -> 192)
             args.block_size = -(-need // 64) * 64
         model_config(args, task)
     except ValueError as e:

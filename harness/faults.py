@@ -53,7 +53,7 @@ PHASES = {  # phase -> (module, function)
     "checkpoint-write": ("harness.checkpoint", "save_atomic"),
 }
 WARMUPS = ("target_warmup.pt", "drafter_warmup.pt")
-RUN = ["--rl-steps", "20", "--max-n", "4", "--block-size", "64", "--n-layer", "2", "--n-embd", "32",
+RUN = ["--rl-steps", "20", "--max-n", "4", "--n-layer", "2", "--n-embd", "32",
        "--warmup-steps", "300", "--drafter-warmup-steps", "300", "--eval-per-bucket", "5",
        "--ckpt-every", "5"]  # the README's smoke run, with more checkpoints
 

@@ -1,7 +1,7 @@
 """python -m harness.sample: serve a finished run, its target drafted by the drafter idle ranks trained.
 
-    python -m harness.sample --out-dir out "a3 b7 c1:" "a9 b2:"   # these (the running sum's)
-    python -m harness.sample --out-dir out                        # 16 held-out prompts
+    python -m harness.sample --out-dir out "aAB bBC cAC *?" "aBC *?"   # these (the default task's)
+    python -m harness.sample --out-dir out                             # 16 held-out prompts
 
 Each response and whether it is right, then plain and speculative decoding of the same prompts
 timed in turns (with exact-token sampling both write the same tokens, which it counts).

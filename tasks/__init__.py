@@ -36,6 +36,8 @@ Optional, with defaults here:
                                 summary prints it first and last; None and 0.0: no such line)
     merges()                    (merged token, its parts) pairs, whose embeddings start as the parts'
                                 (harness.warmup; see --merge-init)
+    warmup_steps, rl_lr         what the task needs of the recipe: the target warm-up's steps and
+                                the GRPO learning rate, the defaults of --warmup-steps and --rl-lr
 
 `Task` gives every task the rest: problem sizes from a power law P(n) ~ n^-alpha on min_n..max_n
 (the long tail), `sample`, `eval_set`, `decode`, `mean_by_size`, and the token ids. This module
@@ -106,6 +108,8 @@ class Task:
 
     name: ClassVar[str]
     choice: ClassVar[str] = None
+    warmup_steps: ClassVar[int] = 2400  # --warmup-steps: supervised steps the target warm-up takes
+    rl_lr: ClassVar[float] = 4e-4  # --rl-lr: the GRPO updates' learning rate
     size_buckets: ClassVar[tuple]  # inclusive ranges of problem size
 
     def __init_subclass__(cls, **kwargs):

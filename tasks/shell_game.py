@@ -257,6 +257,36 @@ class ShellGame(Task):
         return [(one(m), tuple(one(c) for c in m)) for m in MERGED]
 
 
+def shell_game_field(name, default):
+    """ShellGame's setting `name` (its flag's help) with another default."""
+    return field(default=default, metadata=ShellGame.__dataclass_fields__[name].metadata)
+
+
+@dataclass(frozen=True)
+class ShellRounds(ShellGame):
+    """The default task (--task shell_rounds): the shell game in growing rounds, at settings where
+    its tail is a reasoning model's and RL still learns. A response is quadratic in the number of
+    swaps: one swap is at most 11 tokens ("1:aAB=B >B"), six are at most 141 (21 steps). With sizes
+    from P(n) ~ n^-1.5 on 1..6 most responses are short and a few long: the longest 5% hold about a
+    quarter of RL's tokens, and a step's longest response is about 9x its median.
+    - 3600 target warm-up steps: enough for the target to copy a swap's cups right through six
+      rounds, so that RL can ask it to write them (at 2400 it is near chance at six swaps, and RL
+      gains half as much); eight swaps need 4800.
+    - outright 0.8: a warm-up trace answers outright before a round drawn at random 80% of the
+      time, so RL has long responses to learn to write, most of them on the largest problems.
+    - --rl-lr 2e-4: RL lengthens the responses over the whole run; at the running sum's 4e-4 it
+      does so within about 50 steps.
+    Measured in RESULTS.md."""
+    max_n: int = shell_game_field("max_n", 6)
+    alpha: float = shell_game_field("alpha", 1.5)
+    outright: float = shell_game_field("outright", 0.8)
+    rounds: str = shell_game_field("rounds", "growing")
+
+    name = "shell_rounds"
+    warmup_steps = 3600
+    rl_lr = 2e-4
+
+
 def answered(problem, text):
     """Whether the response text ends with the ball's cup after a '>'."""
     m = re.search(r">([A-C])\s*$", text)

@@ -27,7 +27,7 @@ def test_drift_moves_a_copy_of_the_target_and_trains_a_copy_of_the_drafter():
     randomize(target, 0, std=0.3)  # far from the near-uniform init, where every draft is accepted before and after
     before = {k: v.clone() for k, v in target.state_dict().items()}
     d_before = {k: v.clone() for k, v in drafter.state_dict().items()}
-    targs = config.parse_args(["--device", "cpu", "--max-n", "4", "--block-size", "56", "--warmup-tokens", "256",
+    targs = config.parse_args(["--device", "cpu", "--task", "running_sum", "--max-n", "4", "--block-size", "56", "--warmup-tokens", "256",
                               "--drafter-batch", "4"])
     out = bench_e2e.drift_bench(targs, task_cfg, target, drafter, sft_steps=3, n_seqs=64, online_steps=3, n_prompts=8,
                             seeds=(0, 1))["drift"]

@@ -22,8 +22,8 @@ from harness import common  # noqa: E402
 from conftest import run_ranks  # noqa: E402
 from test_train import ENV  # noqa: E402
 
-# the quick try's sizes (README, "Fork it"), with fewer warm-up and RL steps
-QUICK = ["--max-n", "4", "--block-size", "64", "--n-layer", "2", "--n-embd", "32", "--warmup-steps", "30",
+# the quick try's sizes (README, "Fork it") on the running sum, with fewer warm-up and RL steps
+QUICK = ["--task", "running_sum", "--max-n", "4", "--block-size", "64", "--n-layer", "2", "--n-embd", "32", "--warmup-steps", "30",
          "--drafter-warmup-steps", "0", "--eval-per-bucket", "0", "--rl-steps", "4", "--ckpt-every", "100"]
 
 

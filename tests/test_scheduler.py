@@ -229,3 +229,7 @@ def test_the_idle_ranks_train_the_drafter_as_hard_as_its_acceptance_asks():
     middle = (ACCEPT_GENTLE + ACCEPT_HARDEST) / 2
     assert drafter_schedule(middle, gentle, hard, 3) == (pytest.approx(1e-3), 2)  # the geometric mean
     assert drafter_schedule(middle, gentle, hard, 5) == (pytest.approx(1e-3), 3)
+    from harness.config import parse_args
+    args = parse_args([])  # the defaults, for a warm drafter at its plateau on the default task
+    lr, depth = drafter_schedule(0.98, args.drafter_online_lr, args.drafter_cold_lr, args.drafter_depth)
+    assert depth == args.drafter_depth and lr < 1.5 * args.drafter_online_lr  # gently, the full depth

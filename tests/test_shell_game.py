@@ -10,7 +10,7 @@ import pytest
 import tasks
 from tasks import TASKS
 from tasks import shell_game as task
-from tasks.shell_game import CUPS, START, Problem, ShellGame, swap
+from tasks.shell_game import CUPS, START, Problem, ShellGame, ShellRounds, swap
 
 DEFAULT = ShellGame()
 ALL_SIZES = ShellGame(max_n=len(task.LABELS))
@@ -205,6 +205,19 @@ def test_in_growing_rounds_the_length_is_quadratic_and_a_twentieth_of_the_respon
     small = ShellGame(rounds="growing", max_n=8, alpha=1.5)
     lengths = np.sort([small.response_len(small.sample(rng).size) for _ in range(20_000)])[::-1]
     assert lengths[:1000].sum() / lengths.sum() >= 0.25
+
+
+def test_the_default_task_is_the_shell_game_in_rounds_at_its_own_settings():
+    """shell_rounds (the default --task) is ShellGame with other defaults only: the same traces,
+    prompts and rewards as the shell game given its settings as flags; its help is ShellGame's."""
+    rounds = ShellRounds()
+    assert TASKS["shell_rounds"] is ShellRounds and rounds.name == "shell_rounds"
+    same = ShellGame(rounds="growing", max_n=6, alpha=1.5, outright=0.8)
+    assert rounds.traces == same.traces and rounds.traces != ShellGame().traces
+    assert (rounds.warmup_steps, rounds.rl_lr) == (3600, 2e-4) and ShellGame.rl_lr == 4e-4
+    p = rounds.sample(random.Random(3), 6)
+    assert p.rounds and rounds.reward(p, ids_of(p.response())) == 1.0 == same.reward(p, ids_of(p.response()))
+    assert ShellRounds.__dataclass_fields__["outright"].metadata == ShellGame.__dataclass_fields__["outright"].metadata
 
 
 def test_default_warm_up_traces_are_long_tailed():

@@ -104,7 +104,7 @@ def test_an_rl_checkpoint_is_keyed_on_the_task_code_the_warmups_are_not(monkeypa
     import inspect
     import train
     from harness import config
-    args = config.parse_args(["--max-n", "4", "--block-size", "64"])
+    args = config.parse_args(["--task", "running_sum", "--max-n", "4", "--block-size", "64"])
     task = config.task_of(args)
     before, meta = task.code, train.rl_meta(args, config.model_config(args, task), task)
     assert len(before) == 16 and meta["task_code"] == before

@@ -23,7 +23,7 @@ from harness import warmup  # noqa: E402
 from harness.instrument import checksum  # noqa: E402
 from conftest import run_ranks  # noqa: E402
 
-TINY = ["--max-n", "4", "--block-size", "56", "--n-layer", "1", "--n-head", "2", "--n-embd", "16",
+TINY = ["--task", "running_sum", "--max-n", "4", "--block-size", "56", "--n-layer", "1", "--n-head", "2", "--n-embd", "16",
         "--warmup-steps", "10", "--warmup-tokens", "256", "--drafter-warmup-seqs", "16", "--drafter-warmup-steps", "5",
         "--drafter-batch", "4", "--prompts-per-step", "4", "--group-size", "2", "--eval-per-bucket", "2",
         "--ckpt-every", "1", "--timeline-every", "0"]
@@ -435,6 +435,20 @@ def test_task_flags_reach_the_task_config():
             config.parse_args(TINY + bad)
 
 
+def test_the_recipe_flags_not_given_are_the_tasks_own():
+    """--warmup-steps and --rl-lr default to what the task needs (Task.warmup_steps, Task.rl_lr): the
+    default task, the shell game in rounds, 3600 and 2e-4; the running sum 2400 and 4e-4; given, the
+    flag's."""
+    import tasks
+    for flags, want in (([], (3600, 2e-4)), (["--task", "running_sum"], (2400, 4e-4)),
+                        (["--warmup-steps", "7", "--rl-lr", "1e-3"], (7, 1e-3))):
+        args = config.parse_args(flags)
+        assert (args.warmup_steps, args.rl_lr) == want, flags
+    assert config.parse_args([]).task == "shell_rounds" and tasks.TASKS["running_sum"].warmup_steps == 2400
+    with pytest.raises(SystemExit):
+        config.parse_args(["--rl-lr", "0"])
+
+
 def test_a_setting_two_tasks_share_keeps_each_tasks_words_and_a_bad_one_names_its_flag(capsys):
     """--max-n is both tasks' setting: --help gives each task's own help and default; a task's own
     check of a setting names its flag (Task.check), as argparse's errors do."""
@@ -442,7 +456,7 @@ def test_a_setting_two_tasks_share_keeps_each_tasks_words_and_a_bad_one_names_it
         config.parse_args(["--help"])
     words = " ".join(capsys.readouterr().out.split())
     assert "largest problem (digits to sum), at most 52 (running_sum: 20)" in words
-    assert "largest problem (swaps), at most 26 (shell_game: 12)" in words
+    assert "largest problem (swaps), at most 26 (shell_game: 12, shell_rounds: 6)" in words
     for bad, said in ((["--task", "shell_game", "--outright", "1.5"], "--outright must be in [0, 1), got 1.5"),
                       (["--min-n", "5"], "--min-n must be in 1..4 (--max-n), got 5")):
         with pytest.raises(SystemExit):
