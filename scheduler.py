@@ -22,8 +22,8 @@ technique, not a bug), but it scores it, since nobody waits for it.
 
 How hard the idle ranks train follows one rule, the same for a drafter built from nothing and for
 one warmed up before RL: the lower the drafter's recent acceptance on fresh rows
-(`drafter.acceptance`), the higher its learning rate and the shallower its chained passes
-(`drafter_schedule`); the sums ride in the sync's all-reduce (`RecentAcceptance`).
+(`RecentAcceptance`), the higher its learning rate and the shallower its chained passes
+(`drafter_schedule`), hardest only far below a warm drafter's plateau.
 
 Test: python -m pytest tests/test_scheduler.py   (gloo processes with skewed loads)
 """
@@ -149,11 +149,7 @@ def drafter_schedule(acceptance, online_lr, cold_lr, max_depth):
     the idle ranks train it -> (learning rate, chained passes). At ACCEPT_GENTLE and above (or not
     yet scored): online_lr, max_depth passes; at ACCEPT_HARDEST and below: cold_lr, teacher-forced
     (a drafter missing the first token learns that first); geometric and linear in between. Once
-    scored (step 0 is not), a cold drafter sits at the hard end; a warm one at 98%, a tenth in.
-    The hard end sits well below a warm drafter's plateau (97-98% on the default task): its recent
-    figure dips to 95% as RL moves the target (a frozen drafter's does), and with the hard end at
-    95% such dips trained it at the cold rate, teacher-forced, until it fell 10% below a frozen one
-    (RESULTS.md)."""
+    scored (step 0 is not), a cold drafter sits at the hard end; a warm one at 98%, a tenth in."""
     span = ACCEPT_GENTLE - ACCEPT_HARDEST
     hard = 0.0 if acceptance is None else min(1.0, max(0.0, (ACCEPT_GENTLE - acceptance) / span))
     return online_lr * (cold_lr / online_lr) ** hard, 1 + round((max_depth - 1) * (1 - hard))
