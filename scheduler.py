@@ -149,7 +149,7 @@ def drafter_schedule(acceptance, online_lr, cold_lr, max_depth):
     the idle ranks train it -> (learning rate, chained passes). At ACCEPT_GENTLE and above (or not
     yet scored): online_lr, max_depth passes; at ACCEPT_HARDEST and below: cold_lr, teacher-forced
     (a drafter missing the first token learns that first); geometric and linear in between. Once
-    scored (step 0 is not), a cold drafter sits at the hard end; a warm one at 98%, a tenth in."""
+    scored (step 0 is not), a cold drafter starts at the hard end; a warm one at 98%, a tenth in."""
     span = ACCEPT_GENTLE - ACCEPT_HARDEST
     hard = 0.0 if acceptance is None else min(1.0, max(0.0, (ACCEPT_GENTLE - acceptance) / span))
     return online_lr * (cold_lr / online_lr) ** hard, 1 + round((max_depth - 1) * (1 - hard))

@@ -1,4 +1,4 @@
-"""The synthetic reasoning task: a running sum modulo 10, written in steps of a chosen size.
+"""A synthetic reasoning task: a running sum modulo 10, written in steps of a chosen size.
 
     prompt:    a3 b7 c1 d5 e2:
     response:  a3=0+3=3 d5=6 e2=6+2=8 >8<|eos|>

@@ -1,5 +1,5 @@
-"""The second task: the shell game. A ball starts under cup A of three cups, A, B and C; the
-prompt lists swaps of two cups; under which cup is the ball at the end?
+"""The shell game, the default task in rounds (`ShellRounds`, below). A ball starts under cup A of
+three cups, A, B and C; the prompt lists swaps of two cups; under which cup is the ball at the end?
 
     prompt:    aAB bBC cAC dAB eBC?
     response:  aAB=B bBC=C cAC=A >C<|eos|>
@@ -60,11 +60,11 @@ steps (RESULTS.md).
 
 The long tail: n follows a power law P(n) ~ n^-1 on 1..12, so most problems are a few swaps and a
 few are many: a step's longest response is about three times its median (2.9, the median over the
-default run's steps), and one prompt's samples differ in length by their choices. Simplified on
-purpose: three cups (a guess is right a third of the time at any length), swaps drawn uniformly
-from the three pairs, at most 26 swaps (a label a lower-case letter), and a tiktoken Encoding
-built in-process (no download) with one merged token per labelled swap ("bBC"), so that finding
-swap b is a single attention look-up.
+steps of a `--task shell_game` run), and one prompt's samples differ in length by their choices.
+Simplified on purpose: three cups (a guess is right a third of the time at any length), swaps drawn
+uniformly from the three pairs, at most 26 swaps (a label a lower-case letter), and a tiktoken
+Encoding built in-process (no download) with one merged token per labelled swap ("bBC"), so that
+finding swap b is a single attention look-up.
 
 Measured (the 2-core AMD EPYC VM; `OMP_NUM_THREADS=1 torchrun --standalone --nproc_per_node=2
 train.py --task shell_game`, 800 RL steps, then `--rl-seed 2`): the warm-up target writes the ball's
@@ -271,7 +271,7 @@ class ShellRounds(ShellGame):
     quarter of RL's tokens, and a step's longest response is about 9x its median.
     - 3600 target warm-up steps: enough for the target to copy a swap's cups right through six
       rounds, so that RL can ask it to write them (at 2400 it is near chance at six swaps, and RL
-      gains half as much); eight swaps need 4800.
+      gains half as much); at eight swaps, 4800 did and 2400 did not.
     - outright 0.8: a warm-up trace answers outright before a round drawn at random 80% of the
       time, so RL has long responses to learn to write, most of them on the largest problems.
     - --rl-lr 2e-4: RL lengthens the responses over the whole run; at the running sum's 4e-4 it
