@@ -42,11 +42,6 @@ def task_fields():
     return out
 
 
-def task_defaults(setting):
-    """What each task needs of one recipe flag (tasks.Task), for the flag's help."""
-    return ", ".join(f"{name}: {getattr(cls, setting)}" for name, cls in tasks.TASKS.items())
-
-
 def model_config(args, task):
     """The target's shape, from the flags and the task's vocabulary."""
     return GPTConfig(vocab_size=task.vocab_size, block_size=args.block_size, n_layer=args.n_layer,
@@ -124,11 +119,8 @@ def model_flags(p):
     p.add_argument("--n-embd", type=int, default=48, help="model width")
     p.add_argument("--block-size", type=int, default=None, help="longest sequence the model holds (default: what the "
                    "task needs, its longest prompt + response + draft, rounded up to a multiple of 64)")
-    # target warm-up
-    p.add_argument("--warmup-steps", type=int, default=None, help="supervised optimizer steps for the target (default: "
-                   "the task's, " + task_defaults("warmup_steps") + ")")
-    p.add_argument("--warmup-tokens", type=int, default=1024, help="padded tokens per warm-up batch, all ranks together "
-                   "(1024 reaches the model 2048 did, in half the time)")
+    p.add_argument("--warmup-steps", type=int, default=None, help="the target warm-up's optimizer steps (default: the task's)")
+    p.add_argument("--warmup-tokens", type=int, default=1024, help="padded tokens per warm-up batch, all ranks together")
     p.add_argument("--warmup-lr", type=float, default=6e-3, help="peak learning rate of the target warm-up")
     p.add_argument("--merge-init", type=on_off, default=True, metavar="on|off", help="start each of the task's "
                    "merged tokens' embeddings from its parts' (Task.merges: a task without merges is unaffected; off: "
@@ -142,11 +134,10 @@ def drafter_flags(p):
     p.add_argument("--drafter-warmup-steps", type=int, default=0, help="0: a cold start, no drafter warm-up and no "
                    "sampling for one: the idle ranks build the drafter from nothing during RL. N: first warm the drafter "
                    "up on the target's samples for at most N optimizer steps; it ends at its plateau on held-out samples "
-                   f"(warmup.py), usually well before {WARM_DRAFTER_STEPS} (the stale-drafter comparison needs a drafter good from the start)")
+                   f"(warmup.py), usually well before {WARM_DRAFTER_STEPS}")
     p.add_argument("--drafter-lr", type=float, default=2e-3, help="peak drafter learning rate of the warm-up")
     p.add_argument("--drafter-cold-lr", type=float, default=4e-3, help="the idle ranks' drafter learning rate when its "
-                   "recent acceptance is low (scheduler.ACCEPT_HARDEST and below): a drafter built "
-                   "from nothing, or one the target has left behind")
+                   "recent acceptance is low (scheduler.ACCEPT_HARDEST and below): built from nothing, or left behind")
     p.add_argument("--drafter-online-lr", type=float, default=3e-4, help="the idle ranks' drafter learning rate when its "
                    "recent acceptance is high (scheduler.ACCEPT_GENTLE and above); geometric in between")
     p.add_argument("--drafter-batch", type=int, default=8, help="sequences per drafter training step")
@@ -168,8 +159,7 @@ def rl_flags(p):
     p.add_argument("--prompts-per-step", type=int, default=8, help="prompts per RL step, all ranks together: "
                    "more distinct problem sizes per rank, so a step's longest response further from its median")
     p.add_argument("--group-size", type=int, default=4, help="responses per prompt (the GRPO group)")
-    p.add_argument("--rl-lr", type=float, default=None, help="learning rate of the GRPO updates (default: the task's, "
-                   + task_defaults("rl_lr") + ")")
+    p.add_argument("--rl-lr", type=float, default=None, help="learning rate of the GRPO updates (default: the task's)")
     p.add_argument("--rl-epochs", type=int, default=1, help="optimizer passes over each rollout")
     p.add_argument("--clip-eps", type=float, default=0.2, help="PPO clip range")
     p.add_argument("--kl-coef", type=float, default=0.0, help="weight of the KL to the warmed-up target (0: off)")
